@@ -1,0 +1,1 @@
+"""trainmon: per-layer training-state monitor for PyTorch."""

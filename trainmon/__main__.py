@@ -1,0 +1,5 @@
+import sys
+
+from trainmon.cli import main
+
+sys.exit(main())

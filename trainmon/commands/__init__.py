@@ -1,0 +1,1 @@
+"""Subcommands of the ``trainmon`` console script (see ``trainmon.cli``)."""

@@ -1,0 +1,38 @@
+"""Exception types raised by trainmon."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["TrainmonError", "ConfigError", "Problem"]
+
+
+class TrainmonError(Exception):
+    """Base class of every error trainmon raises on purpose."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a config: where (JSON key path) and what."""
+
+    key: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.key}: {self.message}" if self.key else self.message
+
+
+class ConfigError(TrainmonError, ValueError):
+    """A config file (or the targets it names) is invalid.
+
+    Carries every problem found, not just the first, so a user fixes the file in one go.
+    """
+
+    def __init__(self, path: str, problems: list[Problem] | list[str]):
+        self.path = str(path)
+        self.problems = [p if isinstance(p, Problem) else Problem("", str(p)) for p in problems]
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        n = len(self.problems)
+        head = f"{n} problem{'s' if n != 1 else ''} in {self.path}"
+        return head + "".join(f"\n  {p}" for p in self.problems)

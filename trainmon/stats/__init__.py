@@ -1,0 +1,1 @@
+"""Statistics: the table of stats (``table``) and the batched engine (``engine``)."""
