@@ -1,0 +1,115 @@
+"""Collector base, registry, and the context collectors are built from.
+
+A collector turns one kind of training data into ``engine.capture`` calls.  It never writes.
+Surface: ``attach`` (install hooks), ``on_step_begin`` / ``on_step_end`` (optimizer step entry /
+exit, collected steps only), ``detach`` (remove everything it installed).
+"""
+from __future__ import annotations
+
+import logging
+from abc import ABC
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Sequence
+
+import torch.nn as nn
+
+from trainmon.config import MonitorConfig
+from trainmon.hooks import Handle
+from trainmon.naming import TargetMatcher, TrackedParam
+from trainmon.schedule import StepClock
+from trainmon.stats.engine import StatsEngine
+
+__all__ = ["Collector", "CollectorContext", "register_collector", "collector_classes", "Guard"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CollectorContext:
+    """Everything a collector may read.  Built once per ``set_monitor``."""
+
+    config: MonitorConfig
+    chunks: Sequence[nn.Module]
+    params: list[TrackedParam]            # trainable params selected by ``targets``
+    matcher: TargetMatcher
+    engine: StatsEngine
+    clock: StepClock
+    optimizer: Any = None
+    use_main_grad: bool = False
+    distributed: bool = False             # grads may be reduced during backward
+    dp_group: Any = None
+    tp_group: Any = None
+    guard: "Guard" = field(default=None)  # type: ignore[assignment]
+
+    def grad_of(self, p: TrackedParam):
+        return getattr(p.param, "main_grad", None) if self.use_main_grad else p.param.grad
+
+
+class Collector(ABC):
+    """Base class; subclasses set ``name`` and ``enabled_by`` and register themselves."""
+
+    name: ClassVar[str]
+
+    def __init__(self, ctx: CollectorContext):
+        self.ctx = ctx
+        self.handles: list[Handle] = []
+
+    @staticmethod
+    def enabled(config: MonitorConfig) -> bool:
+        raise NotImplementedError
+
+    def attach(self) -> None:
+        pass
+
+    def on_step_begin(self) -> None:
+        pass
+
+    def on_step_end(self) -> None:
+        pass
+
+    def detach(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+
+_REGISTRY: dict[str, type[Collector]] = {}
+
+
+def register_collector(cls: type[Collector]) -> type[Collector]:
+    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
+        raise ValueError(f"collector '{cls.name}' is already registered by {_REGISTRY[cls.name].__qualname__}")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def collector_classes() -> list[type[Collector]]:
+    return list(_REGISTRY.values())
+
+
+class Guard:
+    """Runs collector code so that a failure switches that collector off, never the training."""
+
+    def __init__(self, on_failure: Callable[[Collector], None]):
+        self._on_failure = on_failure
+        self.failed: set[str] = set()
+
+    def run(self, collector: Collector, fn: Callable[..., Any], *args: Any) -> Any:
+        if collector.name in self.failed:
+            return None
+        try:
+            return fn(*args)
+        except Exception:  # noqa: BLE001 - the monitor must never take the run down
+            self.failed.add(collector.name)
+            log.exception("trainmon: collector '%s' failed at step %d and is switched off; "
+                          "training continues", collector.name, collector.ctx.clock.step)
+            self._on_failure(collector)
+            return None
+
+    def wrap(self, collector: Collector, fn: Callable[..., Any]) -> Callable[..., None]:
+        """A hook body that goes through ``run`` (hooks must return None: never alter grads)."""
+
+        def hook(*args: Any) -> None:
+            self.run(collector, fn, *args)
+
+        return hook

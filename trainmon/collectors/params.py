@@ -1,0 +1,101 @@
+"""Parameters around the optimizer step (``param_distribution``, ``ur_distribution``).
+
+Emits (one row per trainable, selected param, per collected step):
+
+============== =================== ===============================================
+family         when                value
+============== =================== ===============================================
+param_origin   optimizer step entry the parameter before the update
+param_updated  after the step       the parameter after the update
+update_ratio   after the step       ``||theta_after - theta_before|| / ||theta_before||``
+                                    (column ``update_ratio``; nan when theta_before is 0)
+============== =================== ===============================================
+
+Config: ``{"param_distribution": true, "ur_distribution": true}``.
+
+``update_ratio`` needs theta_before after the step, so it copies the selected params into one
+preallocated buffer per (device, dtype) at step entry on collected steps: it is the one family
+whose memory cost is a copy of what it monitors (narrow it with ``targets``).
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from trainmon.collectors.base import Collector, register_collector
+from trainmon.stats.engine import Meta, Tracked
+
+__all__ = ["ParamCollector"]
+
+
+@register_collector
+class ParamCollector(Collector):
+    name = "params"
+
+    @staticmethod
+    def enabled(config) -> bool:
+        return config.param_distribution or config.ur_distribution
+
+    def attach(self) -> None:
+        self._snapshot = _Snapshot()
+
+    def _items(self) -> list[Tracked]:
+        return [Tracked(tp.name, tp.param.detach(), tp.vpp_stage) for tp in self.ctx.params]
+
+    def on_step_begin(self) -> None:
+        if self.ctx.config.param_distribution:
+            self.ctx.engine.capture("param_origin", self._items())
+        if self.ctx.config.ur_distribution:
+            self._snapshot.take([tp.param.detach() for tp in self.ctx.params])
+
+    def on_step_end(self) -> None:
+        if self.ctx.config.param_distribution:
+            self.ctx.engine.capture("param_updated", self._items())
+        if self.ctx.config.ur_distribution:
+            self._capture_update_ratio()
+
+    @torch.no_grad()
+    def _capture_update_ratio(self) -> None:
+        params = [tp.param.detach() for tp in self.ctx.params]
+        before, delta = self._snapshot.norms_and_delta_norms(params)
+        ratios = [torch.where(b > 0, d / b, torch.full_like(d, float("nan"))) for b, d in zip(before, delta)]
+        metas = [Meta("update_ratio", tp.name, tp.vpp_stage, tuple(tp.param.shape), str(tp.param.dtype))
+                 for tp in self.ctx.params]
+        self.ctx.engine.capture_values("update_ratio", metas, ratios, ("update_ratio",))
+
+
+class _Snapshot:
+    """theta_before in buffers that are reused across steps (no allocation per step)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        self._views: list[torch.Tensor] = []
+
+    @torch.no_grad()
+    def take(self, params: list[torch.Tensor]) -> None:
+        sizes: dict[tuple[torch.device, torch.dtype], int] = defaultdict(int)
+        for p in params:
+            sizes[(p.device, p.dtype)] += p.numel()
+        for key, n in sizes.items():
+            buf = self._buffers.get(key)
+            if buf is None or buf.numel() != n:
+                self._buffers[key] = torch.empty(n, device=key[0], dtype=key[1])
+        offsets: dict[tuple[torch.device, torch.dtype], int] = defaultdict(int)
+        self._views = []
+        for p in params:
+            key = (p.device, p.dtype)
+            view = self._buffers[key][offsets[key]:offsets[key] + p.numel()].view_as(p)
+            offsets[key] += p.numel()
+            view.copy_(p)
+            self._views.append(view)
+
+    @torch.no_grad()
+    def norms_and_delta_norms(self, params: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        acc = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
+        before = [torch.linalg.vector_norm(v, dtype=acc.get(v.dtype)).double() for v in self._views]
+        delta = []
+        for v, p in zip(self._views, params):
+            v.sub_(p)  # the snapshot is not needed after this step: reuse it for the difference
+            delta.append(torch.linalg.vector_norm(v, dtype=acc.get(v.dtype)).double())
+        return before, delta

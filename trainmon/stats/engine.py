@@ -1,0 +1,155 @@
+"""The stats engine: collectors hand it tensors, it hands sinks ``StatRow``s.
+
+Within a step, ``capture`` turns tensors into partials rows right away (the tensors may change
+later in the step: grads get reduced, params updated) and keeps only those small rows on the
+device.  ``finish_step`` moves everything of the step to the host in one copy per device, merges
+sharded rows over their process group, derives the requested stats and returns the rows.
+It is the only place that reads device values on the host.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from trainmon.records import StatRow
+from trainmon.stats.partials import compute_partials, device_columns
+from trainmon.stats.table import derive, merge_partials, partials_for
+
+__all__ = ["StatsEngine", "Tracked", "Meta"]
+
+
+@dataclass(frozen=True, slots=True)
+class Tracked:
+    """A named tensor to record: what collectors pass to ``capture``."""
+
+    name: str
+    tensor: torch.Tensor
+    vpp_stage: int = 0
+    shape: tuple[int, ...] | None = None   # logical (full) shape when ``tensor`` is a shard
+
+
+@dataclass(frozen=True, slots=True)
+class Meta:
+    family: str
+    name: str
+    vpp_stage: int
+    shape: tuple[int, ...]
+    dtype: str
+    micro_step: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class _Pending:
+    metas: list[Meta]
+    rows: list[torch.Tensor]               # partials rows, or value rows for capture_values
+    columns: tuple[str, ...]
+    is_values: bool = False
+    group: Any = None                      # process group to merge over (sharded tensors)
+
+
+class StatsEngine:
+    """Batched statistics for one monitor. ``ops`` are names from ``stats.table.STATS``."""
+
+    def __init__(self, ops: Sequence[str], eps: float = 1e-8):
+        self.ops = tuple(ops)
+        self.eps = eps
+        self.columns = device_columns(partials_for(self.ops))
+        self._pending: list[_Pending] = []
+
+    def capture(self, family: str, items: Sequence[Tracked], *, micro_step: int | None = None,
+                extra: dict[str, Any] | None = None, group: Any = None) -> None:
+        """Record the stats of ``items`` as they are now.  No host sync.
+
+        ``group``: the tensors are shards of larger tensors split over this process group; the
+        rows are merged over it in ``finish_step`` so every rank reports full-tensor stats.
+        """
+        if not items:
+            return
+        rows = compute_partials([it.tensor for it in items], self.columns, self.eps)
+        metas = [Meta(family, it.name, it.vpp_stage,
+                      it.shape if it.shape is not None else tuple(it.tensor.shape),
+                      str(it.tensor.dtype), micro_step, dict(extra or {})) for it in items]
+        self._pending.append(_Pending(metas, rows, self.columns, group=group))
+
+    def capture_values(self, family: str, metas: Sequence[Meta], values: Sequence[torch.Tensor],
+                       columns: Sequence[str]) -> None:
+        """Record values already computed on the device (one ``[len(columns)]`` row per meta)."""
+        if metas:
+            self._pending.append(_Pending([Meta(family, *_meta_fields(m)) for m in metas],
+                                          [v.double().reshape(-1) for v in values],
+                                          tuple(columns), is_values=True))
+
+    def discard(self) -> None:
+        self._pending.clear()
+
+    def finish_step(self, step: int) -> list[StatRow]:
+        """All rows captured since the last call, in capture order."""
+        pending, self._pending = self._pending, []
+        host = _to_host([p.rows for p in pending])
+        out: list[StatRow] = []
+        for p, mat in zip(pending, host):
+            if p.is_values:
+                out.extend(self._value_rows(p, mat, step))
+            else:
+                out.extend(self._stat_rows(p, _merge_over_group(mat, p), step))
+        return out
+
+    def _stat_rows(self, p: _Pending, mat: list[list[float]], step: int) -> list[StatRow]:
+        rows = []
+        for meta, values in zip(p.metas, mat):
+            partials = dict(zip(p.columns, values))
+            rows.append(_row(meta, step, derive(self.ops, partials)))
+        return rows
+
+    @staticmethod
+    def _value_rows(p: _Pending, mat: list[list[float]], step: int) -> list[StatRow]:
+        return [_row(meta, step, dict(zip(p.columns, values))) for meta, values in zip(p.metas, mat)]
+
+
+def _meta_fields(m: Meta) -> tuple:
+    return (m.name, m.vpp_stage, m.shape, m.dtype, m.micro_step, m.extra)
+
+
+def _row(meta: Meta, step: int, stats: dict) -> StatRow:
+    return StatRow(family=meta.family, name=meta.name, step=step, stats=stats, shape=meta.shape,
+                   dtype=meta.dtype, vpp_stage=meta.vpp_stage, micro_step=meta.micro_step,
+                   extra=meta.extra)
+
+
+def _to_host(groups: list[list[torch.Tensor]]) -> list[list[list[float]]]:
+    """One device-to-host copy per device for every row of the step."""
+    flat = [(gi, r) for gi, rows in enumerate(groups) for r in rows]
+    by_device: dict[torch.device, list[int]] = {}
+    for k, (_, r) in enumerate(flat):
+        by_device.setdefault(r.device, []).append(k)
+    values: list[list[float] | None] = [None] * len(flat)
+    for device, ks in by_device.items():
+        widths = [flat[k][1].numel() for k in ks]
+        host = torch.cat([flat[k][1] for k in ks]).cpu().tolist()
+        pos = 0
+        for k, w in zip(ks, widths):
+            values[k] = host[pos:pos + w]
+            pos += w
+    out: list[list[list[float]]] = [[] for _ in groups]
+    for (gi, _), v in zip(flat, values):
+        out[gi].append(v)  # type: ignore[arg-type]
+    return out
+
+
+def _merge_over_group(mat: list[list[float]], p: _Pending) -> list[list[float]]:
+    """Exact full-tensor partials from every rank's shard partials (all ranks, same order)."""
+    if p.group is None:
+        return mat
+    import torch.distributed as dist
+
+    gathered: list[Any] = [None] * dist.get_world_size(p.group)
+    dist.all_gather_object(gathered, mat, group=p.group)
+    merged = []
+    for i in range(len(mat)):
+        parts = [dict(zip(p.columns, rank_mat[i])) for rank_mat in gathered]
+        m = merge_partials(parts)
+        merged.append([m[c] for c in p.columns])
+    return merged

@@ -1,0 +1,184 @@
+"""Per-tensor mergeable partials, computed in batches on the tensors' own device.
+
+``compute_partials(tensors, columns, eps)`` returns one float64 matrix ``[len(tensors) x
+len(columns)]`` on the tensors' device, without a host sync (except the cheap finiteness check
+needed for NaN/Inf counts, see below).  Tensors are grouped by (device, dtype) so each group is
+one batch of reductions; ``torch._foreach_norm`` handles the sums of squares.
+
+Accuracy notes (why the code looks like this):
+- fp32 ``vector_norm`` on CPU drifts on large tensors (~3e-3 relative at 40M elements), so large
+  CPU tensors are reduced in blocks of 64K elements whose results are summed in fp64.
+- Low-precision (bf16/fp16) tensors on CPU are upcast in bounded chunks into one reused buffer:
+  passing ``dtype=float32`` to a reduction makes ATen copy the whole tensor first, and reducing in
+  the native dtype rounds the result to 8 bits of mantissa.  On CUDA the ``dtype=`` reductions
+  accumulate in fp32 inside the kernel, so they are used directly.
+- NaN/Inf counts cost a full pass each, so they are computed only for tensors whose sum of squares
+  is not finite (a NaN or Inf anywhere makes it non-finite); that needs one host check per batch.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Sequence
+
+import torch
+
+__all__ = ["compute_partials", "device_columns"]
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+_BLOCK = 1 << 16          # elements per block when reducing large CPU tensors
+_BIG = 1 << 20            # tensors larger than this take the blocked path on CPU
+_CHUNK = 1 << 22          # elements per fp32 chunk when upcasting low precision on CPU
+
+# Columns computed on the device, in order; "count" comes from numel.
+_DEVICE_ORDER = ("count", "sum", "sumsq", "min", "max", "nans", "infs", "zeros", "m2")
+
+
+def device_columns(partials: Sequence[str]) -> tuple[str, ...]:
+    """Columns of the partials matrix: ``count`` always first, then what the ops need."""
+    wanted = set(partials) | {"count"}
+    if wanted & {"nans", "infs"}:
+        wanted.add("sumsq")  # the finiteness trigger for the counts
+    return tuple(c for c in _DEVICE_ORDER if c in wanted)
+
+
+@torch.no_grad()
+def compute_partials(tensors: Sequence[torch.Tensor], columns: Sequence[str], eps: float
+                     ) -> list[torch.Tensor]:
+    """Partials rows, one ``[len(columns)]`` float64 tensor per input, on that input's device.
+
+    Returned per tensor (not stacked) because inputs may live on different devices; the engine
+    stacks rows per device at the end of the step.
+    """
+    rows: list[torch.Tensor | None] = [None] * len(tensors)
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = defaultdict(list)
+    for i, t in enumerate(tensors):
+        groups[(t.device, t.dtype)].append(i)
+    for (device, dtype), idx in groups.items():
+        group = [tensors[i] for i in idx]
+        if device.type == "cpu" and dtype in _LOW_PRECISION:
+            mats = [_chunked_partials(t, columns, eps) for t in group]
+        else:
+            mats = list(_group_partials(group, columns, eps).unbind(0))
+        for i, row in zip(idx, mats):
+            rows[i] = row
+    return rows  # type: ignore[return-value]
+
+
+def _as_float(t: torch.Tensor) -> torch.Tensor:
+    if t.is_floating_point():
+        return t
+    # Integer/bool tensors (token ids, masks): rare and small, a float copy is fine.
+    return t.to(torch.float64 if t.dtype == torch.int64 else torch.float32)
+
+
+def _group_partials(group: list[torch.Tensor], columns: Sequence[str], eps: float) -> torch.Tensor:
+    """``[len(group) x len(columns)]`` float64 for tensors sharing device and dtype."""
+    group = [_as_float(t) for t in group]
+    device = group[0].device
+    acc = torch.float32 if group[0].dtype in _LOW_PRECISION else None
+    empty = [t.numel() == 0 for t in group]
+    live = [t for t, e in zip(group, empty) if not e]
+    cols: dict[str, torch.Tensor] = {
+        "count": torch.tensor([float(t.numel()) for t in group], dtype=torch.float64, device=device)}
+    if not live:
+        return _assemble(cols, columns, empty, device)
+    if "sum" in columns or "m2" in columns:
+        cols["sum"] = torch.stack([_sum(t, acc) for t in live]).double()
+    if "sumsq" in columns:
+        cols["sumsq"] = _sumsq(live, acc)
+    if "min" in columns or "max" in columns:
+        mm = [torch.aminmax(t) for t in live]
+        cols["min"] = torch.stack([m[0] for m in mm]).double()
+        cols["max"] = torch.stack([m[1] for m in mm]).double()
+    if "zeros" in columns:
+        cols["zeros"] = torch.stack([(t.abs() < eps).sum() for t in live]).double()
+    if "m2" in columns:
+        # var with correction=0 times n: a stable one-pass (Welford) reduction in ATen.
+        cols["m2"] = torch.stack([torch.var(t.to(acc) if acc else t, correction=0) * t.numel()
+                                  for t in live]).double()
+    if "nans" in columns or "infs" in columns:
+        cols.update(_nonfinite_counts(live, cols["sumsq"]))
+    return _assemble(cols, columns, empty, device)
+
+
+def _sum(t: torch.Tensor, acc: torch.dtype | None) -> torch.Tensor:
+    return t.sum(dtype=acc) if acc else t.sum()
+
+
+def _sumsq(live: list[torch.Tensor], acc: torch.dtype | None) -> torch.Tensor:
+    if live[0].device.type == "cpu":
+        return torch.stack([_blocked_sumsq(t) if t.numel() > _BIG else
+                            torch.linalg.vector_norm(t).double().square() for t in live])
+    norms = torch._foreach_norm(live, 2, dtype=acc) if acc else torch._foreach_norm(live)
+    return torch.stack(norms).double().square()
+
+
+def _blocked_sumsq(t: torch.Tensor) -> torch.Tensor:
+    flat = t.reshape(-1)
+    whole = flat.numel() // _BLOCK * _BLOCK
+    blocks = torch.linalg.vector_norm(flat[:whole].view(-1, _BLOCK), dim=1).double().square().sum()
+    if whole < flat.numel():
+        blocks = blocks + torch.linalg.vector_norm(flat[whole:]).double().square()
+    return blocks
+
+
+def _nonfinite_counts(live: list[torch.Tensor], sumsq: torch.Tensor) -> dict[str, torch.Tensor]:
+    nans = torch.zeros_like(sumsq)
+    infs = torch.zeros_like(sumsq)
+    # One host check per batch: the exact counts cost a pass each, so only pay where needed.
+    if not bool(torch.isfinite(sumsq).all()):
+        bad = torch.nonzero(~torch.isfinite(sumsq)).flatten().tolist()
+        for i in bad:
+            nans[i] = torch.isnan(live[i]).sum()
+            infs[i] = torch.isinf(live[i]).sum()
+    return {"nans": nans, "infs": infs}
+
+
+_IDENTITY = {"sum": 0.0, "sumsq": 0.0, "min": float("inf"), "max": float("-inf"),
+             "nans": 0.0, "infs": 0.0, "zeros": 0.0, "m2": 0.0}
+
+
+def _assemble(cols: dict[str, torch.Tensor], columns: Sequence[str], empty: list[bool],
+              device: torch.device) -> torch.Tensor:
+    """Stack columns, inserting merge identities for empty tensors (no reduction ran on them)."""
+    out = torch.empty(len(empty), len(columns), dtype=torch.float64, device=device)
+    live_idx = torch.tensor([i for i, e in enumerate(empty) if not e], dtype=torch.long, device=device)
+    for j, name in enumerate(columns):
+        if name == "count":
+            out[:, j] = cols["count"]
+            continue
+        out[:, j] = _IDENTITY[name]
+        if live_idx.numel():
+            out[live_idx, j] = cols[name]
+    return out
+
+
+def _chunked_partials(t: torch.Tensor, columns: Sequence[str], eps: float) -> torch.Tensor:
+    """Partials of a low-precision CPU tensor, upcast chunk by chunk into one reused buffer."""
+    flat = t.reshape(-1)
+    n = flat.numel()
+    if n == 0:
+        return _group_partials([flat.float()], columns, eps)[0]
+    buf = torch.empty(min(n, _CHUNK), dtype=torch.float32)
+    row = None
+    for start in range(0, n, _CHUNK):
+        part = buf[: min(_CHUNK, n - start)]
+        part.copy_(flat[start:start + part.numel()])
+        chunk_row = _group_partials([part], columns, eps)[0]
+        row = chunk_row if row is None else _merge_rows(row, chunk_row, columns)
+    return row  # type: ignore[return-value]
+
+
+def _merge_rows(a: torch.Tensor, b: torch.Tensor, columns: Sequence[str]) -> torch.Tensor:
+    """Exact merge of two partial rows of disjoint pieces (same formulas as stats.table)."""
+    col = {c: j for j, c in enumerate(columns)}
+    out = a + b
+    if "min" in col:
+        out[col["min"]] = torch.minimum(a[col["min"]], b[col["min"]])
+    if "max" in col:
+        out[col["max"]] = torch.maximum(a[col["max"]], b[col["max"]])
+    if "m2" in col:
+        na, nb = a[col["count"]], b[col["count"]]
+        delta = b[col["sum"]] / nb - a[col["sum"]] / na
+        out[col["m2"]] = a[col["m2"]] + b[col["m2"]] + delta * delta * na * nb / (na + nb)
+    return out
