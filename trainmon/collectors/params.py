@@ -8,7 +8,7 @@ family         when                value
 param_origin   optimizer step entry the parameter before the update
 param_updated  after the step       the parameter after the update
 update_ratio   after the step       ``||theta_after - theta_before|| / ||theta_before||``
-                                    (column ``update_ratio``; nan when theta_before is 0)
+                                    (column ``update_ratio``; inf when theta_before is 0)
 ============== =================== ===============================================
 
 Config: ``{"param_distribution": true, "ur_distribution": true}``.
@@ -59,7 +59,7 @@ class ParamCollector(Collector):
     def _capture_update_ratio(self) -> None:
         params = [tp.param.detach() for tp in self.ctx.params]
         before, delta = self._snapshot.norms_and_delta_norms(params)
-        ratios = [torch.where(b > 0, d / b, torch.full_like(d, float("nan"))) for b, d in zip(before, delta)]
+        ratios = [d / b for b, d in zip(before, delta)]  # IEEE: inf if theta_before is 0, nan if 0/0
         metas = [Meta("update_ratio", tp.name, tp.vpp_stage, tuple(tp.param.shape), str(tp.param.dtype))
                  for tp in self.ctx.params]
         self.ctx.engine.capture_values("update_ratio", metas, ratios, ("update_ratio",))

@@ -1,0 +1,354 @@
+"""The default sink: msprobe-compatible CSV files, one per (family, step window).
+
+Layout and format are described for users in ``docs/output.md``.  The implementation
+choices that matter:
+
+* Each ``write()`` renders, per target file, the complete text of that step (plus the
+  header when the file is new) and appends it with ``os.write`` on an ``O_APPEND`` fd.
+  Nothing is buffered in user space, so a process killed after ``write()`` returned has
+  lost nothing (the page cache survives the process), and a file only ever grows by whole
+  steps' worth of whole rows.
+* A file's header is fixed when it is created.  Rows whose columns differ from an
+  existing file's header (``ops`` changed by a config reload) go to a sibling file
+  ``{family}_{a}-{b}.{k}.csv`` instead of being appended under the wrong header.
+* Failures (unwritable directory, full disk) never reach the training loop: the first is
+  logged as one warning, the rest are counted and reported at ``close()``.
+"""
+from __future__ import annotations
+
+import logging
+import numbers
+import os
+import threading
+from collections import OrderedDict
+from pathlib import Path
+from typing import Sequence
+
+from trainmon.records import StatRow
+from trainmon.sinks.base import Sink, SinkOptions, register_sink
+
+__all__ = ["CsvSink", "window_bounds", "csv_file_name"]
+
+logger = logging.getLogger(__name__)
+
+_OPEN_FLAGS = os.O_RDWR | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
+_CACHE_LIMIT = 100_000  # distinct names/shapes remembered; tensor names repeat every step
+
+# (family, window start, columns): the identity of one header-compatible file.
+_FileKey = tuple[str, int, tuple[str, ...]]
+
+
+def window_bounds(step: int, steps_per_file: int) -> tuple[int, int]:
+    """First and last step of the file window holding ``step``."""
+    a = step // steps_per_file * steps_per_file
+    return a, a + steps_per_file - 1
+
+
+def csv_file_name(family: str, a: int, b: int, k: int = 0) -> str:
+    """``{family}_{a}-{b}.csv``, or ``{family}_{a}-{b}.{k}.csv`` for the k-th header variant."""
+    return f"{family}_{a}-{b}.csv" if k == 0 else f"{family}_{a}-{b}.{k}.csv"
+
+
+def _quote(text: str) -> str:
+    if "," in text or '"' in text or "\n" in text or "\r" in text:
+        return '"' + text.replace('"', '""') + '"'
+    return text
+
+
+def _shape_cell(shape: Sequence[int]) -> str:
+    return _quote("[" + ", ".join(str(int(d)) for d in shape) + "]")
+
+
+class _Formatter:
+    """Turns values into CSV cells; floats at full precision unless ``ndigits`` is set."""
+
+    def __init__(self, ndigits: int | None):
+        if ndigits is not None and (isinstance(ndigits, bool) or int(ndigits) < 1):
+            raise ValueError(f"ndigits must be a positive number of significant digits, got {ndigits!r}")
+        self._spec = None if ndigits is None else f".{int(ndigits)}g"
+
+    def number(self, value: object) -> str:
+        if type(value) is float:  # the common case, first
+            return repr(value) if self._spec is None else format(value, self._spec)
+        if isinstance(value, float):
+            return self._float(value)
+        if isinstance(value, bool):
+            return str(value)
+        if isinstance(value, numbers.Integral):
+            return str(int(value))
+        try:
+            return self._float(float(value))  # numpy / torch scalars
+        except (TypeError, ValueError):
+            return _quote(str(value))
+
+    def cell(self, value: object) -> str:
+        """An ``extra`` value: numbers as numbers, anything else as (quoted) text."""
+        if isinstance(value, numbers.Real):
+            return self.number(value)
+        return _quote(str(value))
+
+    def _float(self, value: float) -> str:
+        # float() first: repr of a numpy float64 is "np.float64(...)" in numpy 2.
+        value = float(value)
+        return repr(value) if self._spec is None else format(value, self._spec)
+
+
+def _columns(micro: bool, extra: tuple[str, ...], stats: tuple[str, ...]) -> tuple[str, ...]:
+    return ("vpp_stage", "name", "step", *(("micro_step",) if micro else ()), *extra, *stats,
+            "shape", "dtype")
+
+
+class _FdCache:
+    """Open fds by path, least recently used first; beyond ``limit`` the oldest is closed."""
+
+    def __init__(self, limit: int):
+        self.limit = max(1, int(limit))
+        self._fds: OrderedDict[Path, int] = OrderedDict()
+
+    def get(self, path: Path) -> int | None:
+        fd = self._fds.get(path)
+        if fd is not None:
+            self._fds.move_to_end(path)
+        return fd
+
+    def put(self, path: Path, fd: int) -> None:
+        self._fds[path] = fd
+        while len(self._fds) > self.limit:
+            _, old = self._fds.popitem(last=False)
+            _close_quietly(old)
+
+    def drop(self, path: Path) -> None:
+        fd = self._fds.pop(path, None)
+        if fd is not None:
+            _close_quietly(fd)
+
+    def close_all(self, sync: bool) -> None:
+        while self._fds:
+            path, fd = self._fds.popitem(last=False)
+            if sync:
+                try:
+                    os.fsync(fd)
+                except OSError as exc:  # e.g. EIO, or a file system without fsync
+                    logger.debug("fsync of %s failed: %s", path, exc)
+            _close_quietly(fd)
+
+
+def _close_quietly(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
+class _TailDamaged(OSError):
+    """A write failed part way and the partial text could not be cut off again."""
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """Append all of ``data``; on failure, cut the file back so it ends on a whole row."""
+    view = memoryview(data)
+    written = 0
+    try:
+        while written < len(data):
+            n = os.write(fd, view[written:])
+            if n <= 0:  # a regular file never does this; do not spin if one does
+                raise OSError(f"write returned {n}")
+            written += n
+    except OSError as exc:
+        if written:
+            # Only this sink appends to the file, so its end minus what we added is where
+            # this step's text began: cut it back so the file still ends on a whole row.
+            try:
+                os.ftruncate(fd, os.fstat(fd).st_size - written)
+            except OSError as again:
+                raise _TailDamaged(f"{exc}; could not remove the partial row: {again}") from exc
+        raise
+
+
+@register_sink("csv")
+class CsvSink(Sink):
+    """Writes :class:`StatRow` s as ``{family}_{a}-{b}.csv`` files under ``options.rank_dir``.
+
+    ============ ================================================================
+    column       content
+    ============ ================================================================
+    vpp_stage    virtual pipeline stage (int)
+    name         tensor name, csv-quoted when it holds a comma or quote
+    step         training step (int)
+    micro_step   micro-batch index; only in files of rows that carry one
+    <extra>      the row's ``extra`` keys, in order
+    <ops>        the row's ``stats`` keys, in order; floats full precision
+                 (``repr``) or ``ndigits`` significant digits; counts as ints
+    shape        like ``"[64, 32]"``; ``[]`` for a scalar
+    dtype        like ``torch.float32``
+    ============ ================================================================
+    """
+
+    def __init__(self, options: SinkOptions, max_open_files: int = 64):
+        super().__init__(options)
+        self._steps_per_file = int(options.step_count_per_record)
+        if self._steps_per_file < 1:
+            raise ValueError(f"step_count_per_record must be >= 1, got {options.step_count_per_record!r}")
+        self._fmt = _Formatter(options.ndigits)
+        self._dir = Path(options.rank_dir)
+        self._fds = _FdCache(max_open_files)
+        self._paths: dict[_FileKey, Path] = {}     # files this sink has chosen
+        self._claimed: set[Path] = set()           # paths taken by some header (ours or on disk)
+        self._retired: set[Path] = set()           # paths whose tail we could not repair
+        self._lock = threading.Lock()
+        self._heads: dict[tuple, str] = {}         # (vpp_stage, name) -> "vpp,name,"
+        self._tails: dict[tuple, str] = {}         # (shape, dtype) -> ",shape,dtype\n"
+        self._lost_rows = 0
+        self._reported_lost = 0
+        self._first_error: str | None = None
+
+    # -- Sink interface -------------------------------------------------------------------
+
+    def write(self, rows: Sequence[StatRow], step: int) -> None:
+        with self._lock:
+            for (family, a, columns), lines in self._group(rows).items():
+                self._append(family, a, columns, lines)
+
+    def flush(self) -> None:
+        # Every write() already reached the kernel; there is nothing buffered here.
+        pass
+
+    def close(self) -> None:
+        with self._lock:
+            self._fds.close_all(sync=True)
+            self._sync_dir()
+            new_losses = self._lost_rows - self._reported_lost
+            if new_losses:
+                logger.warning("trainmon: %d monitor rows could not be written under %s (first error: %s)",
+                               new_losses, self._dir, self._first_error)
+                self._reported_lost = self._lost_rows
+
+    @property
+    def lost_rows(self) -> int:
+        """Rows dropped because their file could not be written."""
+        return self._lost_rows
+
+    # -- rendering ------------------------------------------------------------------------
+
+    def _group(self, rows: Sequence[StatRow]) -> dict[_FileKey, list[str]]:
+        by_layout: dict[tuple, list[str]] = {}
+        n = self._steps_per_file
+        for row in rows:
+            layout = (row.family, row.step // n * n, row.micro_step is not None,
+                      tuple(row.extra) if row.extra else (), tuple(row.stats))
+            lines = by_layout.get(layout)
+            if lines is None:
+                lines = by_layout[layout] = []
+            lines.append(self._line(row))
+        return {(family, a, _columns(*layout)): lines
+                for (family, a, *layout), lines in by_layout.items()}
+
+    def _line(self, row: StatRow) -> str:
+        number = self._fmt.number
+        head = self._heads.get((row.vpp_stage, row.name))
+        if head is None:
+            head = self._remember(self._heads, (row.vpp_stage, row.name),
+                                  f"{int(row.vpp_stage)},{_quote(str(row.name))},")
+        tail = self._tails.get((row.shape, row.dtype))
+        if tail is None:
+            tail = self._remember(self._tails, (row.shape, row.dtype),
+                                  f",{_shape_cell(row.shape)},{_quote(str(row.dtype))}\n")
+        lead = head + str(int(row.step))
+        if row.micro_step is not None:
+            lead += "," + str(int(row.micro_step))
+        if row.extra:
+            lead += "".join(["," + self._fmt.cell(v) for v in row.extra.values()])
+        return ",".join([lead, *map(number, row.stats.values())]) + tail
+
+    @staticmethod
+    def _remember(cache: dict, key: tuple, text: str) -> str:
+        if len(cache) >= _CACHE_LIMIT:
+            cache.clear()
+        cache[key] = text
+        return text
+
+    # -- files ----------------------------------------------------------------------------
+
+    def _append(self, family: str, a: int, columns: tuple[str, ...], lines: list[str]) -> None:
+        header = (",".join(_quote(c) for c in columns) + "\n").encode()
+        body = "".join(lines).encode()
+        path = (self._paths.get((family, a, columns))
+                or self._dir / csv_file_name(family, *window_bounds(a, self._steps_per_file)))
+        try:
+            path, fd, is_new = self._open_for(family, a, columns, header)
+            _write_all(fd, header + body if is_new else body)
+        except OSError as exc:
+            self._failed(path, exc, len(lines))
+
+    def _open_for(self, family: str, a: int, columns: tuple[str, ...],
+                  header: bytes) -> tuple[Path, int, bool]:
+        """The fd to append rows with these columns to, and whether it still needs the header."""
+        key = (family, a, columns)
+        path = self._paths.get(key)
+        if path is not None and path not in self._retired:
+            fd = self._fds.get(path)
+            if fd is not None:
+                return path, fd, False
+            opened = self._try_open(path, header)  # reopened after LRU eviction
+            if opened is not None:
+                return path, opened[0], opened[1]
+            del self._paths[key]  # replaced behind our back: pick a fresh name below
+        b = window_bounds(a, self._steps_per_file)[1]
+        k = 0
+        while True:  # ends: each turn claims a name, and only finitely many files exist
+            path = self._dir / csv_file_name(family, a, b, k)
+            k += 1
+            if path in self._claimed or path in self._retired:
+                continue
+            opened = self._try_open(path, header)
+            self._claimed.add(path)
+            if opened is not None:
+                self._paths[key] = path
+                return path, opened[0], opened[1]
+
+    def _try_open(self, path: Path, header: bytes) -> tuple[int, bool] | None:
+        """Open ``path`` for appending rows under ``header``: (fd, is_new), or None if the
+        file already holds a different header."""
+        fd = self._open(path)
+        try:
+            size = os.fstat(fd).st_size
+            if size and os.pread(fd, len(header), 0) != header:
+                _close_quietly(fd)
+                return None
+        except OSError:
+            _close_quietly(fd)
+            raise
+        self._fds.put(path, fd)
+        return fd, size == 0
+
+    def _open(self, path: Path) -> int:
+        try:
+            return os.open(path, _OPEN_FLAGS, 0o644)
+        except FileNotFoundError:
+            # First file of the run, or the directory was removed while running.
+            self._dir.mkdir(parents=True, exist_ok=True)
+            return os.open(path, _OPEN_FLAGS, 0o644)
+
+    def _failed(self, path: Path, exc: OSError, n_rows: int) -> None:
+        self._lost_rows += n_rows
+        self._fds.drop(path)  # reopen next time: fstat then tells whether a header is due
+        if isinstance(exc, _TailDamaged):
+            self._retired.add(path)  # it may end in half a row: never append there again
+        if self._first_error is None:
+            self._first_error = f"{path}: {exc}"
+            logger.warning("trainmon: cannot write monitor output %s: %s; further failures are "
+                           "counted and reported at close", path, exc)
+
+    def _sync_dir(self) -> None:
+        # Makes the files' directory entries durable too; best effort.
+        try:
+            fd = os.open(self._dir, os.O_RDONLY)
+        except OSError:
+            return
+        try:
+            os.fsync(fd)
+        except OSError:
+            pass
+        finally:
+            _close_quietly(fd)
+
