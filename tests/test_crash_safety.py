@@ -7,9 +7,11 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 from tests.conftest import only_run_dir, read_family
 
+REPO = Path(__file__).resolve().parents[1]   # the checkout under test, not an installed copy
 SCRIPT = textwrap.dedent("""
     import json, sys, torch
     torch.set_num_threads(1)
@@ -30,7 +32,7 @@ SCRIPT = textwrap.dedent("""
 def test_sigkill_mid_run_leaves_parseable_contiguous_csvs(tmp_path, output_root, make_config):
     cfg = make_config(wg_distribution=True, mv_distribution=True, param_distribution=True,
                       ur_distribution=True, step_count_per_record=7, ops=["norm", "mean", "max"])
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     proc = subprocess.Popen([sys.executable, "-c", SCRIPT, str(cfg)], env=env, stdout=subprocess.PIPE,
                             cwd=tmp_path)
     assert proc.stdout.readline().strip() == b"running"
