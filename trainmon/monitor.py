@@ -22,6 +22,7 @@ from trainmon.collectors import CollectorContext
 from trainmon.config import MonitorConfig, load_config
 from trainmon.errors import ConfigError
 from trainmon.features import unsupported_problems
+from trainmon.integrations import select_integration
 from trainmon.naming import TargetMatcher, module_names, tracked_params
 from trainmon.output import create_run_dir, output_root, rank_dir
 from trainmon.schedule import Schedule, StepClock
@@ -120,10 +121,11 @@ class TrainerMon:
         distributed = _dist.world_size(dp_group) > 1
         clock = StepClock(Schedule(cfg.start_step, cfg.step_interval, cfg.collect_times),
                           grad_acc_steps, first_step=start_iteration)
+        integration = select_integration(chunks, optimizer, use_main_grad)
         return CollectorContext(config=cfg, chunks=chunks, params=params, matcher=matcher,
                                 engine=StatsEngine(cfg.ops, cfg.eps), clock=clock, optimizer=optimizer,
                                 use_main_grad=use_main_grad, distributed=distributed,
-                                dp_group=dp_group, tp_group=tp_group)
+                                dp_group=dp_group, tp_group=tp_group, integration=integration)
 
     def step(self) -> None:
         """Mark a step boundary by hand (only when no optimizer was given to ``set_monitor``)."""

@@ -17,9 +17,10 @@ from trainmon.config import MonitorConfig
 from trainmon.hooks import Handle
 from trainmon.naming import TargetMatcher, TrackedParam
 from trainmon.schedule import StepClock
-from trainmon.stats.engine import StatsEngine
+from trainmon.stats.engine import StatsEngine, Tracked
 
-__all__ = ["Collector", "CollectorContext", "register_collector", "collector_classes", "Guard"]
+__all__ = ["Collector", "CollectorContext", "register_collector", "collector_classes", "Guard",
+           "capture_views"]
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +40,18 @@ class CollectorContext:
     distributed: bool = False             # grads may be reduced during backward
     dp_group: Any = None
     tp_group: Any = None
+    integration: Any = None               # trainmon.integrations.base.Integration
     guard: "Guard" = field(default=None)  # type: ignore[assignment]
 
-    def grad_of(self, p: TrackedParam):
-        return getattr(p.param, "main_grad", None) if self.use_main_grad else p.param.grad
+
+def capture_views(ctx: CollectorContext, family: str, pairs: Sequence[tuple[TrackedParam, Any]]) -> None:
+    """Capture ``(param, View)`` pairs; shards of one process group are merged over it."""
+    by_group: dict[int, tuple[Any, list[Tracked]]] = {}
+    for tp, view in pairs:
+        entry = by_group.setdefault(id(view.group), (view.group, []))
+        entry[1].append(Tracked(tp.name, view.tensor, tp.vpp_stage, view.shape))
+    for group, items in by_group.values():
+        ctx.engine.capture(family, items, group=group)
 
 
 class Collector(ABC):

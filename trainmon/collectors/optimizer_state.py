@@ -9,20 +9,20 @@ exp_avg     after the step first moment the step just produced (step 0 has it)
 exp_avg_sq  after the step second moment the step just produced
 =========== ============== ===============================================================
 
-Config: ``{"mv_distribution": true}``.  Moments are found through a ``MomentAdapter``: torch
-optimizers that keep ``exp_avg``/``exp_avg_sq`` in ``optimizer.state`` (Adam, AdamW, NAdam,
+Config: ``{"mv_distribution": true}``.  Moments are found through the session's integration, which
+by default asks a ``MomentAdapter``: torch optimizers that keep ``exp_avg``/``exp_avg_sq`` in ``optimizer.state`` (Adam, AdamW, NAdam,
 RAdam, ...) work as they are; framework wrappers register their own adapter with
 ``register_moment_adapter``.  An optimizer no adapter understands gets one warning, not a crash.
 """
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any, Callable, Protocol
 
 import torch
 
-from trainmon.collectors.base import Collector, register_collector
-from trainmon.stats.engine import Tracked
+from trainmon.collectors.base import Collector, capture_views, register_collector
 
 __all__ = ["OptimizerStateCollector", "MomentAdapter", "TorchStateAdapter", "register_moment_adapter",
            "MOMENT_FAMILIES"]
@@ -79,22 +79,20 @@ class OptimizerStateCollector(Collector):
         return config.mv_distribution
 
     def attach(self) -> None:
-        self.adapter = adapter_for(self.ctx.optimizer)
         self._warned = False
-        if self.adapter is None:
+        if not self.ctx.integration.has_moments():
+            self._warned = True
             log.warning("trainmon: mv_distribution: no moment adapter for optimizer type %s "
                         "(built in: torch optimizers with exp_avg/exp_avg_sq state); exp_avg* not "
                         "recorded", type(self.ctx.optimizer).__name__)
 
     def on_step_end(self) -> None:
-        if self.adapter is None:
-            return
-        found: dict[str, list[Tracked]] = {k: [] for k in MOMENT_FAMILIES}
+        found: dict[str, list] = {k: [] for k in MOMENT_FAMILIES}
         for tp in self.ctx.params:
-            for family, t in self.adapter.moments(tp.param).items():
-                found[family].append(Tracked(tp.name, t, tp.vpp_stage, tuple(tp.param.shape)))
-        for family, items in found.items():
-            self.ctx.engine.capture(family, items)
+            for family, view in self.ctx.integration.moments(tp).items():
+                found[family].append((tp, view if view.shape else replace(view, shape=tuple(tp.param.shape))))
+        for family, pairs in found.items():
+            capture_views(self.ctx, family, pairs)
         if not any(found.values()) and not self._warned:
             self._warned = True
             log.warning("trainmon: mv_distribution: optimizer %s has no exp_avg/exp_avg_sq state "

@@ -23,8 +23,8 @@ from collections import defaultdict
 
 import torch
 
-from trainmon.collectors.base import Collector, register_collector
-from trainmon.stats.engine import Meta, Tracked
+from trainmon.collectors.base import Collector, capture_views, register_collector
+from trainmon.stats.engine import Meta
 
 __all__ = ["ParamCollector"]
 
@@ -40,18 +40,19 @@ class ParamCollector(Collector):
     def attach(self) -> None:
         self._snapshot = _Snapshot()
 
-    def _items(self) -> list[Tracked]:
-        return [Tracked(tp.name, tp.param.detach(), tp.vpp_stage) for tp in self.ctx.params]
+    def _capture(self, family: str) -> None:
+        view = self.ctx.integration.param
+        capture_views(self.ctx, family, [(tp, view(tp)) for tp in self.ctx.params])
 
     def on_step_begin(self) -> None:
         if self.ctx.config.param_distribution:
-            self.ctx.engine.capture("param_origin", self._items())
+            self._capture("param_origin")
         if self.ctx.config.ur_distribution:
             self._snapshot.take([tp.param.detach() for tp in self.ctx.params])
 
     def on_step_end(self) -> None:
         if self.ctx.config.param_distribution:
-            self.ctx.engine.capture("param_updated", self._items())
+            self._capture("param_updated")
         if self.ctx.config.ur_distribution:
             self._capture_update_ratio()
 

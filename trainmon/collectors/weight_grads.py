@@ -16,18 +16,17 @@ ready (backward order); ``grad_reduced`` is model parameter order.
 Pre-reduce capture uses ``register_post_accumulate_grad_hook``, which fires before DDP's reducer
 sees the grad.  In a single process nothing can reduce during backward, so the ready params are
 batched and measured once at the end of the backward pass; when grads may be reduced during
-backward (DDP, world size > 1) each param is measured inside its hook.  With
-``params_have_main_grad`` the pre-reduce point belongs to the framework integration (Megatron's
-bucket ``start_grad_sync``); without one only ``grad_reduced`` is recorded.
+backward (DDP, world size > 1) each param is measured inside its hook.  A framework
+integration (``trainmon.integrations``) may provide its own pre-reduce point instead (Megatron's
+bucket ``start_grad_sync``); ``main_grad`` without one records only ``grad_reduced``.
 """
 from __future__ import annotations
 
 import logging
 
-from trainmon.collectors.base import Collector, register_collector
+from trainmon.collectors.base import Collector, capture_views, register_collector
 from trainmon.hooks import post_accumulate_grad_hook
 from trainmon.naming import TrackedParam
-from trainmon.stats.engine import Tracked
 
 __all__ = ["WeightGradCollector"]
 
@@ -45,14 +44,24 @@ class WeightGradCollector(Collector):
     def attach(self) -> None:
         self._ready: list[TrackedParam] = []
         self._captured: set[int] = set()
-        if self.ctx.use_main_grad:
-            log.warning("trainmon: params carry main_grad and no framework integration provides a "
-                        "pre-reduce point; grad_unreduced is not recorded (grad_reduced is)")
+        points = self.ctx.integration.pre_reduce_points(self.ctx.params, self.ctx.guard.wrap(self, self._emit))
+        if points is not None:
+            self.handles.extend(points)
+            self._generic = False
+            if not points:
+                log.warning("trainmon: no pre-reduce point is known for these params (main_grad "
+                            "without a framework integration); grad_unreduced is not recorded")
             return
+        self._generic = True
         guard = self.ctx.guard
         for tp in self.ctx.params:
             body = guard.wrap(self, lambda _p, tp=tp: self._on_grad_ready(tp))
             self.handles.append(post_accumulate_grad_hook(tp.param, body))
+
+    def _emit(self, params: list[TrackedParam]) -> None:
+        """Called by an integration at its pre-reduce point."""
+        if self.ctx.clock.collecting:
+            self._capture(params)
 
     def _on_grad_ready(self, tp: TrackedParam) -> None:
         clock = self.ctx.clock
@@ -74,21 +83,15 @@ class WeightGradCollector(Collector):
         self.ctx.guard.run(self, self._capture, ready)
 
     def _capture(self, params: list[TrackedParam]) -> None:
-        items = [Tracked(tp.name, g, tp.vpp_stage) for tp in params
-                 if (g := tp.param.grad) is not None]
-        self.ctx.engine.capture("grad_unreduced", items)
+        local = self.ctx.integration.local_grad
+        capture_views(self.ctx, "grad_unreduced", [(tp, v) for tp in params if (v := local(tp)) is not None])
 
     def on_step_begin(self) -> None:
-        items, missed = [], []
-        for tp in self.ctx.params:
-            g = self.ctx.grad_of(tp)
-            if g is None:
-                continue
-            items.append(Tracked(tp.name, g, tp.vpp_stage))
-            if not self.ctx.use_main_grad and id(tp.param) not in self._captured:
-                missed.append(tp.name)
-        self.ctx.engine.capture("grad_reduced", items)
-        self._warn_missed(missed)
+        reduced = self.ctx.integration.reduced_grad
+        pairs = [(tp, v) for tp in self.ctx.params if (v := reduced(tp)) is not None]
+        capture_views(self.ctx, "grad_reduced", pairs)
+        if self._generic:
+            self._warn_missed([tp.name for tp, _ in pairs if id(tp.param) not in self._captured])
         self._captured.clear()
 
     def _warn_missed(self, missed: list[str]) -> None:

@@ -1,0 +1,97 @@
+"""Integrations: where a training stack keeps grads, params and moments, and when it reduces.
+
+Collectors never look at DDP, FSDP, Megatron or DeepSpeed objects themselves; they ask the
+session's ``Integration``.  The base class is plain PyTorch (also right for torch DDP, whose
+reducer runs after ``register_post_accumulate_grad_hook``).  A stack-specific subclass overrides
+what differs and registers itself with ``@register_integration``; the first one whose ``detect``
+accepts the model and optimizer is used.
+
+A ``View`` is what to measure: a tensor, and when that tensor is only this rank's shard of a
+larger one, the process group to merge the shards' partials over and the full shape.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Sequence
+
+import torch
+import torch.nn as nn
+
+from trainmon.hooks import Handle
+from trainmon.naming import TrackedParam
+
+__all__ = ["View", "Integration", "register_integration", "select_integration"]
+
+
+@dataclass(frozen=True)
+class View:
+    tensor: torch.Tensor
+    group: Any = None                       # merge partials over this group: tensor is a shard
+    shape: tuple[int, ...] | None = None    # full logical shape when tensor is a shard
+
+
+class Integration:
+    """Plain PyTorch (and torch DDP)."""
+
+    name: ClassVar[str] = "torch"
+
+    def __init__(self, chunks: Sequence[nn.Module], optimizer: Any, use_main_grad: bool):
+        self.chunks = chunks
+        self.optimizer = optimizer
+        self.use_main_grad = use_main_grad
+
+    @classmethod
+    def detect(cls, chunks: Sequence[nn.Module], optimizer: Any) -> bool:
+        return True
+
+    # -- pre-reduce ----------------------------------------------------------------------------
+    def pre_reduce_points(self, params: list[TrackedParam],
+                          emit: Callable[[list[TrackedParam]], None]) -> list[Handle] | None:
+        """Install hooks that call ``emit(params)`` when those grads are this rank's local,
+        accumulated, not yet reduced grads.  ``None``: use the generic per-param
+        post-accumulate-grad hooks (right for plain torch and torch DDP)."""
+        if self.use_main_grad:
+            return []  # main_grad belongs to a framework; its integration knows the reduce point
+        return None
+
+    def local_grad(self, tp: TrackedParam) -> View | None:
+        g = getattr(tp.param, "main_grad", None) if self.use_main_grad else tp.param.grad
+        return None if g is None else View(g)
+
+    # -- at and after the optimizer step -----------------------------------------------------
+    def reduced_grad(self, tp: TrackedParam) -> View | None:
+        return self.local_grad(tp)
+
+    def param(self, tp: TrackedParam) -> View:
+        return View(tp.param.detach())
+
+    def moments(self, tp: TrackedParam) -> dict[str, View]:
+        """``{"exp_avg": View, "exp_avg_sq": View}`` (a subset, or {} if the optimizer has none)."""
+        from trainmon.collectors.optimizer_state import adapter_for
+
+        adapter = self._adapter = getattr(self, "_adapter", None) or adapter_for(self.optimizer)
+        if adapter is None:
+            return {}
+        return {k: View(t) for k, t in adapter.moments(tp.param).items()}
+
+    def has_moments(self) -> bool:
+        from trainmon.collectors.optimizer_state import adapter_for
+
+        return adapter_for(self.optimizer) is not None
+
+
+_REGISTRY: list[type[Integration]] = []
+
+
+def register_integration(cls: type[Integration]) -> type[Integration]:
+    """Stack-specific integrations are tried before the plain torch one, newest first."""
+    if cls not in _REGISTRY:
+        _REGISTRY.insert(0, cls)
+    return cls
+
+
+def select_integration(chunks: Sequence[nn.Module], optimizer: Any, use_main_grad: bool) -> Integration:
+    for cls in _REGISTRY:
+        if cls.detect(chunks, optimizer):
+            return cls(chunks, optimizer, use_main_grad)
+    return Integration(chunks, optimizer, use_main_grad)
