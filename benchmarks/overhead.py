@@ -1,0 +1,167 @@
+"""Step-time cost of monitoring: ratio against the same training run without a monitor.
+
+    python benchmarks/overhead.py                 # trainmon configs (and msprobe's if importable)
+    python benchmarks/overhead.py --memory        # peak RSS per config, on a bigger model
+
+A small GPT-like model (trainmon.demo.TinyGPT) trained with AdamW on the CPU, one thread.
+Configs run interleaved (A B C A B C ...) so machine noise hits all of them alike; the figure per
+config is the median step time over all repeats, divided by the unmonitored median.
+When ``mindstudio-probe`` is importable (``PYTHONPATH=<dir with msprobe>``) the same kinds are
+also measured with msprobe's ``TrainerMon`` in the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from trainmon.demo import GPTConfig, TinyGPT, synthetic_batches  # noqa: E402
+
+OPS = ["norm", "mean", "min", "max"]
+CONFIGS = {
+    "wg": {"wg_distribution": True},
+    "mv": {"mv_distribution": True},
+    "param": {"param_distribution": True},
+    "all-on": {"wg_distribution": True, "mv_distribution": True, "param_distribution": True},
+    "all-on+ur": {"wg_distribution": True, "mv_distribution": True, "param_distribution": True,
+                  "ur_distribution": True},
+    "all-on, interval 10": {"wg_distribution": True, "mv_distribution": True, "param_distribution": True,
+                            "step_interval": 10},
+}
+MSPROBE_CONFIGS = ("wg", "mv", "param", "all-on")
+MODEL = GPTConfig(vocab=512, seq=64, dim=256, heads=4, layers=4)
+
+
+def build(model_cfg: GPTConfig, seed: int = 0):
+    torch.manual_seed(seed)
+    model = TinyGPT(model_cfg)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def attach(kind: str, cfg: dict | None, model, optimizer, workdir: Path):
+    if cfg is None:
+        return None
+    path = workdir / f"{kind}_{abs(hash(json.dumps(cfg, sort_keys=True)))}.json"
+    if kind == "trainmon":
+        from trainmon import TrainerMon
+
+        path.write_text(json.dumps({**cfg, "ops": OPS, "step_count_per_record": 1000}))
+        return TrainerMon(path).set_monitor(model, optimizer=optimizer)
+    from msprobe.pytorch import TrainerMon as MsTrainerMon
+
+    path.write_text(json.dumps({**cfg, "targets": {}, "ops": OPS, "format": "csv"}))
+    mon = MsTrainerMon(str(path), params_have_main_grad=False)
+    mon.set_monitor(model, optimizer=optimizer, grad_acc_steps=1)
+    return mon
+
+
+def time_steps(kind: str, cfg: dict | None, steps: int, warmup: int, workdir: Path) -> list[float]:
+    model, optimizer = build(MODEL)
+    monitor = attach(kind, cfg, model, optimizer, workdir)
+    data = synthetic_batches(MODEL, 8, steps + warmup, seed=1)
+    times = []
+    for i, batch in enumerate(data):
+        t0 = time.perf_counter()
+        model.loss(batch).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    if monitor is not None and hasattr(monitor, "close"):
+        monitor.close()
+    return times
+
+
+def msprobe_available() -> bool:
+    try:
+        import msprobe.pytorch  # noqa: F401
+        return True
+    except Exception:  # noqa: BLE001 - any import failure means "not measurable here"
+        return False
+
+
+def run_timing(repeats: int, steps: int, warmup: int) -> dict[str, float]:
+    torch.set_num_threads(1)
+    runs: list[tuple[str, str, dict | None]] = [("baseline", "trainmon", None)]
+    runs += [(f"trainmon {n}", "trainmon", c) for n, c in CONFIGS.items()]
+    if msprobe_available():
+        runs += [(f"msprobe {n}", "msprobe", CONFIGS[n]) for n in MSPROBE_CONFIGS]
+    samples: dict[str, list[float]] = {name: [] for name, _, _ in runs}
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["MONITOR_OUTPUT_DIR"] = str(Path(tmp) / "out")
+        for _ in range(repeats):
+            for name, kind, cfg in runs:
+                samples[name] += time_steps(kind, cfg, steps, warmup, Path(tmp))
+    base = statistics.median(samples["baseline"])
+    print(f"model: {sum(p.numel() for p in build(MODEL)[0].parameters()) / 1e6:.2f}M params, "
+          f"{len(list(build(MODEL)[0].parameters()))} tensors; baseline {base * 1e3:.1f} ms/step; "
+          f"{repeats} interleaved repeats x {steps} steps; torch {torch.__version__}, 1 thread")
+    ratios = {}
+    for name in samples:
+        med = statistics.median(samples[name])
+        ratios[name] = med / base
+        print(f"  {name:32s} {med * 1e3:8.1f} ms/step   {ratios[name]:.3f}x")
+    return ratios
+
+
+# -- peak memory: one subprocess per config, ru_maxrss -------------------------------------------
+MEM_MODEL = GPTConfig(vocab=8192, seq=64, dim=768, heads=12, layers=6)
+
+
+def _memory_child(cfg_json: str) -> None:
+    torch.set_num_threads(1)
+    cfg = json.loads(cfg_json)
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["MONITOR_OUTPUT_DIR"] = str(Path(tmp) / "out")
+        model, optimizer = build(MEM_MODEL)
+        monitor = attach("trainmon", cfg, model, optimizer, Path(tmp)) if cfg else None
+        for batch in synthetic_batches(MEM_MODEL, 4, 4, seed=1):
+            model.loss(batch).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        if monitor:
+            monitor.close()
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+
+
+def run_memory() -> None:
+    results = {}
+    for name, cfg in [("baseline", None), ("all-on", CONFIGS["all-on"]), ("all-on+ur", CONFIGS["all-on+ur"])]:
+        out = subprocess.run([sys.executable, __file__, "--memory-child", json.dumps(cfg)],
+                             capture_output=True, text=True, check=True)
+        results[name] = int(out.stdout.split()[-1])
+    n = sum(p.numel() for p in build(MEM_MODEL)[0].parameters())
+    print(f"peak RSS, {n / 1e6:.1f}M-param model ({n * 4 / 2**20:.0f} MiB of fp32 params):")
+    for name, kb in results.items():
+        print(f"  {name:12s} {kb / 1024:8.0f} MiB   {kb / results['baseline']:.3f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--memory", action="store_true", help="measure peak RSS instead of step time")
+    parser.add_argument("--memory-child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.memory_child is not None:
+        _memory_child(args.memory_child)
+    elif args.memory:
+        run_memory()
+    else:
+        run_timing(args.repeats, args.steps, args.warmup)
+
+
+if __name__ == "__main__":
+    main()
