@@ -63,7 +63,7 @@ class AlertConfig:
 
 @dataclass(frozen=True)
 class MonitorConfig:
-    """A validated monitor config.  See docs/config.md for every key."""
+    """A validated monitor config.  README.md ("Configuration file") lists every key."""
 
     targets: tuple[str, ...] = ()
     start_step: int = 0
