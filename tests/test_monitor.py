@@ -325,3 +325,14 @@ def test_manual_step_without_optimizer(output_root, make_config):
             optimizer.step()
             optimizer.zero_grad()
     assert sorted(read_family(only_run_dir(output_root) / "rank0", "grad_reduced")["step"].unique()) == [0, 1]
+
+
+def test_ranks_outside_module_ranks_do_no_work(output_root, make_config):
+    model = make_model()
+    optimizer = torch.optim.Adam(model.parameters())
+    before = _hook_state(model, optimizer)
+    with TrainerMon(make_config(wg_distribution=True, module_ranks=[1])) as monitor:
+        monitor.set_monitor(model, optimizer=optimizer)
+        assert [len(p._post_accumulate_grad_hooks or {}) for p in model.parameters()] == before[4]
+        train_with_reference(model, optimizer, 2, 1)
+    assert not list(only_run_dir(output_root).glob("rank*/*.csv"))

@@ -74,6 +74,12 @@ class TrainerMon:
     def rank(self) -> int:
         return _dist.rank()
 
+    def _records_here(self, integration) -> bool:
+        """Ranks outside ``module_ranks`` do no work at all, unless the stack's stats need every
+        rank's shard (then they compute and merge, but do not write)."""
+        ranks = self.config.module_ranks
+        return not ranks or self.rank in ranks or integration.needs_all_ranks
+
     def _make_sink(self) -> Sink:
         cfg = self.config
         if cfg.module_ranks and self.rank not in cfg.module_ranks:
@@ -106,7 +112,8 @@ class TrainerMon:
         if optimizer is None:
             log.warning("trainmon: set_monitor got no optimizer: call monitor.step() after each "
                         "optimizer step, or nothing is recorded")
-        self._session = Session(ctx, self._make_sink(), optimizer)
+        self._session = Session(ctx, self._make_sink(), optimizer,
+                                collect=self._records_here(ctx.integration))
         if self.rank == 0:
             log.info("trainmon: monitoring %d params (%s) into %s", len(ctx.params),
                      ", ".join(c.name for c in self._session.collectors) or "nothing", self.run_dir)

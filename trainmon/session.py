@@ -21,12 +21,12 @@ log = logging.getLogger(__name__)
 
 
 class Session:
-    def __init__(self, ctx: CollectorContext, sink: Sink, optimizer: Any):
+    def __init__(self, ctx: CollectorContext, sink: Sink, optimizer: Any, collect: bool = True):
         self.ctx = ctx
         self.sink = sink
         ctx.guard = Guard(self._drop_collector)
         self.collectors: list[Collector] = [cls(ctx) for cls in collector_classes()
-                                            if cls.enabled(ctx.config)]
+                                            if collect and cls.enabled(ctx.config)]
         self._step_handle: Handle | None = None
         for c in list(self.collectors):
             ctx.guard.run(c, c.attach)

@@ -34,6 +34,9 @@ class Integration:
     """Plain PyTorch (and torch DDP)."""
 
     name: ClassVar[str] = "torch"
+    # True when stats need every rank's shard (a merge over a process group): then ranks outside
+    # ``module_ranks`` still compute, they only do not write.
+    needs_all_ranks: ClassVar[bool] = False
 
     def __init__(self, chunks: Sequence[nn.Module], optimizer: Any, use_main_grad: bool):
         self.chunks = chunks
