@@ -33,7 +33,7 @@ STEPS = 20
 EXPECT = {"grad_reduced": [4, 5, 6, 7, 8, 16, 17], "param_updated": [9, 10, 11, 12]}
 
 
-def _job(rank: int, world: int, config: str) -> None:
+def _job(rank: int, world: int, config: str, desert: bool) -> None:
     from trainmon import TrainerMon
 
     torch.manual_seed(0)
@@ -53,7 +53,22 @@ def _job(rank: int, world: int, config: str) -> None:
         assert mon.current_step == step + 1
         if rank == 0 and step in EDITS:
             _edit_and_wait(mon, Path(config), *EDITS[step])
+    if desert:
+        _one_rank_deserts(rank, mon, model, opt)
     mon.close()
+
+
+def _one_rank_deserts(rank: int, mon, model, opt) -> None:
+    """Rank 1 stops reaching monitor boundaries; rank 0 must not wait for it forever."""
+    if rank == 0:
+        t0 = time.monotonic()
+        for _ in range(3):
+            model.loss(next(synthetic_batches(model.cfg, 2, 1))).backward()
+            opt.step()           # the boundary's broadcast fails after TRAINMON_DYNAMIC_TIMEOUT
+            opt.zero_grad()
+        assert mon._controller.broken and mon._controller.session is None
+        assert time.monotonic() - t0 < 60
+    dist.barrier()               # rank 1 waits here (outside the monitor) until rank 0 is done
 
 
 def _edit_and_wait(mon, path: Path, edit, keys: dict) -> None:
@@ -75,8 +90,8 @@ def test_every_rank_collects_the_same_steps(tmp_path, world):
     config.write_text(json.dumps({"dynamic_on": False}))
     out = tmp_path / "out"
     env = {"DYNAMIC_MONITOR": "1", "MONITOR_OUTPUT_DIR": str(out), "TRAINMON_RUN_ID": "run",
-           "TRAINMON_WATCH_SETTLE": "0.05", "TRAINMON_DYNAMIC_TIMEOUT": "60"}
-    run_distributed(_job, world, timeout=240, args=(str(config),), env=env)
+           "TRAINMON_WATCH_SETTLE": "0.05", "TRAINMON_DYNAMIC_TIMEOUT": "10"}
+    run_distributed(_job, world, timeout=240, args=(str(config), world == 2), env=env)
     n_params = len(list(TinyGPT(TINY).parameters()))
     for rank in range(world):
         rank_dir = out / "run" / f"rank{rank}"
