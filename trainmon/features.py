@@ -12,7 +12,6 @@ _PENDING = {
                         "activation monitoring is not supported yet"),
     "cc_distribution.enable": (lambda c: c.cc_distribution.enable, "comm-op monitoring is not supported yet"),
     "alert.rules": (lambda c: bool(c.alert.rules), "run-time alerts are not supported yet"),
-    "dynamic_on": (lambda c: c.dynamic_on, "dynamic mode is not supported yet"),
 }
 
 

@@ -1,0 +1,268 @@
+"""Dynamic mode, part 1: noticing that the config file changed, and staging what it now says.
+
+Two pieces, so the logic can be driven without threads or sleeps:
+
+* :class:`ConfigStager` -- pure state with an injected clock: ``note_change(now)`` records an
+  event, ``settle(now)`` reads and validates the file once it has been quiet for ``settle_s``
+  seconds, and stages a :class:`Decision` (a new version: a config to collect with, or "off").
+  An invalid file is logged once and stages nothing, so the running state continues.
+* :class:`ConfigWatcher` -- a watchdog observer on the file's *folder* (editors and ``sed -i``
+  replace the file by rename, which a watch on the file's inode would miss) plus one small
+  thread that calls ``settle`` when a change has rested.  Nothing is applied from these
+  threads: the step boundary reads the staged decision (``trainmon.dynamic_controller``).
+
+Settings (environment, read when ``TrainerMon`` is created) are in :class:`WatchSettings`.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Mapping
+
+from trainmon.config import MonitorConfig
+from trainmon.errors import ConfigError, Problem
+
+__all__ = ["Decision", "ConfigStager", "ConfigWatcher", "WatchSettings", "dynamic_requested"]
+
+log = logging.getLogger(__name__)
+
+_TRUE, _FALSE = ("true", "1"), ("false", "0", "")
+
+
+def _env_flag(env: Mapping[str, str], name: str) -> bool:
+    raw = env.get(name, "")
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ConfigError("environment", [Problem(name, f"{raw!r} is not a switch (allowed, any case: "
+                                                    "true, 1, false, 0)")])
+
+
+def _env_seconds(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not (value > 0 and value < float("inf")):
+        raise ConfigError("environment", [Problem(name, f"{raw!r} is not a number of seconds "
+                                                        "(finite number > 0)")])
+    return value
+
+
+def dynamic_requested(env: Mapping[str, str] | None = None) -> bool:
+    """``DYNAMIC_MONITOR`` is true (``true``/``1``, any case); a value that is no switch is an error."""
+    return _env_flag(os.environ if env is None else env, "DYNAMIC_MONITOR")
+
+
+@dataclass(frozen=True)
+class WatchSettings:
+    """How the config file is watched (environment variables, documented in docs/dynamic.md).
+
+    ``TRAINMON_WATCH_POLLING``: poll the folder instead of inotify (cluster file systems, where
+    edits made on another host send no inotify event).  ``TRAINMON_WATCH_INTERVAL``: seconds
+    between polls.  ``TRAINMON_WATCH_SETTLE``: seconds a change must rest before the file is
+    read (a save that arrives as several writes is read once, whole).  ``TRAINMON_DYNAMIC_TIMEOUT``:
+    seconds a rank waits for the others at a step boundary before dynamic mode gives up.
+    """
+
+    polling: bool = False
+    interval_s: float = 1.0
+    settle_s: float = 0.2
+    timeout_s: float = 1800.0
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "WatchSettings":
+        env = os.environ if env is None else env
+        return cls(polling=_env_flag(env, "TRAINMON_WATCH_POLLING"),
+                   interval_s=_env_seconds(env, "TRAINMON_WATCH_INTERVAL", cls.interval_s),
+                   settle_s=_env_seconds(env, "TRAINMON_WATCH_SETTLE", cls.settle_s),
+                   timeout_s=_env_seconds(env, "TRAINMON_DYNAMIC_TIMEOUT", cls.timeout_s))
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Version ``version`` of the file: collect with ``config``, or stop (``config`` None)."""
+
+    version: int
+    config: MonitorConfig | None
+
+    @property
+    def on(self) -> bool:
+        return self.config is not None
+
+
+class ConfigStager:
+    """The newest valid state of the config file, staged for the next step boundary.
+
+    ``validate(path)`` returns the file's ``MonitorConfig`` or raises ``ConfigError``.  Every
+    settled change of a valid file is a new version, even when the text is the same as before:
+    saving the file again is how a user asks for a second collection.
+    """
+
+    def __init__(self, path: Path, validate: Callable[[Path], MonitorConfig], settle_s: float = 0.2):
+        self.path = Path(path)
+        self._validate = validate
+        self.settle_s = float(settle_s)
+        self._lock = threading.Lock()
+        self._decision = Decision(0, None)
+        self._last_event: float | None = None   # time of the newest change not yet read
+        self._generation = 0                    # bumped by every change, to spot one during a read
+
+    @property
+    def decision(self) -> Decision:
+        return self._decision  # one attribute read: the boundary never waits for the lock
+
+    def note_change(self, now: float) -> None:
+        with self._lock:
+            self._last_event = now
+            self._generation += 1
+
+    def due_in(self, now: float) -> float | None:
+        """Seconds until ``settle`` would read the file; None when no change is pending."""
+        with self._lock:
+            if self._last_event is None:
+                return None
+            return max(0.0, self._last_event + self.settle_s - now)
+
+    def settle(self, now: float) -> Decision | None:
+        """Read the file if a change has rested long enough; the new decision, or None."""
+        with self._lock:
+            if self._last_event is None or now - self._last_event < self.settle_s:
+                return None
+            generation = self._generation
+        try:
+            config = self._validate(self.path)
+        except ConfigError as exc:
+            with self._lock:
+                if generation == self._generation:
+                    self._last_event = None
+            log.error("trainmon: dynamic: the edited config is NOT applied; monitoring stays as it "
+                      "was (last valid version: %d) until the next change. %s", self._decision.version, exc)
+            return None
+        except Exception:  # noqa: BLE001 - a bug here must not kill the watcher, nor the run
+            with self._lock:
+                if generation == self._generation:
+                    self._last_event = None
+            log.exception("trainmon: dynamic: reading %s failed; monitoring continues as it was",
+                          self.path)
+            return None
+        with self._lock:
+            decision = self._stage_locked(config, generation)
+        return self._staged(decision)
+
+    def stage_now(self, fallback: MonitorConfig) -> Decision:
+        """Stage the file as it is now (at ``set_monitor``), or ``fallback`` if it is invalid."""
+        try:
+            config = self._validate(self.path)
+        except ConfigError as exc:
+            log.error("trainmon: dynamic: %s; starting from the config read at TrainerMon()", exc)
+            config = fallback
+        with self._lock:
+            decision = self._stage_locked(config, self._generation)
+        return self._staged(decision)
+
+    def _stage_locked(self, config: MonitorConfig, generation: int) -> Decision | None:
+        if generation != self._generation:
+            return None  # written again while we read it: the newer text is read later
+        self._last_event = None
+        self._decision = Decision(self._decision.version + 1, config if config.dynamic_on else None)
+        return self._decision
+
+    def _staged(self, decision: Decision | None) -> Decision | None:
+        if decision is not None:
+            log.info("trainmon: dynamic: config version %d staged from %s (dynamic_on: %s)",
+                     decision.version, self.path, str(decision.on).lower())
+        return decision
+
+
+# Events that mean "the text may have changed".  Opened / closed-without-writing events are
+# left out on purpose: reading the file ourselves produces them.
+_CHANGE_EVENTS = frozenset({"created", "modified", "moved", "deleted", "closed"})
+
+
+class ConfigWatcher:
+    """A watchdog observer on the config's folder feeding a :class:`ConfigStager`."""
+
+    def __init__(self, stager: ConfigStager, settings: WatchSettings):
+        self.stager = stager
+        self.settings = settings
+        self._target = os.path.abspath(stager.path)
+        self._folder = os.path.dirname(self._target)
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._observer = None
+        self._thread: threading.Thread | None = None
+        self.kind = ""
+
+    def start(self) -> "ConfigWatcher":
+        self._observer = self._start_observer()
+        self._thread = threading.Thread(target=self._settle_loop, name="trainmon-config-settle",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def _start_observer(self):
+        from watchdog.observers.polling import PollingObserver
+
+        if not self.settings.polling:
+            from watchdog.observers import Observer
+            try:
+                return self._schedule(Observer(), "native")
+            except Exception as exc:  # noqa: BLE001 - e.g. the inotify watch limit is reached
+                log.warning("trainmon: dynamic: the native file watcher cannot start on %s (%s); "
+                            "polling every %gs instead", self._folder, exc, self.settings.interval_s)
+        return self._schedule(PollingObserver(timeout=self.settings.interval_s), "polling")
+
+    def _schedule(self, observer, kind: str):
+        handler = _Handler(self._target, self._on_change)
+        observer.schedule(handler, self._folder, recursive=False)
+        observer.daemon = True
+        observer.start()
+        self.kind = kind
+        return observer
+
+    def _on_change(self) -> None:
+        self.stager.note_change(time.monotonic())
+        self._wake.set()
+
+    def _settle_loop(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self.stager.due_in(time.monotonic()))
+            self._wake.clear()
+            if not self._stop.is_set():
+                self.stager.settle(time.monotonic())
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._observer is not None:
+            observer, self._observer = self._observer, None
+            observer.stop()
+            observer.join(timeout=5)
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+
+
+class _Handler:
+    """watchdog event handler: only notes that our file was touched (no I/O in this thread)."""
+
+    def __init__(self, target: str, on_change: Callable[[], None]):
+        self._target = target
+        self._on_change = on_change
+
+    def dispatch(self, event) -> None:
+        if event.event_type not in _CHANGE_EVENTS or event.is_directory:
+            return
+        paths = (event.src_path, getattr(event, "dest_path", "") or "")
+        if any(os.path.abspath(os.fsdecode(p)) == self._target for p in paths if p):
+            self._on_change()
