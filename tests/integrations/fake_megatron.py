@@ -234,7 +234,7 @@ class ChainedOptimizer:
 
 
 def optimizer_config(**kw) -> SimpleNamespace:
-    return SimpleNamespace(clip_grad=0.0, log_num_zeros_in_grad=False, fp16=False, bf16=False, **kw)
+    return SimpleNamespace(**{**dict(clip_grad=0.0, log_num_zeros_in_grad=False, fp16=False, bf16=False), **kw})
 
 
 class _FusedWgrad(torch.autograd.Function):

@@ -35,7 +35,8 @@ def init_parallel(tp: int = 1, pp: int = 1, vpp: int | None = None) -> None:
 
 
 def gpt_model(layers: int = 2, hidden: int = 16, heads: int = 2, vocab: int = 32, seq: int = 8,
-              pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None):
+              pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None,
+              **config):
     """A tiny real ``GPTModel`` (local spec, fp32, dropout 0) on the CPU."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -45,7 +46,7 @@ def gpt_model(layers: int = 2, hidden: int = 16, heads: int = 2, vocab: int = 32
                             use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
                             gradient_accumulation_fusion=False, bias_dropout_fusion=False,
                             apply_rope_fusion=False, masked_softmax_fusion=False,
-                            persist_layer_norm=False)
+                            persist_layer_norm=False, **config)
     kwargs = {} if vp_stage is None else {"vp_stage": vp_stage}
     return GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=vocab,
                     max_sequence_length=seq, pre_process=pre_process, post_process=post_process,

@@ -75,6 +75,8 @@ def _run_case(rank, world, root: Path, case: dict) -> None:
     ref_opt = torch.optim.Adam(ref.parameters(), lr=LR)
     ddp = ms.megatron_ddp(model, cfg, overlap=case["overlap"], dist_opt=case["dist_opt"],
                           bucket_size=case.get("bucket_size"))
+    if case["dist_opt"]:
+        _check_ranges_match_real(ddp.buffers)
     scale = case.get("scale", 1.0)
     inner = torch.optim.Adam(ddp.parameters(), lr=LR)
     if case["dist_opt"]:
@@ -128,6 +130,56 @@ def _run_case(rank, world, root: Path, case: dict) -> None:
                rtol=1e-5 if family != "exp_avg_sq" else 2e-5)
 
 
+def _check_ranges_match_real(buffers) -> None:
+    """The stand-in's owned ranges are the real DistributedOptimizer's, on the real buffers."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer as Real
+
+    from tests.integrations.fake_megatron import DistributedOptimizer as Fake
+
+    def flat(m):
+        return {(key, i, id(p)): {k: (r.start, r.end) for k, r in ranges.items()}
+                for key, buckets in m.items() for i, b in enumerate(buckets)
+                for p, ranges in b["param_map"].items()}
+
+    for buf in buffers:
+        real, fake = flat(Real._build_gbuf_range_map(buf)), flat(Fake._build_gbuf_range_map(buf))
+        assert real and real == fake
+
+
+def _pp_vpp_naming(rank, world, root: Path) -> None:
+    """PP=2 x VPP=2, 4 layers: chunk c of pipeline rank r holds global layer 2c + r + 1."""
+    import json
+
+    from megatron.core import parallel_state
+
+    from tests.integrations import megatron_shim as ms
+    from trainmon import TrainerMon
+
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(1, 2, virtual_pipeline_model_parallel_size=2)
+    chunks = [ms.gpt_model(layers=4, pre_process=(rank == 0 and vp == 0), post_process=(rank == 1 and vp == 1),
+                           vp_stage=vp, pipeline_model_parallel_size=2,
+                           virtual_pipeline_model_parallel_size=2, pipeline_dtype=torch.float32)[0]
+              for vp in range(2)]
+    assert [[layer.layer_number for layer in c.decoder.layers] for c in chunks] == [[1 + rank], [3 + rank]]
+    for global_names in (False, True):
+        out = root / f"pp_names_{global_names}"
+        os.environ["MONITOR_OUTPUT_DIR"] = str(out)
+        cfg = root / f"pp_{global_names}.json"
+        if rank == 0:
+            cfg.write_text(json.dumps(dict(param_distribution=True, ops=["norm"], global_layer_names=global_names)))
+        torch.distributed.barrier()
+        with TrainerMon(cfg).set_monitor(chunks) as monitor:
+            monitor.step()
+        df = read_family(only_run_dir(out) / f"rank{rank}", "param_origin")
+        layers = {(int(v), n.split(".")[2]) for v, n in zip(df["vpp_stage"], df["name"]) if n.startswith("decoder.layers.")}
+        expected = {(0, str(rank)), (1, str(2 + rank))} if global_names else {(0, "0"), (1, "0")}
+        assert layers == expected, (global_names, layers)
+        # the same param under both names: only the layer index changes
+        assert df["name"].str.startswith("embedding.").any() == (rank == 0)
+        assert df["name"].str.startswith("output_layer.").any() == (rank == 1)
+
+
 CASES = [
     dict(id="gpt_allreduce_fp32opt", model="gpt", overlap=False, dist_opt=False),
     dict(id="gpt_distopt_overlap", model="gpt", overlap=True, dist_opt=True, bucket_size=3000,
@@ -143,9 +195,69 @@ def _real_megatron_body(rank, world, root):
     ms.init_parallel()
     for case in CASES:
         _run_case(rank, world, Path(root), case)
+    _pp_vpp_naming(rank, world, Path(root))
     return True
 
 
 @pytest.mark.slow
 def test_real_megatron_ddp_pre_post_moments_params(tmp_path):
     assert run_distributed(_real_megatron_body, world_size=2, timeout=240, args=(str(tmp_path),)) == [True, True]
+
+
+# -- the stand-ins cannot drift from the real classes ------------------------------------------
+
+# attribute / method names trainmon reads, and the real class that must define them
+_READ_BY_TRAINMON = {
+    "DistributedOptimizer": ("model_float16_groups", "model_fp32_groups", "shard_fp32_groups",
+                             "shard_fp32_from_float16_groups", "model_param_gbuf_map", "buffers",
+                             "data_parallel_group", "_get_model_param_range_map", "gbuf_ranges"),
+    "Float16OptimizerWithFloat16Params": ("float16_groups", "fp32_from_float16_groups", "fp32_from_fp32_groups"),
+    "MixedPrecisionOptimizer": ("grad_scaler", "get_loss_scale"),
+    "FP32Optimizer": ("get_loss_scale",),
+    "ChainedOptimizer": ("chained_optimizers",),
+    "MegatronOptimizer": ("optimizer",),
+}
+
+
+def test_stand_in_optimizers_match_real_megatron_names_and_contract():
+    from megatron.core.optimizer import distrib_optimizer, optimizer as real_opt
+
+    from tests.integrations import fake_megatron as fm
+
+    real = {**{n: getattr(real_opt, n) for n in ("Float16OptimizerWithFloat16Params", "MixedPrecisionOptimizer",
+                                                 "FP32Optimizer", "ChainedOptimizer", "MegatronOptimizer")},
+            "DistributedOptimizer": distrib_optimizer.DistributedOptimizer}
+    for cls_name, attrs in _READ_BY_TRAINMON.items():
+        source = inspect.getsource(real[cls_name])
+        for attr in attrs:
+            assert f"self.{attr}" in source or f"def {attr}(" in source, (cls_name, attr)
+    # constructor arguments, in order, are the real ones
+    for name in ("FP32Optimizer", "Float16OptimizerWithFloat16Params", "DistributedOptimizer", "ChainedOptimizer"):
+        real_cls = real[name]
+        fake_args = list(inspect.signature(getattr(fm, name).__init__).parameters)
+        real_args = list(inspect.signature(real_cls.__init__).parameters)
+        assert fake_args == real_args, (name, fake_args, real_args)
+    # step() returns (success, grad_norm, num_zeros) and (False, None, None) on overflow
+    for name in ("FP32Optimizer", "MixedPrecisionOptimizer", "ChainedOptimizer"):
+        src = inspect.getsource(real[name].step)
+        assert "return False, None, None" in src and "num_zeros_in_grad" in src, name
+    # the DDP side: bucket groups and their start_grad_sync / reset, buffers' param_index_map
+    from megatron.core.distributed import distributed_data_parallel as ddp_mod, param_and_grad_buffer as pgb
+
+    assert "self.expert_parallel_bucket_groups" in inspect.getsource(ddp_mod.DistributedDataParallel)
+    group_src = inspect.getsource(pgb._ParamAndGradBucketGroup)
+    for attr in ("def start_grad_sync(", "def reset(", "self.grad_reduce_handle", "self.buckets"):
+        assert attr in group_src, attr
+    assert "self.params_list" in inspect.getsource(pgb._ParamAndGradBucket)
+    assert "self.param_index_map" in inspect.getsource(pgb._ParamAndGradBuffer)
+
+
+def test_fp16_overflow_stand_in_skips_like_megatron():
+    from tests.integrations import fake_megatron as fm
+
+    p = torch.nn.Parameter(torch.ones(3))
+    p.main_grad = torch.tensor([1.0, float("inf"), 0.0])
+    opt = fm.Float16OptimizerWithFloat16Params(torch.optim.Adam([p]), fm.optimizer_config(fp16=True),
+                                               fm.ConstantGradScaler(8.0))
+    assert opt.step() == (False, None, None)
+    assert torch.equal(p.detach(), torch.ones(3))

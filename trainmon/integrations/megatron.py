@@ -108,12 +108,13 @@ class MegatronIntegration(Integration):
 
     @classmethod
     def detect(cls, chunks: Sequence[nn.Module], optimizer: Any) -> bool:
-        return bool(megatron_ddp_modules(chunks)) or _is_megatron_optimizer(optimizer)
+        return (bool(megatron_ddp_modules(chunks)) or _is_megatron_optimizer(optimizer)
+                or any(type(unwrap_model(c)).__module__.startswith("megatron.") for c in chunks))
 
     def __init__(self, chunks: Sequence[nn.Module], optimizer: Any, use_main_grad: bool):
-        super().__init__(chunks, optimizer, use_main_grad)
-        self.use_main_grad = True  # Megatron's grads are main_grad, whatever was detected
         self.ddps = megatron_ddp_modules(chunks)
+        # Megatron DDP's grads are main_grad whatever was detected; a bare Megatron model is torch
+        super().__init__(chunks, optimizer, use_main_grad or bool(self.ddps))
         self._sharded: dict[int, tuple[Any, Any]] | None = None   # param id -> (dist opt, group)
         self._state: dict[int, tuple[Any, Any, Any]] | None = None  # id -> (torch opt, key, group)
         self._warned_no_opt = False
@@ -133,6 +134,8 @@ class MegatronIntegration(Integration):
     # -- pre-reduce ----------------------------------------------------------------------------
     def pre_reduce_points(self, params: list[TrackedParam],
                           emit: Callable[[list[TrackedParam]], None]) -> list[Handle] | None:
+        if not self.ddps:
+            return super().pre_reduce_points(params, emit)
         by_id = {id(tp.param): tp for tp in params}
         handles: list[Handle] = []
         for ddp in self.ddps:
@@ -169,7 +172,7 @@ class MegatronIntegration(Integration):
         return handles
 
     def local_grad(self, tp: TrackedParam) -> View | None:
-        g = getattr(tp.param, "main_grad", None)
+        g = getattr(tp.param, "main_grad", None) if self.use_main_grad else tp.param.grad
         return None if g is None else View(self._unscaled(g))
 
     # -- post-reduce -------------------------------------------------------------------------
@@ -190,7 +193,7 @@ class MegatronIntegration(Integration):
             getattr(getattr(d, "ddp_config", None), "use_distributed_optimizer", False) for d in self.ddps)
 
     def reduced_grad(self, tp: TrackedParam) -> View | None:
-        g = getattr(tp.param, "main_grad", None)
+        g = getattr(tp.param, "main_grad", None) if self.use_main_grad else tp.param.grad
         if g is None:
             return None
         if self._uses_dist_opt_without_optimizer():
