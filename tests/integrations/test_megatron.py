@@ -180,6 +180,68 @@ def _pp_vpp_naming(rank, world, root: Path) -> None:
         assert df["name"].str.startswith("output_layer.").any() == (rank == 1)
 
 
+_STUB_TRAINING = """
+import json, sys, torch
+from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator, get_num_microbatches
+from tests.integrations import fake_megatron as fm, megatron_shim as ms
+
+def setup_model_and_optimizer(*args, **kwargs):
+    torch.manual_seed(0)
+    model, cfg = ms.gpt_model()
+    ddp = ms.megatron_ddp(model, cfg)
+    return [ddp], fm.FP32Optimizer(torch.optim.Adam(ddp.parameters()), fm.optimizer_config()), None
+
+def pretrain(out):
+    rank = torch.distributed.get_rank()
+    init_num_microbatches_calculator(rank, None, global_batch_size=4, micro_batch_size=1, data_parallel_size=2)
+    model, optimizer, _ = setup_model_and_optimizer()
+    tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(rank))
+    pos, mask = torch.arange(8).expand(1, 8), torch.triu(torch.ones(8, 8, dtype=torch.bool), 1)[None, None]
+    for step in range(2):
+        model[0].zero_grad_buffer()
+        for i in range(get_num_microbatches()):
+            model[0](tokens[i:i + 1], pos, mask, labels=tokens[i:i + 1]).mean().backward()
+        model[0].finish_grad_sync()
+        optimizer.step()
+    if rank == 0:
+        open(out, "w").write(json.dumps(sys.argv))
+"""
+
+
+def _launcher_check(rank, world, root: Path) -> None:
+    """The zero-edit launcher runs a script whose ``pretrain`` is monitored without any edit."""
+    import json
+    import sys
+
+    from megatron.core import parallel_state
+
+    import examples.megatron_patch as patch
+
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(1, 1)
+    stub = root / "stub" / "megatron" / "training"
+    if rank == 0:
+        stub.mkdir(parents=True)
+        (stub / "__init__.py").write_text("")
+        (stub / "training.py").write_text(_STUB_TRAINING)
+        (root / "pretrain_stub.py").write_text(
+            "import sys\nfrom megatron.training.training import pretrain\npretrain(sys.argv[2])\n")
+        (root / "launch.json").write_text(json.dumps(dict(wg_distribution=True, ops=["norm"])))
+    torch.distributed.barrier()
+    sys.path.insert(0, str(root / "stub"))
+    os.environ.update(TRAINMON_CONFIG=str(root / "launch.json"), MONITOR_OUTPUT_DIR=str(root / "launch_out"))
+    patch.main(["megatron_patch.py", str(root / "pretrain_stub.py"), "--out", str(root / "argv.json")])
+    for monitor in patch._MONITORS:
+        monitor.close()
+    torch.distributed.barrier()
+    assert json.loads((root / "argv.json").read_text())[1:] == ["--out", str(root / "argv.json")]
+    rank_dir = only_run_dir(root / "launch_out") / f"rank{rank}"
+    for family in ("grad_unreduced", "grad_reduced"):
+        df = read_family(rank_dir, family)
+        assert sorted(df["step"].unique()) == [0, 1] and (df["norm"] > 0).all(), family
+    assert patch.attach_trainmon([], None) is None     # --skip-train
+
+
 CASES = [
     dict(id="gpt_allreduce_fp32opt", model="gpt", overlap=False, dist_opt=False),
     dict(id="gpt_distopt_overlap", model="gpt", overlap=True, dist_opt=True, bucket_size=3000,
@@ -196,6 +258,7 @@ def _real_megatron_body(rank, world, root):
     for case in CASES:
         _run_case(rank, world, Path(root), case)
     _pp_vpp_naming(rank, world, Path(root))
+    _launcher_check(rank, world, Path(root))
     return True
 
 
