@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO stages 1 and 3 on CPU/gloo (``DS_ACCELERATOR=cpu``), 2 ranks, 2 micro-batches.
+"""DeepSpeed ZeRO stages 0-3 on CPU/gloo (``DS_ACCELERATOR=cpu``), 2 ranks, 2 micro-batches.
 
 Truths: each rank's local accumulated grad from a plain copy (stage 1 ``grad_unreduced``); the
 single-process full-batch grad and a plain ``torch.optim.Adam`` on the full batch
@@ -81,7 +81,7 @@ def _stage(rank, world, root: Path, stage: int) -> None:
             engine.backward(engine(mb).pow(2).mean())
             engine.step()
         norms.append(engine.get_global_grad_norm())
-        truth[("param_updated", step)] = {n: reference_stats(safe_get_full_fp32_param(p))
+        truth[("param_updated", step)] = {n: reference_stats(p if stage == 0 else safe_get_full_fp32_param(p))
                                           for n, p in engine.module.named_parameters()}
     monitor.close()
     rank_dir = only_run_dir(out) / f"rank{rank}"
@@ -92,17 +92,21 @@ def _stage(rank, world, root: Path, stage: int) -> None:
         _check(read_family(rank_dir, family), t, family, step, rtol=2e-5 if family == "exp_avg_sq" else 1e-5)
     reduced = read_family(rank_dir, "grad_reduced")
     for step, norm in enumerate(norms):
+        if norm is None:   # stage 0 with a plain torch optimizer computes no global norm
+            assert stage == 0
+            continue
         merged = math.sqrt((reduced[reduced["step"] == step]["norm"] ** 2).sum())
         assert merged == pytest.approx(float(norm), rel=1e-5), (stage, step)
 
 
 def _body(rank, world, root):
-    for stage in (1, 3):
+    for stage in (0, 1, 2, 3):
         _stage(rank, world, Path(root), stage)
     return True
 
 
 @pytest.mark.slow
-def test_deepspeed_zero_stages_1_and_3(tmp_path, monkeypatch):
+@pytest.mark.timeout(900)   # the first run on a machine JIT-builds DeepSpeed's shm comm op
+def test_deepspeed_zero_stages_0_to_3(tmp_path, monkeypatch):
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    assert run_distributed(_body, world_size=2, timeout=280, args=(str(tmp_path),)) == [True, True]
+    assert run_distributed(_body, world_size=2, timeout=840, args=(str(tmp_path),)) == [True, True]
