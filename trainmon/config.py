@@ -83,6 +83,7 @@ class MonitorConfig:
     all_xy: bool = False
     print_struct: bool = False
     squash_name: bool = False
+    global_layer_names: bool = False   # Megatron PP/VPP: name layers by their global layer_number
     module_ranks: tuple[int, ...] = ()
     step_count_per_record: int = 1
     dynamic_on: bool = False
@@ -399,7 +400,7 @@ def _parse_alert(r: _Reader, key: str, value: object, default: AlertConfig) -> A
 
 _BOOLS = ("wg_distribution", "mv_distribution", "param_distribution", "ur_distribution",
           "xy_distribution", "forward_only", "backward_only", "all_xy", "print_struct",
-          "squash_name", "dynamic_on")
+          "squash_name", "dynamic_on", "global_layer_names")
 
 _SECTIONS: dict[str, Callable] = {
     "targets": _parse_targets,

@@ -167,6 +167,7 @@ class TrainerMon:
         clock = StepClock(Schedule(cfg.start_step, cfg.step_interval, cfg.collect_times),
                           grad_acc_steps, first_step=start_iteration)
         integration = select_integration(chunks, optimizer, use_main_grad)
+        params = integration.display_params(params, cfg)
         return CollectorContext(config=cfg, chunks=chunks, params=params, matcher=matcher,
                                 engine=StatsEngine(cfg.ops, cfg.eps), clock=clock, optimizer=optimizer,
                                 use_main_grad=use_main_grad, distributed=distributed,

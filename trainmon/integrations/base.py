@@ -61,6 +61,10 @@ class Integration:
         g = getattr(tp.param, "main_grad", None) if self.use_main_grad else tp.param.grad
         return None if g is None else View(g)
 
+    def display_params(self, params: list[TrackedParam], config: Any) -> list[TrackedParam]:
+        """The params as they are named in the output (stacks may map local to global names)."""
+        return params
+
     # -- at and after the optimizer step -----------------------------------------------------
     def reduced_grad(self, tp: TrackedParam) -> View | None:
         return self.local_grad(tp)

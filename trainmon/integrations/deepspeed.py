@@ -1,0 +1,127 @@
+"""DeepSpeed ZeRO: reduced grads, fp32 params and moments from this rank's fragments.
+
+``safe_get_full_*`` are per-param collectives (and gather whole tensors): instead every rank
+measures the fragment it owns and the engine merges the partials over the data-parallel group
+in one exchange per family, which gives the statistics of the full tensors.
+
+* stage 0: plain torch (``param.grad`` after DeepSpeed's all-reduce, ``optimizer.state``).
+* stages 1-2: ``param._hp_mapping`` links each model param to its slice of this rank's fp32
+  partition: the reduced grad (``averaged_gradients``), the fp32 master and the moments.
+* stage 3: ``param._z3_optimizer`` hands out this rank's fp32 grad / param / moment partition;
+  the padding at the end of the last partition is cut off.
+
+Pre-reduce (``grad_unreduced``), as DeepSpeed defines the reduce: stages 0 and 1 reduce once at
+the gradient-accumulation boundary, so the generic post-accumulate-grad hook sees this rank's
+accumulated local grad; stages 2 and 3 reduce (and free ``param.grad``) on every micro-batch, so
+an accumulated local grad never exists: ``grad_unreduced`` is not recorded for them.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn as nn
+
+from trainmon.hooks import Handle
+from trainmon.integrations.base import Integration, View, register_integration
+from trainmon.naming import TrackedParam
+
+__all__ = ["DeepSpeedIntegration"]
+
+log = logging.getLogger(__name__)
+
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _engine(chunks: Sequence[nn.Module]) -> Any:
+    for c in chunks:
+        if type(c).__name__ == "DeepSpeedEngine" and hasattr(c, "zero_optimization_stage"):
+            return c
+    return None
+
+
+@register_integration
+class DeepSpeedIntegration(Integration):
+    name = "deepspeed"
+
+    @classmethod
+    def detect(cls, chunks: Sequence[nn.Module], optimizer: Any) -> bool:
+        return _engine(chunks) is not None
+
+    def __init__(self, chunks: Sequence[nn.Module], optimizer: Any, use_main_grad: bool):
+        super().__init__(chunks, optimizer, use_main_grad)
+        self.engine = _engine(chunks)
+        self.stage = int(self.engine.zero_optimization_stage())
+        self.zero = self.engine.optimizer if self.stage > 0 else None
+        self.group = getattr(self.zero, "dp_process_group", None)
+
+    def pre_reduce_points(self, params: list[TrackedParam],
+                          emit: Callable[[list[TrackedParam]], None]) -> list[Handle] | None:
+        if self.stage <= 1:
+            return None   # reduced once at the boundary: the generic hooks see the local grad
+        log.warning("trainmon: DeepSpeed ZeRO stage %d reduces every micro-batch and keeps no "
+                    "accumulated local grad; grad_unreduced is not recorded", self.stage)
+        return []
+
+    # -- fragments ---------------------------------------------------------------------------
+    def _z3_valid(self, tp: TrackedParam, t: torch.Tensor) -> torch.Tensor:
+        """This rank's partition without the padding that rounds partitions up."""
+        rank = torch.distributed.get_rank(self.group)
+        size = t.numel()
+        valid = max(0, min(size, tp.param.ds_numel - rank * size))
+        return t.reshape(-1)[:valid]
+
+    def _sharded(self, tp: TrackedParam, t: torch.Tensor | None) -> View:
+        if t is None:
+            t = torch.empty(0, dtype=torch.float32, device=tp.param.device)
+        return View(t.reshape(-1), self.group, self._shape(tp))
+
+    @staticmethod
+    def _shape(tp: TrackedParam) -> tuple[int, ...]:
+        return tuple(getattr(tp.param, "ds_shape", None) or tp.param.shape)
+
+    def reduced_grad(self, tp: TrackedParam) -> View | None:
+        if self.stage == 0:
+            return super().reduced_grad(tp)
+        if self.stage == 3:
+            g = self.zero.get_local_fp32_grad_for_param(tp.param)
+            return self._sharded(tp, None if g is None else self._z3_valid(tp, g))
+        mapping = getattr(tp.param, "_hp_mapping", None)
+        if mapping is None:
+            return self._sharded(tp, None)
+        frag = mapping.get_lp_grad_fragment(tp.param._index_in_param_group).reshape(-1).float()
+        address = mapping.lp_fragment_address
+        if frag.numel() == tp.param.numel() and frag.numel() != address.numel:
+            frag = frag.narrow(0, address.start, address.numel)   # a full local buffer (bf16)
+        return self._sharded(tp, frag)
+
+    def param(self, tp: TrackedParam) -> View:
+        if self.stage == 0:
+            return super().param(tp)
+        if self.stage == 3:
+            return self._sharded(tp, self._z3_valid(tp, self.zero.get_local_fp32_param(tp.param)).detach())
+        mapping = getattr(tp.param, "_hp_mapping", None)
+        return self._sharded(tp, None if mapping is None else mapping.hp_fragment.detach())
+
+    def moments(self, tp: TrackedParam) -> dict[str, View]:
+        if self.stage == 0:
+            return super().moments(tp)
+        out = {}
+        for key in _MOMENTS:
+            out[key] = self._sharded(tp, self._moment(tp, key))
+        return out
+
+    def _moment(self, tp: TrackedParam, key: str) -> torch.Tensor | None:
+        if self.stage == 3:
+            try:
+                t = self.zero.get_local_fp32_param(tp.param, key)
+            except (KeyError, ValueError):
+                return None
+            return None if t is None else self._z3_valid(tp, t)
+        mapping = getattr(tp.param, "_hp_mapping", None)
+        frags = getattr(mapping, "optim_fragment", None) or {}
+        return frags.get(key)
+
+    def has_moments(self) -> bool:
+        return True if self.stage > 0 else super().has_moments()
