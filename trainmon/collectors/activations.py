@@ -66,6 +66,29 @@ class _RowCache:
         self._rows.clear()
 
 
+class _HookedTensors:
+    """(tensor, name) pairs that carry a grad hook in this step.  A non-reentrant checkpoint
+    recomputes with the very input tensors of the first forward: hooking them again would
+    record their gradient twice."""
+
+    def __init__(self) -> None:
+        self._names: dict[int, tuple[Any, set[str]]] = {}
+
+    def add(self, t: torch.Tensor, name: str) -> bool:
+        """False when ``t`` already has a hook for ``name``."""
+        entry = self._names.get(id(t))
+        if entry is None or entry[0]() is not t:
+            self._names[id(t)] = (weakref.ref(t), {name})
+            return True
+        if name in entry[1]:
+            return False
+        entry[1].add(name)
+        return True
+
+    def clear(self) -> None:
+        self._names.clear()
+
+
 def _version(t: torch.Tensor) -> int:
     return -1 if t.is_inference() else t._version  # inference tensors have no version counter
 
@@ -84,6 +107,7 @@ class ActivationCollector(Collector):
         self._forward = not cfg.backward_only
         self._backward = not cfg.forward_only
         self._cache = _RowCache()
+        self._hooked = _HookedTensors()
         self._counts: list[int] = [0] * len(self.ctx.chunks)
         self._count_step = self.ctx.clock.step
         if cfg.module_ranks and self.ctx.rank not in cfg.module_ranks:
@@ -154,7 +178,7 @@ class ActivationCollector(Collector):
             self._capture("actv", hm.vpp_stage, names, tensors, micro)
         if self._backward and torch.is_grad_enabled():
             for name, t in zip(names, tensors):
-                if t.requires_grad:
+                if t.requires_grad and self._hooked.add(t, name):
                     t.register_hook(functools.partial(self._grad_hook, hm.vpp_stage, name))
 
     # -- backward --------------------------------------------------------------------------
@@ -180,8 +204,10 @@ class ActivationCollector(Collector):
 
     def on_step_end(self) -> None:
         self._cache.clear()
+        self._hooked.clear()
 
     def detach(self) -> None:
         self._live = False  # grad hooks already on tensors of this step become no-ops
         self._cache.clear()
+        self._hooked.clear()
         super().detach()
