@@ -290,3 +290,44 @@ def test_squash_name_in_output_and_clashes_keep_full_names(output_root, make_con
     # language_model.layers.0 and other.layers.0 would both be layers.0
     assert {"language_model.layers.0.input", "other.layers.0.input"} <= names
     assert "squash_name would give 2 modules the same name" in caplog.text
+
+
+def test_print_struct_writes_the_tree_and_training_continues(output_root, make_config, caplog):
+    torch.manual_seed(0)
+    model = Net()
+    seen = {}
+    def note(name, args, kwargs, out):
+        seen.setdefault(name or "root", ([list(t.shape) for t in _flat(kwargs, _flat(args, []))],
+                                         [list(t.shape) for t in _flat(out, [])]))
+
+    for name, m in model.named_modules():
+        m.register_forward_hook(lambda mod, a, kw, out, n=name: note(n, a, kw, out), with_kwargs=True)
+    cfg = dict(print_struct=True, xy_distribution=True, targets=["mlp"])
+    with caplog.at_level(logging.INFO, logger="trainmon"):
+        _, losses = run(model, cfg, make_config, steps=3, acc=1, truth=False)
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses)  # the run went on
+    run_dir = only_run_dir(output_root)
+    assert sorted(read_family(run_dir / "rank0", "actv")["step"].unique()) == [0, 1, 2]
+    import json
+    tree = json.loads((run_dir / "module_struct.json").read_text())["chunks"][0]["tree"]
+    assert tree["name"] == "root" and tree["type"] == "Net"
+
+    def walk(node):
+        yield node
+        for c in node["children"]:
+            yield from walk(c)
+
+    nodes = {n["name"]: n for n in walk(tree)}
+    assert set(nodes) == {n or "root" for n, _ in model.named_modules()}
+    for name, node in nodes.items():
+        if name == "attn.out_proj":  # MultiheadAttention uses its weight, never calls it
+            assert not node["called"] and name not in seen
+            continue
+        assert node["called"], name
+        assert [io["shape"] for io in node["input"]] == seen[name][0], name
+        assert [io["shape"] for io in node["output"]] == seen[name][1], name
+    assert nodes["embedding"]["input"] == [{"name": "embedding.input", "shape": [4, 8], "dtype": "torch.int64"}]
+    assert [io["name"] for io in nodes["mix"]["input"]] == ["mix.input.0", "mix.input.1"]
+    assert [c["name"] for c in nodes["mlp"]["children"]] == ["mlp.0", "mlp.1", "mlp.2"]
+    assert "module structure (print_struct; training continues)" in caplog.text
+    assert "  mlp.1 (ReLU)  in: float32[4, 8, 32]  out: float32[4, 8, 32]" in caplog.text
