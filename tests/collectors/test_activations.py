@@ -32,14 +32,14 @@ class Net(nn.Module):
     """Embedding (integer input), LayerNorm, attention with a tuple output and keyword args,
     a module with a keyword tensor and tuple output, an MLP with an in-place ReLU."""
 
-    def __init__(self):
+    def __init__(self, inplace: bool = True):
         super().__init__()
         self.embedding = nn.Embedding(V, D)
         self.ln = nn.LayerNorm(D)
         self.attn = nn.MultiheadAttention(D, 2, batch_first=True)
         self.gate = nn.Linear(D, D)
         self.mix = Mix()
-        self.mlp = nn.Sequential(nn.Linear(D, 2 * D), nn.ReLU(inplace=True), nn.Linear(2 * D, D))
+        self.mlp = nn.Sequential(nn.Linear(D, 2 * D), nn.ReLU(inplace=inplace), nn.Linear(2 * D, D))
         self.head = nn.Linear(D, V)
 
     def forward(self, tokens):
@@ -131,9 +131,13 @@ def assert_rows_match(df, truth, family, ops=OPS, rtol=1e-5):
 
 
 def test_values_names_and_micro_steps_equal_own_hooks(output_root, make_config):
+    # The truth comes from a twin run without the in-place ReLU (same values, and plain tensor
+    # hooks see every gradient there); the monitored run has it.
     torch.manual_seed(0)
-    model = Net()
-    truth, _ = run(model, dict(xy_distribution=True, all_xy=True, ops=OPS), make_config)
+    truth, base_losses = run(Net(inplace=False), None, make_config)
+    torch.manual_seed(0)
+    _, losses = run(Net(), dict(xy_distribution=True, all_xy=True, ops=OPS), make_config, truth=False)
+    assert losses == base_losses
     rank0 = only_run_dir(output_root) / "rank0"
     actv, grad = read_family(rank0, "actv"), read_family(rank0, "actv_grad")
     for df in (actv, grad):
@@ -154,6 +158,10 @@ def test_values_names_and_micro_steps_equal_own_hooks(output_root, make_config):
     # in-place ReLU after the Linear: the Linear's output keeps its pre-ReLU values
     lin, relu = (actv[(actv["name"] == n) & (actv["step"] == 0)] for n in ("mlp.0.output", "mlp.1.output"))
     assert (lin["min"] < 0).all() and (relu["min"] >= 0).all()
+    # and the gradient w.r.t. the Linear's (pre-ReLU) output is there although the in-place op
+    # rebased that view, with the view's shape
+    lin_grad = grad[grad["name"] == "mlp.0.output"]
+    assert len(lin_grad) == 6 and (lin_grad["shape"] == "[4, 8, 32]").all()
     # rows come in call order: forward inputs before outputs, backward from the loss down
     first = actv[(actv.step == 0) & (actv.micro_step == 0)]["name"].tolist()
     assert first[:2] == ["embedding.input", "embedding.output"]

@@ -89,6 +89,16 @@ class _HookedTensors:
         self._names.clear()
 
 
+def _same_elements_base(t: torch.Tensor) -> torch.Tensor | None:
+    """The base of view ``t`` when both are contiguous and hold exactly the same elements."""
+    base = t._base
+    if (base is None or not base.requires_grad or base.numel() != t.numel()
+            or base.storage_offset() != t.storage_offset() or base.dtype != t.dtype
+            or not (t.is_contiguous() and base.is_contiguous())):
+        return None
+    return base
+
+
 def _version(t: torch.Tensor) -> int:
     return -1 if t.is_inference() else t._version  # inference tensors have no version counter
 
@@ -130,6 +140,7 @@ class ActivationCollector(Collector):
                 wrap(functools.partial(self._inputs, hm)), with_kwargs=True))
             self._hook(hm.module.register_forward_hook(wrap(functools.partial(self._outputs, hm))))
         self._grad_hook = self.ctx.guard.wrap(self, self._on_grad)
+        self._base_grad_hook = self.ctx.guard.wrap(self, self._on_base_grad)
         self._backward_mark = self.ctx.guard.wrap(self, self._on_backward_start)
 
     def _hook(self, handle: Any) -> None:
@@ -179,18 +190,38 @@ class ActivationCollector(Collector):
         if self._backward and torch.is_grad_enabled():
             for name, t in zip(names, tensors):
                 if t.requires_grad and self._hooked.add(t, name):
-                    t.register_hook(functools.partial(self._grad_hook, hm.vpp_stage, name))
+                    self._hook_grad(hm.vpp_stage, name, t)
+
+    def _hook_grad(self, vpp: int, name: str, t: torch.Tensor) -> None:
+        fired = [False]
+        t.register_hook(functools.partial(self._grad_hook, vpp, name, fired))
+        base = _same_elements_base(t)
+        if base is not None:
+            # A hook on a view is lost when the view is later modified in place (Linear on a 3-D
+            # input returns a view; ReLU(inplace=True) then rebases it).  Its base still gets
+            # the gradient of these very elements, after the view's would have: it is used only
+            # when the view's own hook did not run.
+            base.register_hook(functools.partial(self._base_grad_hook, vpp, name, fired, tuple(t.shape)))
 
     # -- backward --------------------------------------------------------------------------
-    def _on_grad(self, vpp: int, name: str, grad: torch.Tensor | None) -> None:
+    def _on_grad(self, vpp: int, name: str, fired: list[bool], grad: torch.Tensor | None) -> None:
+        fired[0] = True
         clock = self.ctx.clock
         if grad is None or not self._live or not clock.collecting:
             return
         self._capture("actv_grad", vpp, [name], [grad], clock.enter_backward())
 
+    def _on_base_grad(self, vpp: int, name: str, fired: list[bool], shape: tuple[int, ...],
+                      grad: torch.Tensor | None) -> None:
+        if fired[0]:  # the view's hook ran: not the lost-hook case
+            return
+        clock = self.ctx.clock
+        if grad is not None and self._live and clock.collecting:
+            self._capture("actv_grad", vpp, [name], [grad], clock.enter_backward(), shape=shape)
+
     # -- stats -----------------------------------------------------------------------------
     def _capture(self, family: str, vpp: int, names: list[str], tensors: list[torch.Tensor],
-                 micro: int) -> None:
+                 micro: int, shape: tuple[int, ...] | None = None) -> None:
         cache = self._cache
         rows: list[torch.Tensor | None] = [cache.get(t) for t in tensors]
         missing = [i for i, r in enumerate(rows) if r is None]
@@ -199,7 +230,7 @@ class ActivationCollector(Collector):
             for i, row in zip(missing, fresh):
                 rows[i] = row
                 cache.put(tensors[i], row)
-        items = [Tracked(n, t, vpp) for n, t in zip(names, tensors)]
+        items = [Tracked(n, t, vpp, shape) for n, t in zip(names, tensors)]
         self.ctx.engine.capture_rows(family, items, rows, micro_step=micro)  # type: ignore[arg-type]
 
     def on_step_end(self) -> None:
