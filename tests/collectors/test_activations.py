@@ -339,3 +339,38 @@ def test_print_struct_writes_the_tree_and_training_continues(output_root, make_c
     assert [c["name"] for c in nodes["mlp"]["children"]] == ["mlp.0", "mlp.1", "mlp.2"]
     assert "module structure (print_struct; training continues)" in caplog.text
     assert "  mlp.1 (ReLU)  in: float32[4, 8, 32]  out: float32[4, 8, 32]" in caplog.text
+
+
+def test_compiled_model_records_the_uncompiled_boundaries(tmp_path, monkeypatch, make_config, caplog):
+    """torch.compile: hooks run eagerly at every selected module (graph breaks), so the rows are
+    those of the eager model.  aot_eager exercises dynamo and AOT autograd without a C compiler."""
+    frames = {}
+    for backend in (None, "aot_eager"):
+        out = tmp_path / f"out_{backend}"
+        monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(out))
+        torch.manual_seed(0)
+        net = Net()
+        model = net if backend is None else torch.compile(net, backend=backend)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        with caplog.at_level(logging.WARNING, logger="trainmon"):
+            monitor = TrainerMon(make_config(xy_distribution=True, all_xy=True, ops=OPS))
+            monitor.set_monitor(model, grad_acc_steps=2, optimizer=optimizer)
+        data = synthetic_batches(GPTConfig(vocab=V, seq=8), 4, 4, seed=2)
+        for _ in range(2):
+            for _ in range(2):
+                tokens = next(data)
+                logits = model(tokens[:, :-1])
+                (F.cross_entropy(logits.reshape(-1, V), tokens[:, 1:].reshape(-1)) / 2).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        monitor.close()
+        rank0 = only_run_dir(out) / "rank0"
+        frames[backend] = {f: read_family(rank0, f) for f in ("actv", "actv_grad")}
+    assert "the model uses torch.compile" in caplog.text
+    for family in ("actv", "actv_grad"):
+        eager, compiled = frames[None][family], frames["aot_eager"][family]
+        key = ["step", "micro_step", "name"]
+        merged = eager.merge(compiled, on=key, suffixes=("", "_c"))
+        assert len(merged) == len(eager) == len(compiled), family
+        for op in OPS[:5]:
+            assert merged[op].to_numpy() == pytest.approx(merged[op + "_c"].to_numpy(), rel=1e-5, abs=1e-9)
