@@ -130,7 +130,7 @@ class ActivationCollector(Collector):
                         "those of the uncompiled module boundaries and the compiled model runs in "
                         "more pieces (select fewer modules with targets to keep it fast)",
                         len(self.modules))
-        wrap = lambda fn: hook_fn(self.ctx.guard.wrap(self, fn), compiled)  # noqa: E731
+        wrap = lambda fn: hook_fn(self._gated(fn), compiled)  # noqa: E731
         for vpp, chunk in enumerate(self.ctx.chunks):  # first: counting runs before recording
             self._hook(chunk.register_forward_pre_hook(wrap(functools.partial(self._chunk_begins, vpp))))
             if self._backward:
@@ -142,6 +142,16 @@ class ActivationCollector(Collector):
         self._grad_hook = self.ctx.guard.wrap(self, self._on_grad)
         self._base_grad_hook = self.ctx.guard.wrap(self, self._on_base_grad)
         self._backward_mark = self.ctx.guard.wrap(self, self._on_backward_start)
+
+    def _gated(self, fn: Any) -> Any:
+        """A module hook that costs one flag check on steps that are not collected."""
+        clock, guarded = self.ctx.clock, self.ctx.guard.wrap(self, fn)
+
+        def hook(*args: Any) -> None:
+            if clock.collecting:
+                guarded(*args)
+
+        return hook
 
     def _hook(self, handle: Any) -> None:
         self.handles.append(Handle(handle.remove))
