@@ -425,6 +425,9 @@ def _check_combinations(r: _Reader, values: Mapping[str, object]) -> None:
     if values.get("forward_only") and values.get("backward_only"):
         r.bad("backward_only", "True together with forward_only: True records nothing "
                                "(set at most one of them)")
+    if values.get("xy_distribution") and not values.get("targets") and not values.get("all_xy"):
+        r.bad("xy_distribution", "True needs targets (the modules to record) or all_xy: True "
+                                 "(every module)")
 
 
 def parse_config(data: object, source: str) -> MonitorConfig:

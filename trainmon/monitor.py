@@ -171,7 +171,8 @@ class TrainerMon:
         return CollectorContext(config=cfg, chunks=chunks, params=params, matcher=matcher,
                                 engine=StatsEngine(cfg.ops, cfg.eps), clock=clock, optimizer=optimizer,
                                 use_main_grad=use_main_grad, distributed=distributed,
-                                dp_group=dp_group, tp_group=tp_group, integration=integration)
+                                dp_group=dp_group, tp_group=tp_group, integration=integration,
+                                run_dir=self.run_dir, rank=self.rank)
 
     def step(self) -> None:
         """Mark a step boundary by hand (only when no optimizer was given to ``set_monitor``)."""

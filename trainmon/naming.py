@@ -10,7 +10,13 @@ import torch.nn as nn
 
 from trainmon.errors import ConfigError, Problem
 
-__all__ = ["unwrap_model", "clean_name", "TrackedParam", "tracked_params", "TargetMatcher"]
+__all__ = ["unwrap_model", "clean_name", "TrackedParam", "tracked_params", "TargetMatcher", "ROOT_NAME",
+           "squash_name"]
+
+# The name that selects (and reports) a chunk's root module itself; named_modules() calls it "".
+ROOT_NAME = "root"
+# squash_name keeps a name from the first segment that is "layers" or starts with one of these.
+_SQUASH_STARTS = ("embedding", "final", "output")
 
 # Objects whose only job is to wrap ``.module`` (their names add a ``module.`` prefix).
 _WRAPPER_CLASSES = {"DistributedDataParallel", "DataParallel", "Float16Module",
@@ -58,8 +64,23 @@ def tracked_params(chunks: Sequence[nn.Module]) -> list[TrackedParam]:
 
 
 def module_names(chunks: Sequence[nn.Module]) -> list[tuple[int, str]]:
-    return [(vpp, clean_name(n)) for vpp, c in enumerate(chunks)
-            for n, _ in unwrap_model(c).named_modules() if n]
+    """Every module of every chunk, the root as ``ROOT_NAME``."""
+    return [(vpp, clean_name(n) or ROOT_NAME) for vpp, c in enumerate(chunks)
+            for n, _ in unwrap_model(c).named_modules()]
+
+
+def squash_name(name: str) -> str:
+    """Drop the framework prefix of a name: keep it from the first ``layers.`` segment, or the
+    first segment starting with ``embedding``, ``final`` or ``output``; otherwise unchanged.
+
+    ``module.language_model.encoder.layers.3.mlp`` -> ``layers.3.mlp``,
+    ``language_model.embedding.word_embeddings`` -> ``embedding.word_embeddings``.
+    """
+    segs = name.split(".")
+    for i, seg in enumerate(segs):
+        if (seg == "layers" and i + 1 < len(segs)) or seg.startswith(_SQUASH_STARTS):
+            return ".".join(segs[i:])
+    return name
 
 
 class TargetMatcher:
@@ -91,6 +112,10 @@ class TargetMatcher:
         if vpp is not None and vpp != vpp_stage:
             return False
         return name == t or name.startswith(t + ".")
+
+    def names_exactly(self, name: str, vpp_stage: int = 0) -> bool:
+        """True when a target is this very name (modules for activations: no subtree)."""
+        return any(t == name and (v is None or v == vpp_stage) for v, t in self._parsed)
 
     def check_all_used(self, names: Sequence[tuple[int, str]], source: str) -> None:
         """ConfigError naming close matches for every target that selects nothing."""

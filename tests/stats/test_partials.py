@@ -101,3 +101,17 @@ def test_rows_keep_capture_order_and_metadata():
     assert [(r.family, r.name, r.vpp_stage, r.step, r.shape, r.dtype) for r in rows] == [
         ("a", "w", 1, 5, (2, 3), "torch.float32"), ("b", "v", 0, 5, (8,), "torch.float32")]
     assert engine.finish_step(6) == []
+
+
+@pytest.mark.parametrize("numel", [1, 7, 5000, 70000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_lean_single_tensor_path_equals_the_batched_one(numel, dtype):
+    from trainmon.stats.partials import _group_partials, compute_partials
+
+    torch.manual_seed(numel)
+    t = (torch.randn(numel) * 3 + 1).to(dtype)
+    for columns in [("count", "sum", "sumsq", "min", "max"), ("count", "sumsq"), ("count", "min", "max")]:
+        lean = compute_partials([t], columns, 1e-8)[0]
+        batched = _group_partials([t], columns, 1e-8)[0]
+        assert lean.dtype == torch.float64 and lean.shape == batched.shape
+        assert torch.allclose(lean, batched, rtol=1e-12, atol=0), columns

@@ -41,6 +41,8 @@ class CollectorContext:
     dp_group: Any = None
     tp_group: Any = None
     integration: Any = None               # trainmon.integrations.base.Integration
+    run_dir: Any = None                   # pathlib.Path of the run, None when nothing is written
+    rank: int = 0
     guard: "Guard" = field(default=None)  # type: ignore[assignment]
 
 

@@ -68,11 +68,25 @@ class StatsEngine:
         """
         if not items:
             return
-        rows = compute_partials([it.tensor for it in items], self.columns, self.eps)
+        rows = self.partials([it.tensor for it in items])
+        self.capture_rows(family, items, rows, micro_step=micro_step, extra=extra, group=group)
+
+    def partials(self, tensors: Sequence[torch.Tensor], *, no_sync: bool = False) -> list[torch.Tensor]:
+        """Partials rows of ``tensors`` as they are now (``no_sync``: never read the device on
+        the host, for hooks that run inside the forward/backward on an accelerator)."""
+        return compute_partials(tensors, self.columns, self.eps, no_sync=no_sync)
+
+    def capture_rows(self, family: str, items: Sequence[Tracked], rows: Sequence[torch.Tensor], *,
+                     micro_step: int | None = None, extra: dict[str, Any] | None = None,
+                     group: Any = None) -> None:
+        """Record rows from ``partials`` under the names of ``items`` (one row may serve several
+        names: a tensor that is the output of one module and the input of the next)."""
+        if not items:
+            return
         metas = [Meta(family, it.name, it.vpp_stage,
                       it.shape if it.shape is not None else tuple(it.tensor.shape),
                       str(it.tensor.dtype), micro_step, dict(extra or {})) for it in items]
-        self._pending.append(_Pending(metas, rows, self.columns, group=group))
+        self._pending.append(_Pending(metas, list(rows), self.columns, group=group))
 
     def capture_values(self, family: str, metas: Sequence[Meta], values: Sequence[torch.Tensor],
                        columns: Sequence[str]) -> None:

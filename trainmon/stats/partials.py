@@ -43,26 +43,49 @@ def device_columns(partials: Sequence[str]) -> tuple[str, ...]:
 
 
 @torch.no_grad()
-def compute_partials(tensors: Sequence[torch.Tensor], columns: Sequence[str], eps: float
-                     ) -> list[torch.Tensor]:
+def compute_partials(tensors: Sequence[torch.Tensor], columns: Sequence[str], eps: float,
+                     no_sync: bool = False) -> list[torch.Tensor]:
     """Partials rows, one ``[len(columns)]`` float64 tensor per input, on that input's device.
 
     Returned per tensor (not stacked) because inputs may live on different devices; the engine
-    stacks rows per device at the end of the step.
+    stacks rows per device at the end of the step.  ``no_sync``: off the CPU, NaN/Inf counts are
+    computed for every tensor instead of only after a host check of the sums of squares.
     """
     rows: list[torch.Tensor | None] = [None] * len(tensors)
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = defaultdict(list)
     for i, t in enumerate(tensors):
         groups[(t.device, t.dtype)].append(i)
+    lean = set(columns) <= _LEAN_COLUMNS
     for (device, dtype), idx in groups.items():
         group = [tensors[i] for i in idx]
-        if device.type == "cpu" and dtype in _LOW_PRECISION:
+        if lean and len(group) == 1 and group[0].numel() and group[0].is_floating_point() and not (
+                device.type == "cpu" and dtype in _LOW_PRECISION):
+            mats = [_lean_partials(group[0], columns)]
+        elif device.type == "cpu" and dtype in _LOW_PRECISION:
             mats = [_chunked_partials(t, columns, eps) for t in group]
         else:
-            mats = list(_group_partials(group, columns, eps).unbind(0))
+            mats = list(_group_partials(group, columns, eps, no_sync).unbind(0))
         for i, row in zip(idx, mats):
             rows[i] = row
     return rows  # type: ignore[return-value]
+
+
+_LEAN_COLUMNS = {"count", "sum", "sumsq", "min", "max"}
+
+
+def _lean_partials(t: torch.Tensor, columns: Sequence[str]) -> torch.Tensor:
+    """One non-empty float tensor, default-like ops: the same values as ``_group_partials`` in
+    a third of the ops (hooks call this once per module input/output, so fixed cost matters)."""
+    acc = torch.float32 if t.dtype in _LOW_PRECISION else None
+    parts = {"count": torch.full((), float(t.numel()), dtype=torch.float64, device=t.device)}
+    if "sum" in columns:
+        parts["sum"] = _sum(t, acc).double()
+    if "sumsq" in columns:
+        parts["sumsq"] = _sumsq([t], acc)[0]
+    if "min" in columns or "max" in columns:
+        lo, hi = torch.aminmax(t)
+        parts["min"], parts["max"] = lo.double(), hi.double()
+    return torch.stack([parts[c] for c in columns])
 
 
 def _as_float(t: torch.Tensor) -> torch.Tensor:
@@ -72,7 +95,8 @@ def _as_float(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.float64 if t.dtype == torch.int64 else torch.float32)
 
 
-def _group_partials(group: list[torch.Tensor], columns: Sequence[str], eps: float) -> torch.Tensor:
+def _group_partials(group: list[torch.Tensor], columns: Sequence[str], eps: float,
+                    no_sync: bool = False) -> torch.Tensor:
     """``[len(group) x len(columns)]`` float64 for tensors sharing device and dtype."""
     group = [_as_float(t) for t in group]
     device = group[0].device
@@ -80,7 +104,7 @@ def _group_partials(group: list[torch.Tensor], columns: Sequence[str], eps: floa
     empty = [t.numel() == 0 for t in group]
     live = [t for t, e in zip(group, empty) if not e]
     cols: dict[str, torch.Tensor] = {
-        "count": torch.tensor([float(t.numel()) for t in group], dtype=torch.float64, device=device)}
+        "count": _to_device([float(t.numel()) for t in group], torch.float64, device)}
     if not live:
         return _assemble(cols, columns, empty, device)
     if "sum" in columns or "m2" in columns:
@@ -99,7 +123,7 @@ def _group_partials(group: list[torch.Tensor], columns: Sequence[str], eps: floa
         cols["m2"] = torch.stack([torch.var(t.to(acc) if acc else t, correction=0) * t.numel()
                                   for t in live]).double()
     if "nans" in columns or "infs" in columns:
-        cols.update(_nonfinite_counts(live, cols["sumsq"]))
+        cols.update(_nonfinite_counts(live, cols["sumsq"], no_sync and device.type != "cpu"))
     return _assemble(cols, columns, empty, device)
 
 
@@ -124,7 +148,11 @@ def _blocked_sumsq(t: torch.Tensor) -> torch.Tensor:
     return blocks
 
 
-def _nonfinite_counts(live: list[torch.Tensor], sumsq: torch.Tensor) -> dict[str, torch.Tensor]:
+def _nonfinite_counts(live: list[torch.Tensor], sumsq: torch.Tensor, always: bool = False
+                      ) -> dict[str, torch.Tensor]:
+    if always:  # two passes per tensor, but no device->host read inside a hook
+        return {"nans": torch.stack([torch.isnan(t).sum() for t in live]).double(),
+                "infs": torch.stack([torch.isinf(t).sum() for t in live]).double()}
     nans = torch.zeros_like(sumsq)
     infs = torch.zeros_like(sumsq)
     # One host check per batch: the exact counts cost a pass each, so only pay where needed.
@@ -136,6 +164,12 @@ def _nonfinite_counts(live: list[torch.Tensor], sumsq: torch.Tensor) -> dict[str
     return {"nans": nans, "infs": infs}
 
 
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    # Built on the host and copied asynchronously: ``torch.tensor(..., device=cuda)`` would be a
+    # blocking copy that waits for the stream, i.e. a sync inside every hook that captures.
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 _IDENTITY = {"sum": 0.0, "sumsq": 0.0, "min": float("inf"), "max": float("-inf"),
              "nans": 0.0, "infs": 0.0, "zeros": 0.0, "m2": 0.0}
 
@@ -144,7 +178,7 @@ def _assemble(cols: dict[str, torch.Tensor], columns: Sequence[str], empty: list
               device: torch.device) -> torch.Tensor:
     """Stack columns, inserting merge identities for empty tensors (no reduction ran on them)."""
     out = torch.empty(len(empty), len(columns), dtype=torch.float64, device=device)
-    live_idx = torch.tensor([i for i, e in enumerate(empty) if not e], dtype=torch.long, device=device)
+    live_idx = _to_device([i for i, e in enumerate(empty) if not e], torch.long, device)
     for j, name in enumerate(columns):
         if name == "count":
             out[:, j] = cols["count"]

@@ -1,0 +1,254 @@
+"""Module inputs/outputs and their gradients (``xy_distribution``).
+
+Emits, for every selected module and every micro-batch of a collected step:
+
+=========== ==================================== =============================================
+family      when                                 value
+=========== ==================================== =============================================
+actv        forward pre-hook (inputs),           ``<module>.input[.<i>]``, ``<module>.output[.<i>]``
+            forward hook (outputs)               as they are at that moment
+actv_grad   when autograd has the gradient of    d loss / d that tensor (the full gradient of
+            the tensor (tensor hook)             the tensor, summed over all its consumers)
+=========== ==================================== =============================================
+
+Columns ``vpp_stage,name,step,micro_step,<ops...>,shape,dtype``.  ``micro_step`` is the index
+of the model's forward pass in the step (``actv``) and of the backward pass (``actv_grad``).
+
+Config: ``{"xy_distribution": true, "targets": ["layers.0", ...]}`` or ``"all_xy": true``;
+``forward_only`` / ``backward_only``.  Names: see ``module_io``.
+
+Design: stats are computed inside the hook (partials stay on the device, no host read), so an
+in-place op later in the forward cannot change them and nothing holds the activation.  A tensor
+seen twice unchanged (output of one module, input of the next) is reduced once.  Forwards that
+run inside the autograd engine are checkpoint recomputations: they record no ``actv`` (the
+micro-batch was recorded in the real forward), but grad hooks are installed on them because the
+reentrant checkpoint's backward runs through the recomputed graph.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import weakref
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from trainmon.collectors.base import Collector, register_collector
+from trainmon.collectors.module_io import (HookedModule, hook_fn, in_backward, io_names,
+                                           select_modules, tensors_of, uses_compile)
+from trainmon.hooks import Handle
+from trainmon.stats.engine import Tracked
+
+__all__ = ["ActivationCollector"]
+
+log = logging.getLogger(__name__)
+
+
+class _RowCache:
+    """Partials rows of tensors already reduced in this pass, by identity and version."""
+
+    def __init__(self) -> None:
+        self._rows: dict[int, tuple[Any, int, torch.Tensor]] = {}
+
+    def get(self, t: torch.Tensor) -> torch.Tensor | None:
+        hit = self._rows.get(id(t))
+        if hit is None or hit[0]() is not t or _version(t) != hit[1]:
+            return None
+        return hit[2]
+
+    def put(self, t: torch.Tensor, row: torch.Tensor) -> None:
+        version = _version(t)
+        if version >= 0:
+            self._rows[id(t)] = (weakref.ref(t), version, row)
+
+    def clear(self) -> None:
+        self._rows.clear()
+
+
+class _HookedTensors:
+    """(tensor, name) pairs that carry a grad hook in this step.  A non-reentrant checkpoint
+    recomputes with the very input tensors of the first forward: hooking them again would
+    record their gradient twice."""
+
+    def __init__(self) -> None:
+        self._names: dict[int, tuple[Any, set[str]]] = {}
+
+    def add(self, t: torch.Tensor, name: str) -> bool:
+        """False when ``t`` already has a hook for ``name``."""
+        entry = self._names.get(id(t))
+        if entry is None or entry[0]() is not t:
+            self._names[id(t)] = (weakref.ref(t), {name})
+            return True
+        if name in entry[1]:
+            return False
+        entry[1].add(name)
+        return True
+
+    def clear(self) -> None:
+        self._names.clear()
+
+
+def _same_elements_base(t: torch.Tensor) -> torch.Tensor | None:
+    """The base of view ``t`` when both are contiguous and hold exactly the same elements."""
+    base = t._base
+    if (base is None or not base.requires_grad or base.numel() != t.numel()
+            or base.storage_offset() != t.storage_offset() or base.dtype != t.dtype
+            or not (t.is_contiguous() and base.is_contiguous())):
+        return None
+    return base
+
+
+def _version(t: torch.Tensor) -> int:
+    return -1 if t.is_inference() else t._version  # inference tensors have no version counter
+
+
+@register_collector
+class ActivationCollector(Collector):
+    name = "activations"
+
+    @staticmethod
+    def enabled(config) -> bool:
+        return config.xy_distribution
+
+    def attach(self) -> None:
+        cfg = self.ctx.config
+        self._live = True
+        self._forward = not cfg.backward_only
+        self._backward = not cfg.forward_only
+        self._cache = _RowCache()
+        self._hooked = _HookedTensors()
+        self._counts: list[int] = [0] * len(self.ctx.chunks)
+        self._count_step = self.ctx.clock.step
+        if cfg.module_ranks and self.ctx.rank not in cfg.module_ranks:
+            return  # this rank writes nothing: hook nothing
+        self.modules = select_modules(self.ctx.chunks, self.ctx.matcher, cfg.all_xy, cfg.squash_name)
+        compiled = uses_compile(self.ctx.chunks)
+        if compiled and self.modules:
+            log.warning("trainmon: the model uses torch.compile; each of the %d modules recorded "
+                        "by xy_distribution runs its hooks eagerly (a graph break), so the values are "
+                        "those of the uncompiled module boundaries and the compiled model runs in "
+                        "more pieces (select fewer modules with targets to keep it fast)",
+                        len(self.modules))
+        wrap = lambda fn: hook_fn(self._gated(fn), compiled)  # noqa: E731
+        for vpp, chunk in enumerate(self.ctx.chunks):  # first: counting runs before recording
+            self._hook(chunk.register_forward_pre_hook(wrap(functools.partial(self._chunk_begins, vpp))))
+            if self._backward:
+                self._hook(chunk.register_forward_hook(wrap(self._chunk_ends)))
+        for hm in self.modules:
+            self._hook(hm.module.register_forward_pre_hook(
+                wrap(functools.partial(self._inputs, hm)), with_kwargs=True))
+            self._hook(hm.module.register_forward_hook(wrap(functools.partial(self._outputs, hm))))
+        self._grad_hook = self.ctx.guard.wrap(self, self._on_grad)
+        self._base_grad_hook = self.ctx.guard.wrap(self, self._on_base_grad)
+        self._backward_mark = self.ctx.guard.wrap(self, self._on_backward_start)
+
+    def _gated(self, fn: Any) -> Any:
+        """A module hook that costs one flag check on steps that are not collected."""
+        clock, guarded = self.ctx.clock, self.ctx.guard.wrap(self, fn)
+
+        def hook(*args: Any) -> None:
+            if clock.collecting:
+                guarded(*args)
+
+        return hook
+
+    def _hook(self, handle: Any) -> None:
+        self.handles.append(Handle(handle.remove))
+
+    # -- forward ---------------------------------------------------------------------------
+    def _chunk_begins(self, vpp: int, _module: nn.Module, _args: Any) -> None:
+        clock = self.ctx.clock
+        if not clock.collecting or in_backward():
+            return
+        if self._count_step != clock.step:
+            self._count_step = clock.step
+            self._counts = [0] * len(self._counts)
+        self._counts[vpp] += 1
+        self._cache.clear()
+
+    def _chunk_ends(self, _module: nn.Module, _args: Any, output: Any) -> None:
+        """Mark the start of backward on the model's output, so the backward-pass count is
+        kept by the outermost backward even when checkpointed segments run nested ones."""
+        if not self.ctx.clock.collecting or in_backward() or not torch.is_grad_enabled():
+            return
+        for t in tensors_of(output):
+            if t.requires_grad:
+                t.register_hook(self._backward_mark)
+                return
+
+    def _on_backward_start(self, _grad: torch.Tensor) -> None:
+        if self._live and self.ctx.clock.collecting:
+            self.ctx.clock.enter_backward()
+
+    def _inputs(self, hm: HookedModule, _module: nn.Module, args: Any, kwargs: Any) -> None:
+        if self.ctx.clock.collecting:
+            self._observe(hm, "input", tensors_of(kwargs, tensors_of(args)) if kwargs else tensors_of(args))
+
+    def _outputs(self, hm: HookedModule, _module: nn.Module, _args: Any, output: Any) -> None:
+        if self.ctx.clock.collecting:
+            self._observe(hm, "output", tensors_of(output))
+
+    def _observe(self, hm: HookedModule, kind: str, tensors: list[torch.Tensor]) -> None:
+        if not tensors:
+            return
+        names = io_names(hm.label, kind, len(tensors))
+        recompute = in_backward()
+        if self._forward and not recompute:
+            micro = max(self._counts[hm.vpp_stage] - 1, 0) if self._count_step == self.ctx.clock.step else 0
+            self._capture("actv", hm.vpp_stage, names, tensors, micro)
+        if self._backward and torch.is_grad_enabled():
+            for name, t in zip(names, tensors):
+                if t.requires_grad and self._hooked.add(t, name):
+                    self._hook_grad(hm.vpp_stage, name, t)
+
+    def _hook_grad(self, vpp: int, name: str, t: torch.Tensor) -> None:
+        fired = [False]
+        t.register_hook(functools.partial(self._grad_hook, vpp, name, fired))
+        base = _same_elements_base(t)
+        if base is not None:
+            # A hook on a view is lost when the view is later modified in place (Linear on a 3-D
+            # input returns a view; ReLU(inplace=True) then rebases it).  Its base still gets
+            # the gradient of these very elements, after the view's would have: it is used only
+            # when the view's own hook did not run.
+            base.register_hook(functools.partial(self._base_grad_hook, vpp, name, fired, tuple(t.shape)))
+
+    # -- backward --------------------------------------------------------------------------
+    def _on_grad(self, vpp: int, name: str, fired: list[bool], grad: torch.Tensor | None) -> None:
+        fired[0] = True
+        clock = self.ctx.clock
+        if grad is None or not self._live or not clock.collecting:
+            return
+        self._capture("actv_grad", vpp, [name], [grad], clock.enter_backward())
+
+    def _on_base_grad(self, vpp: int, name: str, fired: list[bool], shape: tuple[int, ...],
+                      grad: torch.Tensor | None) -> None:
+        if fired[0]:  # the view's hook ran: not the lost-hook case
+            return
+        clock = self.ctx.clock
+        if grad is not None and self._live and clock.collecting:
+            self._capture("actv_grad", vpp, [name], [grad], clock.enter_backward(), shape=shape)
+
+    # -- stats -----------------------------------------------------------------------------
+    def _capture(self, family: str, vpp: int, names: list[str], tensors: list[torch.Tensor],
+                 micro: int, shape: tuple[int, ...] | None = None) -> None:
+        cache = self._cache
+        rows: list[torch.Tensor | None] = [cache.get(t) for t in tensors]
+        missing = [i for i, r in enumerate(rows) if r is None]
+        if missing:
+            fresh = self.ctx.engine.partials([tensors[i] for i in missing], no_sync=True)
+            for i, row in zip(missing, fresh):
+                rows[i] = row
+                cache.put(tensors[i], row)
+        items = [Tracked(n, t, vpp, shape) for n, t in zip(names, tensors)]
+        self.ctx.engine.capture_rows(family, items, rows, micro_step=micro)  # type: ignore[arg-type]
+
+    def on_step_end(self) -> None:
+        self._cache.clear()
+        self._hooked.clear()
+
+    def detach(self) -> None:
+        self._live = False  # grad hooks already on tensors of this step become no-ops
+        self._cache.clear()
+        self._hooked.clear()
+        super().detach()

@@ -1,0 +1,137 @@
+"""Which modules activations are recorded for, what their tensors are called, and hook plumbing
+shared by the activation collector and ``print_struct``.
+
+Naming (documented for users in docs/activations.md): the tensors of a module call are its
+positional args (containers walked depth-first), then its keyword args in call order, keeping
+tensors only.  One tensor -> ``<module>.input``; several -> ``<module>.input.<i>`` with ``i`` the
+index among those tensors.  Outputs likewise (``<module>.output[.<i>]``).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn as nn
+
+from trainmon.naming import ROOT_NAME, TargetMatcher, clean_name, squash_name, unwrap_model
+
+__all__ = ["HookedModule", "select_modules", "walk_modules", "tensors_of", "io_names", "in_backward",
+           "is_container", "uses_compile", "hook_fn"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HookedModule:
+    vpp_stage: int
+    name: str            # as targets spell it (wrappers stripped); ROOT_NAME for the root
+    label: str           # as written to the output (squashed when squash_name is on)
+    module: nn.Module
+
+
+def walk_modules(chunks: Sequence[nn.Module]) -> list[tuple[int, str, nn.Module]]:
+    """Every module of every chunk once per name.  Wrapper modules (checkpoint wrappers,
+    per-block ``torch.compile``) share their name with the module inside; the outer one is kept:
+    it is called once per forward, outside the wrapper's recomputation or compiled region."""
+    out, seen = [], set()
+    for vpp, chunk in enumerate(chunks):
+        for raw, module in unwrap_model(chunk).named_modules():
+            name = clean_name(raw) or ROOT_NAME
+            if (vpp, name) not in seen:
+                seen.add((vpp, name))
+                out.append((vpp, name, module))
+    return out
+
+
+def is_container(module: nn.Module) -> bool:
+    """ModuleList / ModuleDict and the like: no forward of their own, never called."""
+    return type(module).forward is nn.Module.forward
+
+
+def select_modules(chunks: Sequence[nn.Module], matcher: TargetMatcher, all_xy: bool,
+                   squash: bool) -> list[HookedModule]:
+    """``all_xy``: every callable module but the root; ``targets``: exactly the named modules
+    (``layers.1`` is that block, not ``layers.10`` and not the blocks' children)."""
+    picked = []
+    for vpp, name, module in walk_modules(chunks):
+        targeted = matcher.names_exactly(name, vpp)
+        if targeted and is_container(module):
+            log.warning("trainmon: target %r is a %s, which is never called, so it records no "
+                        "activations; name its children instead (e.g. %r)", name,
+                        type(module).__name__, f"{name}.{next(iter(module._modules), '0')}")
+        if is_container(module) or not (targeted or (all_xy and name != ROOT_NAME)):
+            continue
+        picked.append((vpp, name, module))
+    labels = _labels(picked, squash)
+    return [HookedModule(vpp, name, labels[(vpp, name)], m) for vpp, name, m in picked]
+
+
+def _labels(picked: list[tuple[int, str, nn.Module]], squash: bool) -> dict[tuple[int, str], str]:
+    labels = {(vpp, n): (squash_name(n) if squash and n != ROOT_NAME else n) for vpp, n, _ in picked}
+    owners: dict[tuple[int, str], list[str]] = {}
+    for (vpp, n), label in labels.items():
+        owners.setdefault((vpp, label), []).append(n)
+    clashes = [names for names in owners.values() if len(names) > 1]
+    if clashes:
+        # Two modules written under one name would be indistinguishable: keep their full names.
+        log.warning("trainmon: squash_name would give %d modules the same name (e.g. %s); those "
+                    "keep their full names", sum(map(len, clashes)), ", ".join(clashes[0][:2]))
+        for names in clashes:
+            for vpp_n in [(v, n) for (v, n) in labels if n in names]:
+                labels[vpp_n] = vpp_n[1]
+    return labels
+
+
+def _recordable(t: torch.Tensor) -> bool:
+    return t.layout == torch.strided and not t.is_complex() and t.device.type != "meta"
+
+
+def tensors_of(value: Any, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """Tensors in ``value`` (tuples, lists, dicts walked depth-first, in order)."""
+    if out is None:
+        out = []
+    if isinstance(value, torch.Tensor):
+        if _recordable(value):
+            out.append(value)
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            tensors_of(v, out)
+    elif isinstance(value, dict):
+        for v in value.values():
+            tensors_of(v, out)
+    return out
+
+
+def io_names(label: str, kind: str, n: int) -> list[str]:
+    base = f"{label}.{kind}"
+    return [base] if n == 1 else [f"{base}.{i}" for i in range(n)]
+
+
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+
+
+def in_backward() -> bool:
+    """True while the autograd engine runs (forwards here are checkpoint recomputations).
+    One C call: no Python stack walk."""
+    return _graph_task_id() != -1
+
+
+def uses_compile(chunks: Sequence[nn.Module]) -> bool:
+    """Whether any chunk or module runs through ``torch.compile`` (wrapper or ``Module.compile``)."""
+    for chunk in chunks:
+        for m in [chunk, *unwrap_model(chunk).modules()]:
+            if getattr(m, "_compiled_call_impl", None) is not None or hasattr(m, "_orig_mod"):
+                return True
+    return False
+
+
+def hook_fn(fn: Callable[..., None], compiled: bool) -> Callable[..., None]:
+    """Module hooks of a compiled model run eagerly: each one is a graph break, so the values
+    are those of the uncompiled module boundary (and dynamo never guards on our state)."""
+    if not compiled:
+        return fn
+    import torch._dynamo
+
+    return torch._dynamo.disable(fn, recursive=True)
