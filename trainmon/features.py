@@ -10,7 +10,6 @@ __all__ = ["unsupported_problems"]
 _PENDING = {
     "xy_distribution": (lambda c: c.xy_distribution or c.all_xy or c.print_struct,
                         "activation monitoring is not supported yet"),
-    "cc_distribution.enable": (lambda c: c.cc_distribution.enable, "comm-op monitoring is not supported yet"),
     "alert.rules": (lambda c: bool(c.alert.rules), "run-time alerts are not supported yet"),
     "dynamic_on": (lambda c: c.dynamic_on, "dynamic mode is not supported yet"),
 }

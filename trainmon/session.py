@@ -79,4 +79,7 @@ class Session:
 
     def close(self) -> None:
         self.go_idle()
+        if self.ctx.engine.has_pending():
+            # Rows captured after the last optimizer step (comm calls at the end of a run).
+            self._emit(self.clock.step)
         self.sink.close()
