@@ -1,0 +1,52 @@
+"""Helpers shared by the multi-rank tests: a tiny model, its data, and row checks against tensors."""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from tests.conftest import read_family, reference_stats
+
+OPS = ["norm", "mean", "min", "max"]
+RTOL = 1e-5
+
+
+def tiny_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def batch(step: int, rows: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed * 1000 + step)
+    return torch.randn(rows, 6, generator=g), torch.randn(rows, 3, generator=g)
+
+
+def write_config(path: Path, **cfg) -> Path:
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def rank_dir(run_id: str, rank: int) -> Path:
+    return Path(os.environ["MONITOR_OUTPUT_DIR"]) / run_id / f"rank{rank}"
+
+
+def check_family(rank_dir_: Path, family: str, step: int, expected: dict[str, torch.Tensor],
+                 ops=OPS, rtol: float = RTOL) -> int:
+    """Every expected tensor has exactly one row at ``step`` whose stats match the tensor's."""
+    df = read_family(rank_dir_, family)
+    assert not df.empty, f"no {family} rows in {rank_dir_}"
+    at = df[df["step"] == step]
+    assert sorted(at["name"]) == sorted(expected), (family, step, sorted(at["name"]), sorted(expected))
+    for name, tensor in expected.items():
+        row = at[at["name"] == name].iloc[0]
+        ref = reference_stats(tensor)
+        for op in ops:
+            atol = ref["_mean_atol"] if op == "mean" else 1e-12
+            assert math.isclose(row[op], ref[op], rel_tol=rtol, abs_tol=atol), \
+                (family, step, name, op, row[op], ref[op])
+        assert row["shape"] == str(list(tensor.shape)), (family, name, row["shape"], tensor.shape)
+    return len(at)
