@@ -50,3 +50,10 @@ def check_family(rank_dir_: Path, family: str, step: int, expected: dict[str, to
                 (family, step, name, op, row[op], ref[op])
         assert row["shape"] == str(list(tensor.shape)), (family, name, row["shape"], tensor.shape)
     return len(at)
+
+
+def filtered_all_reduce(t: torch.Tensor) -> None:
+    """A comm call made from this file (the cc_codeline test selects calls by file name)."""
+    import torch.distributed as dist
+
+    dist.all_reduce(t)

@@ -208,11 +208,10 @@ class CommCollector(Collector):
 
     def call(self, op: _Op, args: tuple, kwargs: dict, frame: Any) -> Any:
         index = self.next_call()
-        if not self.ctx.clock.collecting:
-            return op.original(*args, **kwargs)
-        caller = self.selected(frame)
+        caller = self.selected(frame) if self.ctx.clock.collecting else None
         if caller is None:
-            return op.original(*args, **kwargs)
+            with _dist.internal():  # ops made inside this one are part of it, never counted
+                return op.original(*args, **kwargs)
         self.poll()
         tensors = op.tensor_args(args, kwargs)
         meta = {"op": op.name, "call": index, "caller": caller}
