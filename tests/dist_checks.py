@@ -13,6 +13,34 @@ from tests.conftest import read_family, reference_stats
 
 OPS = ["norm", "mean", "min", "max"]
 RTOL = 1e-5
+MB = 2        # rows per micro-batch per rank
+
+
+def grads(model, x, y, scale):
+    model.zero_grad(set_to_none=True)
+    (torch.nn.functional.mse_loss(model(x), y) * scale).backward()
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def micro(x, y, world, acc, rank, k):
+    lo = (k * world + rank) * MB
+    return x[lo:lo + MB], y[lo:lo + MB]
+
+
+def expected_step(ref, step, world, acc, rank, no_sync):
+    """(grad_unreduced of this rank, the full-batch grad) from a single-process reference."""
+    x, y = batch(step, world * acc * MB)
+    per = [[grads(ref, *micro(x, y, world, acc, r, k), 1.0 / acc) for k in range(acc)]
+           for r in range(world)]
+    names = list(per[0][0])
+    local = {n: sum(per[rank][k][n] for k in range(acc)) for n in names}
+    if not no_sync:
+        # DDP all-reduces every micro-batch: the last one's hook sees the mean of the earlier
+        # micro-batches plus this rank's own last micro-batch (documented in docs/distributed.md).
+        local = {n: sum(sum(per[r][k][n] for r in range(world)) / world for k in range(acc - 1))
+                 + per[rank][acc - 1][n] for n in names}
+    full = grads(ref, x, y, 1.0)    # one process, the whole global batch
+    return local, full
 
 
 def tiny_model(seed: int = 0) -> nn.Module:

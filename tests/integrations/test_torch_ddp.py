@@ -6,44 +6,14 @@ import contextlib
 import copy
 import os
 
-import pytest
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from tests.dist_checks import batch, check_family, rank_dir, tiny_model, write_config
+from tests.dist_checks import MB, batch, check_family, expected_step, micro, rank_dir, tiny_model, write_config
 from tests.distributed import run_distributed
 from trainmon import TrainerMon
 
-MB = 2        # rows per micro-batch per rank
 STEPS = 2
-
-
-def _grads(model, x, y, scale):
-    model.zero_grad(set_to_none=True)
-    (torch.nn.functional.mse_loss(model(x), y) * scale).backward()
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-
-
-def _micro(x, y, world, acc, rank, k):
-    lo = (k * world + rank) * MB
-    return x[lo:lo + MB], y[lo:lo + MB]
-
-
-def _expected_step(ref, step, world, acc, rank, no_sync):
-    """(grad_unreduced of this rank, the full-batch grad) from a single-process reference."""
-    x, y = batch(step, world * acc * MB)
-    per = [[_grads(ref, *_micro(x, y, world, acc, r, k), 1.0 / acc) for k in range(acc)]
-           for r in range(world)]
-    names = list(per[0][0])
-    local = {n: sum(per[rank][k][n] for k in range(acc)) for n in names}
-    if not no_sync:
-        # DDP all-reduces every micro-batch: the last one's hook sees the mean of the earlier
-        # micro-batches plus this rank's own last micro-batch (documented in docs/distributed.md).
-        local = {n: sum(sum(per[r][k][n] for r in range(world)) / world for k in range(acc - 1))
-                 + per[rank][acc - 1][n] for n in names}
-    full = _grads(ref, x, y, 1.0)    # one process, the whole global batch
-    return local, full
 
 
 def _scenario(rank, world, tmp, acc, no_sync, bucket_view, run_id):
@@ -61,12 +31,12 @@ def _scenario(rank, world, tmp, acc, no_sync, bucket_view, run_id):
     expected = []
     for step in range(STEPS):
         origin = {n: p.detach().clone() for n, p in ref.named_parameters()}
-        local, full = _expected_step(ref, step, world, acc, rank, no_sync)
+        local, full = expected_step(ref, step, world, acc, rank, no_sync)
         x, y = batch(step, world * acc * MB)
         for k in range(acc):
             sync_off = no_sync and k < acc - 1
             with ddp.no_sync() if sync_off else contextlib.nullcontext():
-                xb, yb = _micro(x, y, world, acc, rank, k)
+                xb, yb = micro(x, y, world, acc, rank, k)
                 (torch.nn.functional.mse_loss(ddp(xb), yb) / acc).backward()
         for n, p in ref.named_parameters():
             p.grad = full[n].clone()
