@@ -54,7 +54,10 @@ def batch(step: int, rows: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tens
 
 
 def write_config(path: Path, **cfg) -> Path:
-    path.write_text(json.dumps(cfg))
+    """Every rank writes the same file: by rename, so no rank ever reads a half-written one."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(cfg))
+    os.replace(tmp, path)
     return path
 
 

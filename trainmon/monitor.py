@@ -122,6 +122,7 @@ class TrainerMon:
         clock = StepClock(Schedule(cfg.start_step, cfg.step_interval, cfg.collect_times),
                           grad_acc_steps, first_step=start_iteration)
         integration = select_integration(chunks, optimizer, use_main_grad)
+        integration.tp_group = tp_group  # TP-sharded params merge over it (Integration.tp_view)
         return CollectorContext(config=cfg, chunks=chunks, params=params, matcher=matcher,
                                 engine=StatsEngine(cfg.ops, cfg.eps), clock=clock, optimizer=optimizer,
                                 use_main_grad=use_main_grad, distributed=distributed,
