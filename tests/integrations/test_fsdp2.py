@@ -28,7 +28,8 @@ def _scenario(rank, world, tmp, run_id, pre_reduce):
     os.environ["TRAINMON_RUN_ID"] = run_id
     os.environ[PRE_REDUCE_ENV] = "1" if pre_reduce else "0"
     cfg = write_config(tmp / f"{run_id}.json", wg_distribution=True, mv_distribution=True,
-                       param_distribution=True, ur_distribution=True, ops=["norm", "mean", "min", "max"])
+                       param_distribution=True, ur_distribution=True, ops=["norm", "mean", "min", "max"],
+                       cc_distribution={"enable": not pre_reduce, "cc_pre_hook": True})
     model = tiny_model()
     ref = copy.deepcopy(model)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=0.05)
@@ -81,9 +82,23 @@ def _scenario(rank, world, tmp, run_id, pre_reduce):
             assert math.isclose(got, want, rel_tol=1e-5), (n, got, want)
     if not pre_reduce:
         assert read_family(out, "grad_unreduced").empty
+        _check_fsdp_comm(read_family(out, "comm"))
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(_full(p.detach()), q.detach(), rtol=1e-5, atol=1e-7, msg=n)
     return local_shapes
+
+
+def _check_fsdp_comm(comm):
+    """FSDP2's own all-gathers and reduce-scatters go through torch.distributed: recorded, each
+    with a pre and a post row per tensor, and none of trainmon's shard merges among them."""
+    assert {"all_gather_single", "reduce_scatter_single"} <= set(comm["name"]), set(comm["name"])
+    assert all("/fsdp/" in c for c in comm["caller"]), set(comm["caller"])
+    per_call = comm.groupby(["step", "call", "arg", "item"])["when"].apply(sorted)
+    assert all(w == ["post", "pre"] for w in per_call), per_call
+    # one reduce-scatter per sharded layer per step (the no-sync micro-batch reduces nothing;
+    # the root holds no params of its own)
+    rs = comm[(comm["name"] == "reduce_scatter_single") & (comm["when"] == "post")]
+    assert rs.groupby("step")["call"].nunique().tolist() == [2] * STEPS
 
 
 def _fsdp_body(rank, world, tmp):

@@ -52,7 +52,10 @@ log = logging.getLogger(__name__)
 
 COMM_OPS = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
             "reduce_scatter_tensor", "broadcast", "reduce", "gather", "scatter", "all_to_all",
-            "all_to_all_single", "send", "recv", "isend", "irecv", "batch_isend_irecv")
+            "all_to_all_single", "send", "recv", "isend", "irecv", "batch_isend_irecv",
+            # newer names (FSDP2 in torch 2.13 calls these) and the legacy ones (older Megatron);
+            # whichever this torch lacks is skipped
+            "all_gather_single", "reduce_scatter_single", "_all_gather_base", "_reduce_scatter_base")
 _ALWAYS_ASYNC = ("isend", "irecv", "batch_isend_irecv")
 # P2POp validates ``op`` against these names in distributed_c10d: they are replaced there too.
 _ALSO_IN_C10D = ("isend", "irecv")
