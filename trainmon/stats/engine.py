@@ -101,6 +101,13 @@ class StatsEngine:
     def has_pending(self) -> bool:
         return bool(self._pending)
 
+    def discard_sharded(self) -> int:
+        """Drop captured rows that would need a merge collective; returns how many were dropped."""
+        keep = [p for p in self._pending if p.group is None]
+        dropped = sum(len(p.metas) for p in self._pending if p.group is not None)
+        self._pending = keep
+        return dropped
+
     def _stat_rows(self, p: _Pending, mat: list[list[float]], step: int) -> list[StatRow]:
         rows = []
         for meta, values in zip(p.metas, mat):
