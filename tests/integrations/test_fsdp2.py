@@ -8,6 +8,7 @@ import math
 import os
 
 import torch
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -24,18 +25,20 @@ def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _scenario(rank, world, tmp, run_id, pre_reduce):
+def _scenario(rank, world, tmp, run_id, pre_reduce, hsdp=False):
     os.environ["TRAINMON_RUN_ID"] = run_id
     os.environ[PRE_REDUCE_ENV] = "1" if pre_reduce else "0"
     cfg = write_config(tmp / f"{run_id}.json", wg_distribution=True, mv_distribution=True,
                        param_distribution=True, ur_distribution=True, ops=["norm", "mean", "min", "max"],
-                       cc_distribution={"enable": not pre_reduce, "cc_pre_hook": True})
+                       cc_distribution={"enable": run_id == "fsdp-post", "cc_pre_hook": True})
     model = tiny_model()
     ref = copy.deepcopy(model)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=0.05)
+    # HSDP: replicate over mesh dim 0, shard over dim 1; the merge must skip the replicas
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("rep", "shard")) if hsdp else None
     for layer in (model[0], model[2]):
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     opt = torch.optim.Adam(model.parameters(), lr=0.05)
     mon = TrainerMon(cfg)
     mon.set_monitor(model, grad_acc_steps=ACC, optimizer=opt)
@@ -82,6 +85,7 @@ def _scenario(rank, world, tmp, run_id, pre_reduce):
             assert math.isclose(got, want, rel_tol=1e-5), (n, got, want)
     if not pre_reduce:
         assert read_family(out, "grad_unreduced").empty
+    if run_id == "fsdp-post":
         _check_fsdp_comm(read_family(out, "comm"))
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(_full(p.detach()), q.detach(), rtol=1e-5, atol=1e-7, msg=n)
@@ -102,14 +106,16 @@ def _check_fsdp_comm(comm):
 
 
 def _fsdp_body(rank, world, tmp):
-    return [_scenario(rank, world, tmp, "fsdp-post", False), _scenario(rank, world, tmp, "fsdp-pre", True)]
+    return [_scenario(rank, world, tmp, "fsdp-post", False), _scenario(rank, world, tmp, "fsdp-pre", True),
+            _scenario(rank, world, tmp, "hsdp", False, hsdp=True)]
 
 
 def test_fsdp2_full_tensor_stats_with_empty_shards(output_root, tmp_path):
     shapes = run_distributed(_fsdp_body, world_size=4, timeout=240, args=(tmp_path,))
     # the [3, 8] weight and [3] bias leave rank 3 an empty shard: merged rows still match
     assert shapes[3][0]["2.bias"] == (0,) and shapes[3][0]["2.weight"][0] == 0
-    assert sorted(p.name for p in output_root.iterdir()) == ["fsdp-post", "fsdp-pre"]
-    for run in ("fsdp-post", "fsdp-pre"):
+    assert shapes[1][2]["2.bias"] == (1,)     # HSDP: 2-way shards, [2, 1] for the bias
+    assert sorted(p.name for p in output_root.iterdir()) == ["fsdp-post", "fsdp-pre", "hsdp"]
+    for run in ("fsdp-post", "fsdp-pre", "hsdp"):
         assert sorted(p.name for p in (output_root / run).iterdir() if p.is_dir()) == \
             [f"rank{r}" for r in range(4)]
