@@ -10,6 +10,8 @@ import torch.distributed as dist
 
 from tests.distributed import DistributedFailure, run_distributed
 
+pytestmark = pytest.mark.slow   # real multi-process gloo jobs
+
 
 def _sum_ranks(rank, world, scale):
     t = torch.tensor([float(rank)])

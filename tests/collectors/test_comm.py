@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
@@ -17,6 +18,8 @@ from tests.distributed import run_distributed
 from trainmon import TrainerMon
 from trainmon.collectors.comm import COMM_OPS as ALL_OPS
 from trainmon.integrations.torch_ddp import record_ddp_comm
+
+pytestmark = pytest.mark.slow   # real multi-process gloo jobs
 
 OPS = ["norm", "mean", "min", "max"]
 COMM_OPS = [n for n in ALL_OPS if hasattr(dist, n)]

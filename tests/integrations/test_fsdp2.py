@@ -7,6 +7,7 @@ import copy
 import math
 import os
 
+import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -17,6 +18,8 @@ from tests.dist_checks import MB, batch, check_family, expected_step, micro, ran
 from tests.distributed import run_distributed
 from trainmon import TrainerMon
 from trainmon.integrations.fsdp2 import PRE_REDUCE_ENV
+
+pytestmark = pytest.mark.slow   # real multi-process gloo jobs
 
 STEPS, ACC = 2, 2
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -15,6 +16,8 @@ from tests.conftest import read_family
 from tests.dist_checks import batch, check_family, rank_dir, tiny_model, write_config
 from tests.distributed import run_distributed
 from trainmon import TrainerMon
+
+pytestmark = pytest.mark.slow   # real multi-process gloo jobs
 
 STEPS = 2
 

@@ -6,12 +6,15 @@ import contextlib
 import copy
 import os
 
+import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tests.dist_checks import MB, batch, check_family, expected_step, micro, rank_dir, tiny_model, write_config
 from tests.distributed import run_distributed
 from trainmon import TrainerMon
+
+pytestmark = pytest.mark.slow   # real multi-process gloo jobs
 
 STEPS = 2
 

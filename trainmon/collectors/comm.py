@@ -39,7 +39,6 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 
 from trainmon import _dist
 from trainmon.collectors.base import Collector, register_collector
@@ -140,6 +139,8 @@ class CommCollector(Collector):
         if not dist.is_available():
             log.warning("trainmon: cc_distribution: torch.distributed is not available; nothing recorded")
             return
+        import torch.distributed.distributed_c10d as c10d
+
         patch = _Patch()
         ref = weakref.ref(self)
         for op_name in COMM_OPS:
