@@ -79,6 +79,18 @@ def _calls(rank, world, log: _Log):
     log.around("reduce", [(0, 0, f)], lambda: dist.reduce(f, dst=0))
 
 
+def _ring(rank, world):
+    send, recv = torch.full((3,), float(rank)), torch.zeros(3)
+    return [dist.P2POp(dist.isend, send, (rank + 1) % world), dist.P2POp(dist.irecv, recv, (rank - 1) % world)]
+
+
+def _run_ring(rank, world, ops):
+    ops[1].tensor.zero_()
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+    assert ops[1].tensor.tolist() == [float((rank - 1) % world)] * 3
+
+
 def _train_step(model, opt):
     torch.nn.functional.mse_loss(model(torch.ones(2, 6)), torch.zeros(2, 3)).backward()
     opt.step()
@@ -95,6 +107,7 @@ def _comm_body(rank, world, tmp):
             "enable": True, "cc_pre_hook": pre, "cc_codeline": codeline})
         model = tiny_model()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        early = _ring(rank, world)   # P2POps built before the wrap hold the original isend/irecv
         mon = TrainerMon(cfg)
         mon.set_monitor(model, optimizer=opt)
         log = _Log(pre)
@@ -104,11 +117,16 @@ def _comm_body(rank, world, tmp):
             log.call += 1
             _train_step(model, opt)
             log.next_step()
+        if codeline:  # filtered out (called from this file): they must only work
+            _run_ring(rank, world, early)
+            late = _ring(rank, world)   # built while wrapped, run after close() below
         tail = torch.full((2,), float(rank))  # after the last step: must still be written
         log.around("all_reduce", [(0, 0, tail)], lambda: dist.all_reduce(tail))
         mon.close()
         assert all(getattr(dist, n) is originals[n] for n in COMM_OPS)
         assert all(getattr(c10d, n) is c10d_originals[n] for n in COMM_OPS)
+        if codeline:
+            _run_ring(rank, world, late)
         out = rank_dir(run_id, rank)
         if codeline:
             # the only selected call: all_reduce from dist_checks.py, call index counts every call

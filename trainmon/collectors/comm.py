@@ -21,6 +21,7 @@ Config: ``{"cc_distribution": {"enable": true, "cc_codeline": ["train\\.py:4[0-9
 
 The ops are replaced on the ``torch.distributed`` module (``isend``/``irecv`` also in
 ``distributed_c10d``, which ``P2POp`` checks against) and put back exactly on ``close()``.
+``P2POp`` lists built before the wrap, or during it and run after ``close()``, keep working.
 Only Python callers that look the op up on the module are seen: DDP's C++ reducer and
 ``torch.distributed._functional_collectives`` are invisible (see ``record_ddp_comm`` in
 ``trainmon.integrations.torch_ddp`` for DDP's bucket reduces).  The monitor's own collectives
@@ -77,6 +78,11 @@ class _Op:
         self.original = original
         self.params = list(inspect.signature(original).parameters)
         self.async_pos = self.params.index("async_op") if "async_op" in self.params else None
+        self.run = self._aligned if name == "batch_isend_irecv" else original
+
+    def _aligned(self, *args: Any, **kwargs: Any) -> Any:
+        with _AlignedP2P(args, kwargs):
+            return self.original(*args, **kwargs)
 
     def is_async(self, args: tuple, kwargs: dict) -> bool:
         if self.name in _ALWAYS_ASYNC:
@@ -215,20 +221,43 @@ class CommCollector(Collector):
         caller = self.selected(frame) if self.ctx.clock.collecting else None
         if caller is None:
             with _dist.internal():  # ops made inside this one are part of it, never counted
-                return op.original(*args, **kwargs)
+                return op.run(*args, **kwargs)
         self.poll()
         tensors = op.tensor_args(args, kwargs)
         meta = {"op": op.name, "call": index, "caller": caller}
         if self._pre:
             self.ctx.guard.run(self, self.capture, op.name, "pre", tensors, meta)
         with _dist.internal():  # batch_isend_irecv calls isend/irecv: one call, not three
-            result = op.original(*args, **kwargs)
+            result = op.run(*args, **kwargs)
         if op.is_async(args, kwargs):
             works = result if isinstance(result, list) else [result]
             self.track(works, tensors, meta)
         else:
             self.ctx.guard.run(self, self.capture, op.name, "post", tensors, meta)
         return result
+
+
+class _AlignedP2P:
+    """While ``batch_isend_irecv`` runs, P2POps built before the wrap (holding the original
+    ``isend``/``irecv``) point at the current module functions: batch_isend_irecv picks the peer
+    keyword by identity with them, and would hand an original isend a receive's keyword."""
+
+    def __init__(self, args: tuple, kwargs: dict):
+        import torch.distributed.distributed_c10d as c10d
+
+        ops = args[0] if args else kwargs.get("p2p_op_list", [])
+        current = {getattr(getattr(c10d, n), "__trainmon_original__", None): getattr(c10d, n)
+                   for n in _ALSO_IN_C10D}
+        self._swapped = [(p, p.op) for p in ops if getattr(p, "op", None) in current and p.op is not None]
+        self._current = current
+
+    def __enter__(self) -> None:
+        for p, old in self._swapped:
+            p.op = self._current[old]
+
+    def __exit__(self, *exc: object) -> None:
+        for p, old in self._swapped:
+            p.op = old
 
 
 def _make_wrapper(op: _Op, ref: "weakref.ref[CommCollector]") -> Callable:
@@ -239,11 +268,11 @@ def _make_wrapper(op: _Op, ref: "weakref.ref[CommCollector]") -> Callable:
     def wrapper(*args, **kwargs):
         if peer_fix is not None and peer_fix[0] in kwargs and peer_fix[1] not in kwargs:
             # batch_isend_irecv tells isend from irecv by identity with the *current* module
-            # attribute, so a P2POp built before (or after) the wrap gets the wrong peer key.
+            # attribute, so a P2POp built after the wrap and run after close() gets the wrong key.
             kwargs[peer_fix[1]] = kwargs.pop(peer_fix[0])
         rec = ref()
         if rec is None or not rec.active or _dist.in_internal():
-            return original(*args, **kwargs)
+            return op.run(*args, **kwargs)
         return rec.call(op, args, kwargs, sys._getframe(1))
 
     wrapper.__trainmon_original__ = original
