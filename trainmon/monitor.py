@@ -168,6 +168,7 @@ class TrainerMon:
                           grad_acc_steps, first_step=start_iteration)
         integration = select_integration(chunks, optimizer, use_main_grad)
         params = integration.display_params(params, cfg)
+        integration.tp_group = tp_group  # TP-sharded params merge over it (Integration.tp_view)
         return CollectorContext(config=cfg, chunks=chunks, params=params, matcher=matcher,
                                 engine=StatsEngine(cfg.ops, cfg.eps), clock=clock, optimizer=optimizer,
                                 use_main_grad=use_main_grad, distributed=distributed,

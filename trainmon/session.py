@@ -79,4 +79,10 @@ class Session:
 
     def close(self) -> None:
         self.go_idle()
+        # Rows captured after the last optimizer step (comm calls at the end of a run) are
+        # written; sharded rows of a step that never reached the optimizer are not, since their
+        # merge is a collective and the other ranks may not be closing at the same point.
+        self.ctx.engine.discard_sharded()
+        if self.ctx.engine.has_pending():
+            self._emit(self.clock.step)
         self.sink.close()

@@ -48,7 +48,7 @@ class ParamCollector(Collector):
         if self.ctx.config.param_distribution:
             self._capture("param_origin")
         if self.ctx.config.ur_distribution:
-            self._snapshot.take([tp.param.detach() for tp in self.ctx.params])
+            self._snapshot.take([v.tensor for v in self._views()])
 
     def on_step_end(self) -> None:
         if self.ctx.config.param_distribution:
@@ -56,14 +56,46 @@ class ParamCollector(Collector):
         if self.ctx.config.ur_distribution:
             self._capture_update_ratio()
 
+    def _views(self) -> list:
+        # Sharded params (FSDP2 DTensors, TP shards): the local shard; norms merged over the group.
+        return [self.ctx.integration.param(tp) for tp in self.ctx.params]
+
     @torch.no_grad()
     def _capture_update_ratio(self) -> None:
-        params = [tp.param.detach() for tp in self.ctx.params]
-        before, delta = self._snapshot.norms_and_delta_norms(params)
+        views = self._views()
+        before, delta = self._snapshot.norms_and_delta_norms([v.tensor for v in views])
+        before, delta = _merge_norms(views, before, delta)
         ratios = [d / b for b, d in zip(before, delta)]  # IEEE: inf if theta_before is 0, nan if 0/0
-        metas = [Meta("update_ratio", tp.name, tp.vpp_stage, tuple(tp.param.shape), str(tp.param.dtype))
-                 for tp in self.ctx.params]
+        metas = [Meta("update_ratio", tp.name, tp.vpp_stage, v.shape or tuple(tp.param.shape),
+                      str(tp.param.dtype)) for tp, v in zip(self.ctx.params, views)]
         self.ctx.engine.capture_values("update_ratio", metas, ratios, ("update_ratio",))
+
+
+def _merge_norms(views: list, before: list[torch.Tensor], delta: list[torch.Tensor]
+                 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Full-tensor norms from shard norms: one SUM all-reduce of the squares per group."""
+    by_group: dict[int, list[int]] = {}
+    for i, v in enumerate(views):
+        if v.group is not None:
+            by_group.setdefault(id(v.group), []).append(i)
+    if not by_group:
+        return before, delta
+    from trainmon import _dist
+    import torch.distributed as dist
+
+    before, delta = list(before), list(delta)
+    for idx in by_group.values():
+        group = views[idx[0]].group
+        squares = torch.stack([torch.stack([before[i], delta[i]]) for i in idx]).square()
+        device = squares.device
+        if dist.get_backend(group) == "gloo":
+            squares = squares.cpu()
+        with _dist.internal():
+            dist.all_reduce(squares, group=group)
+        norms = squares.to(device).sqrt()
+        for k, i in enumerate(idx):
+            before[i], delta[i] = norms[k, 0], norms[k, 1]
+    return before, delta
 
 
 class _Snapshot:

@@ -49,8 +49,9 @@ class WeightGradCollector(Collector):
             self.handles.extend(points)
             self._generic = False
             if not points:
-                log.warning("trainmon: no pre-reduce point is known for these params (main_grad "
-                            "without a framework integration); grad_unreduced is not recorded")
+                log.warning("trainmon: integration '%s' knows no pre-reduce point for these params "
+                            "(e.g. main_grad without a framework integration, FSDP2 without the opt-in); "
+                            "grad_unreduced is not recorded", self.ctx.integration.name)
             return
         self._generic = True
         guard = self.ctx.guard

@@ -31,12 +31,19 @@ class View:
 
 
 class Integration:
-    """Plain PyTorch (and torch DDP)."""
+    """Plain PyTorch (and torch DDP).
+
+    ``tp_group`` (set from ``set_monitor(..., tp_group=)``): params with the Megatron-style
+    attributes ``tensor_model_parallel=True`` and ``partition_dim`` are shards split over it and
+    are merged into full-tensor stats; all other params are replicated over it and are reported
+    as they are (never merged, so never counted once per TP rank).
+    """
 
     name: ClassVar[str] = "torch"
     # True when stats need every rank's shard (a merge over a process group): then ranks outside
     # ``module_ranks`` still compute, they only do not write.
     needs_all_ranks: ClassVar[bool] = False
+    tp_group: Any = None
 
     def __init__(self, chunks: Sequence[nn.Module], optimizer: Any, use_main_grad: bool):
         self.chunks = chunks
@@ -59,7 +66,19 @@ class Integration:
 
     def local_grad(self, tp: TrackedParam) -> View | None:
         g = getattr(tp.param, "main_grad", None) if self.use_main_grad else tp.param.grad
-        return None if g is None else View(g)
+        return None if g is None else self.tp_view(tp, g)
+
+    def tp_view(self, tp: TrackedParam, tensor: torch.Tensor) -> View:
+        """``tensor`` (the param, its grad or a moment) as a View: merged over ``tp_group`` when
+        the param is tensor-parallel sharded."""
+        if self.tp_group is None or not getattr(tp.param, "tensor_model_parallel", False):
+            return View(tensor)
+        import torch.distributed as dist
+
+        dim = int(getattr(tp.param, "partition_dim", 0))
+        shape = list(tensor.shape)
+        shape[dim] *= dist.get_world_size(self.tp_group)
+        return View(tensor, self.tp_group, tuple(shape))
 
     def display_params(self, params: list[TrackedParam], config: Any) -> list[TrackedParam]:
         """The params as they are named in the output (stacks may map local to global names)."""
@@ -70,7 +89,7 @@ class Integration:
         return self.local_grad(tp)
 
     def param(self, tp: TrackedParam) -> View:
-        return View(tp.param.detach())
+        return self.tp_view(tp, tp.param.detach())
 
     def moments(self, tp: TrackedParam) -> dict[str, View]:
         """``{"exp_avg": View, "exp_avg_sq": View}`` (a subset, or {} if the optimizer has none)."""
@@ -79,7 +98,7 @@ class Integration:
         adapter = self._adapter = getattr(self, "_adapter", None) or adapter_for(self.optimizer)
         if adapter is None:
             return {}
-        return {k: View(t) for k, t in adapter.moments(tp.param).items()}
+        return {k: self.tp_view(tp, t) for k, t in adapter.moments(tp.param).items()}
 
     def has_moments(self) -> bool:
         from trainmon.collectors.optimizer_state import adapter_for

@@ -44,6 +44,7 @@ def _engine(chunks: Sequence[nn.Module]) -> Any:
 @register_integration
 class DeepSpeedIntegration(Integration):
     name = "deepspeed"
+    needs_all_ranks = True   # shards are merged over a process group: every rank takes part
 
     @classmethod
     def detect(cls, chunks: Sequence[nn.Module], optimizer: Any) -> bool:

@@ -105,6 +105,7 @@ def _wrap_instance(obj: Any, name: str, make: Callable[[Callable], Callable]) ->
 @register_integration
 class MegatronIntegration(Integration):
     name = "megatron"
+    needs_all_ranks = True   # shards are merged over a process group: every rank takes part
 
     @classmethod
     def detect(cls, chunks: Sequence[nn.Module], optimizer: Any) -> bool:

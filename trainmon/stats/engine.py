@@ -15,7 +15,7 @@ import torch
 
 from trainmon.records import StatRow
 from trainmon.stats.partials import compute_partials, device_columns
-from trainmon.stats.table import derive, merge_partials, partials_for
+from trainmon.stats.table import derive, partials_for
 
 __all__ = ["StatsEngine", "Tracked", "Meta"]
 
@@ -102,14 +102,25 @@ class StatsEngine:
     def finish_step(self, step: int) -> list[StatRow]:
         """All rows captured since the last call, in capture order."""
         pending, self._pending = self._pending, []
+        _merge_sharded(pending)
         host = _to_host([p.rows for p in pending])
         out: list[StatRow] = []
         for p, mat in zip(pending, host):
             if p.is_values:
                 out.extend(self._value_rows(p, mat, step))
             else:
-                out.extend(self._stat_rows(p, _merge_over_group(mat, p), step))
+                out.extend(self._stat_rows(p, mat, step))
         return out
+
+    def has_pending(self) -> bool:
+        return bool(self._pending)
+
+    def discard_sharded(self) -> int:
+        """Drop captured rows that would need a merge collective; returns how many were dropped."""
+        keep = [p for p in self._pending if p.group is None]
+        dropped = sum(len(p.metas) for p in self._pending if p.group is not None)
+        self._pending = keep
+        return dropped
 
     def _stat_rows(self, p: _Pending, mat: list[list[float]], step: int) -> list[StatRow]:
         rows = []
@@ -153,17 +164,49 @@ def _to_host(groups: list[list[torch.Tensor]]) -> list[list[list[float]]]:
     return out
 
 
-def _merge_over_group(mat: list[list[float]], p: _Pending) -> list[list[float]]:
-    """Exact full-tensor partials from every rank's shard partials (all ranks, same order)."""
-    if p.group is None:
-        return mat
-    import torch.distributed as dist
+def _merge_sharded(pending: list[_Pending]) -> None:
+    """Replace shard partials by full-tensor partials, in place: one all_gather per group.
 
-    gathered: list[Any] = [None] * dist.get_world_size(p.group)
-    dist.all_gather_object(gathered, mat, group=p.group)
-    merged = []
-    for i in range(len(mat)):
-        parts = [dict(zip(p.columns, rank_mat[i])) for rank_mat in gathered]
-        m = merge_partials(parts)
-        merged.append([m[c] for c in p.columns])
-    return merged
+    Every rank of a group must have captured the same sharded rows in the same order (each
+    rank holds a shard, maybe empty, of every such tensor); the row count travels with the
+    data so a mismatch fails loudly instead of merging the wrong rows.
+    """
+    by_group: dict[int, list[_Pending]] = {}
+    for p in pending:
+        if p.group is not None and not p.is_values and p.rows:
+            by_group.setdefault(id(p.group), []).append(p)
+    for members in by_group.values():
+        from trainmon import _dist
+
+        rows = [r for p in members for r in p.rows]
+        device = rows[0].device
+        local = torch.stack([r.to(device) for r in rows])
+        count = torch.full((1, local.shape[1]), float(len(rows)), dtype=local.dtype, device=device)
+        gathered = _dist.all_gather_rows(torch.cat([count, local]), members[0].group)
+        counts = gathered[:, 0, 0].tolist()
+        if any(c != len(rows) for c in counts):
+            raise RuntimeError(f"trainmon: ranks captured different numbers of sharded rows {counts}; "
+                               "every rank must capture a (maybe empty) shard of every sharded tensor")
+        merged = merge_rows(gathered[:, 1:], members[0].columns).to(device)
+        pos = 0
+        for p in members:
+            p.rows = list(merged[pos:pos + len(p.rows)].unbind(0))
+            pos += len(p.rows)
+
+
+def merge_rows(g: torch.Tensor, columns: Sequence[str]) -> torch.Tensor:
+    """Exact merge of ``[world, rows, columns]`` partials over the first dimension."""
+    col = {c: j for j, c in enumerate(columns)}
+    out = g.sum(0)
+    if "min" in col:
+        out[:, col["min"]] = g[:, :, col["min"]].amin(0)   # amin/amax propagate NaN, like merge_partials
+    if "max" in col:
+        out[:, col["max"]] = g[:, :, col["max"]].amax(0)
+    if "m2" in col:
+        n, s = g[:, :, col["count"]], g[:, :, col["sum"]]
+        mean = s.sum(0) / n.sum(0)
+        live = n > 0
+        shard_mean = torch.where(live, s / n.clamp_min(1), torch.zeros_like(s))
+        spread = torch.where(live, n * (shard_mean - mean) ** 2, torch.zeros_like(s))
+        out[:, col["m2"]] = g[:, :, col["m2"]].sum(0) + spread.sum(0)
+    return out
