@@ -27,7 +27,8 @@ __all__ = ["compute_partials", "device_columns"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _BLOCK = 1 << 10          # elements per block when reducing CPU tensors (accuracy, see above)
-_BIG = 1 << 12            # tensors larger than this take the blocked path on CPU
+_BIG = 1 << 16            # tensors larger than this take the blocked path on CPU
+_ONE_PASS_EXTREMES = 1 << 20
 _CHUNK = 1 << 22          # elements per fp32 chunk when upcasting low precision on CPU
 
 # Columns computed on the device, in order; "count" comes from numel.
@@ -83,9 +84,17 @@ def _lean_partials(t: torch.Tensor, columns: Sequence[str]) -> torch.Tensor:
     if "sumsq" in columns:
         parts["sumsq"] = _sumsq([t], acc)[0]
     if "min" in columns or "max" in columns:
-        lo, hi = torch.aminmax(t)
+        lo, hi = _extremes(t)
         parts["min"], parts["max"] = lo.double(), hi.double()
     return torch.stack([parts[c] for c in columns])
+
+
+def _extremes(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # Cache-resident tensors: amin + amax beat one aminmax on CPU (measured, torch 2.13); past
+    # ~1M elements the single pass over memory wins.
+    if t.numel() > _ONE_PASS_EXTREMES or t.device.type != "cpu":
+        return torch.aminmax(t)
+    return t.amin(), t.amax()
 
 
 def _as_float(t: torch.Tensor) -> torch.Tensor:
@@ -111,11 +120,10 @@ def _group_partials(group: list[torch.Tensor], columns: Sequence[str], eps: floa
         cols["sum"] = torch.stack([_sum(t, acc) for t in live]).double()
     if "sumsq" in columns:
         cols["sumsq"] = _sumsq(live, acc)
-    # amin/amax separately: on CPU each is ~3x faster than one aminmax (measured, torch 2.13).
-    if "min" in columns:
-        cols["min"] = torch.stack([t.amin() for t in live]).double()
-    if "max" in columns:
-        cols["max"] = torch.stack([t.amax() for t in live]).double()
+    if "min" in columns or "max" in columns:
+        lows, highs = zip(*[_extremes(t) for t in live])
+        cols["min"] = torch.stack(lows).double()
+        cols["max"] = torch.stack(highs).double()
     if "zeros" in columns:
         cols["zeros"] = torch.stack([(t.abs() < eps).sum() for t in live]).double()
     if "m2" in columns:
@@ -133,8 +141,10 @@ def _sum(t: torch.Tensor, acc: torch.dtype | None) -> torch.Tensor:
 
 def _sumsq(live: list[torch.Tensor], acc: torch.dtype | None) -> torch.Tensor:
     if live[0].device.type == "cpu":
-        return torch.stack([_blocked_sumsq(t) if t.numel() > _BIG else
-                            torch.linalg.vector_norm(t).double().square() for t in live])
+        # Small tensors: x*x then a cascade sum (4e-8 relative error, measured); large ones: blocks,
+        # which avoid the temporary and are as fast as one vector_norm.
+        return torch.stack([_blocked_sumsq(t) if t.numel() > _BIG else torch.mul(t, t).sum().double()
+                            for t in live])
     norms = torch._foreach_norm(live, 2, dtype=acc) if acc else torch._foreach_norm(live)
     return torch.stack(norms).double().square()
 
