@@ -1,0 +1,110 @@
+"""``trainmon anomalies RUN_DIR``: every anomaly of a run, earliest first in training-flow order."""
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+
+from trainmon.cli import CommandError
+from trainmon.diagnosis.reader import RunDirError, load_run
+from trainmon.diagnosis.report import dump_json, parse_int_list, parse_name_list, table
+from trainmon.diagnosis.rules import Anomaly, Rules, SpikeRule
+from trainmon.diagnosis.scan import merge_runtime, scan
+
+HELP = "list NaN/Inf and spikes of a run, earliest first in training-flow order"
+_RULES = ("nonfinite", "spike", "threshold")
+_TEXT_LIMIT = 30
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    default = SpikeRule()
+    parser.add_argument("run_dir", metavar="RUN_DIR",
+                        help="run directory (or its output dir, or one rank dir)")
+    parser.add_argument("--json", action="store_true", help="machine-readable output (docs/diagnosis.md)")
+    parser.add_argument("--rules", default="nonfinite,spike",
+                        help=f"comma list of {', '.join(_RULES)} (default: nonfinite,spike; "
+                             "--threshold adds threshold)")
+    parser.add_argument("--ops", default="norm", help="stats the spike/threshold rules watch (default: norm)")
+    parser.add_argument("--factor", type=float, default=default.factor,
+                        help="spike when a value is this many times above/below its baseline "
+                             f"(default {default.factor:g})")
+    parser.add_argument("--floor", type=float, default=default.floor,
+                        help=f"absolute floor added to value and baseline (default {default.floor:g})")
+    parser.add_argument("--warmup", type=int, default=default.warmup,
+                        help=f"values a series needs before it is judged (default {default.warmup})")
+    parser.add_argument("--window", type=int, default=default.window,
+                        help=f"values in the running median baseline (default {default.window})")
+    parser.add_argument("--threshold", type=float, default=None, help="also flag |value| above this")
+    parser.add_argument("--kinds", default=None, help="comma list of families to scan (default: all)")
+    parser.add_argument("--ranks", default=None, help="comma list of ranks (default: all)")
+    parser.add_argument("--no-runtime", action="store_true",
+                        help="ignore the anomalies.jsonl files alerts wrote during the run")
+    parser.add_argument("--limit", type=int, default=None,
+                        help=f"show at most N entries (text default {_TEXT_LIMIT}, JSON default all; "
+                             "0 = all)")
+
+
+def _rules(args: argparse.Namespace) -> Rules:
+    chosen = parse_name_list(args.rules) or []
+    unknown = [r for r in chosen if r not in _RULES]
+    if unknown:
+        raise CommandError(f"unknown rule '{unknown[0]}' (allowed: {', '.join(_RULES)})")
+    try:
+        spike = SpikeRule(args.factor, args.floor, args.warmup, args.window) if "spike" in chosen else None
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
+    threshold = args.threshold if (args.threshold is not None or "threshold" in chosen) else None
+    if "threshold" in chosen and threshold is None:
+        raise CommandError("rule 'threshold' needs --threshold VALUE")
+    return Rules(nonfinite="nonfinite" in chosen, spike=spike, threshold=threshold,
+                 ops=tuple(parse_name_list(args.ops) or ("norm",)))
+
+
+def _check_names(wanted, have, what: str, path) -> None:
+    for name in wanted or ():
+        if name not in have:
+            recorded = ", ".join(map(str, have)) or "none"
+            raise CommandError(f"no {what} '{name}' in {path} (recorded: {recorded})")
+
+
+def find(args: argparse.Namespace) -> tuple[object, list[Anomaly]]:
+    rules = _rules(args)
+    kinds, ranks = parse_name_list(args.kinds), parse_int_list(args.ranks)
+    try:
+        run = load_run(args.run_dir, families=kinds, ranks=ranks)
+    except RunDirError as exc:
+        raise CommandError(str(exc)) from None
+    _check_names(kinds, run.families, "family", run.path)
+    _check_names(ranks, run.ranks, "rank", run.path)
+    if (rules.spike is not None or rules.threshold is not None) and run.stats:
+        _check_names(rules.ops, run.stats, "stat", run.path)
+    found = scan(run, rules)
+    if not args.no_runtime:
+        found = merge_runtime(found, run.path, kinds=kinds, ranks=ranks)
+    return run, found
+
+
+def run(args: argparse.Namespace) -> int:
+    run_table, found = find(args)
+    limit = args.limit if args.limit is not None else (0 if args.json else _TEXT_LIMIT)
+    shown = found if limit == 0 else found[:limit]
+    by_rule = dict(Counter(a.rule for a in found))
+    if args.json:
+        dump_json({"run_dir": str(run_table.path), "ranks": list(run_table.ranks),
+                   "families": list(run_table.families), "count": len(found), "by_rule": by_rule,
+                   "anomalies": [a.to_json() for a in shown]})
+        return 0
+    rules_text = ", ".join(f"{k} {v}" for k, v in by_rule.items())
+    print(f"run: {run_table.path}  ranks: {','.join(map(str, run_table.ranks)) or '-'}  "
+          f"anomalies: {len(found)}" + (f" ({rules_text})" if found else ""))
+    if not found:
+        print("no anomalies")
+        return 0
+    a = found[0]
+    print(f"first: step {a.step}, {a.phase}, {a.kind} {a.name}, rank {a.rank}: "
+          f"{a.op}={a.value:.6g} ({a.rule})")
+    table(["step", "phase", "kind", "name", "rank", "micro", "op", "value", "rule", "baseline"],
+          [(x.step, x.phase, x.kind, x.name, x.rank, x.micro_step, x.op, x.value, x.rule, x.baseline)
+           for x in shown])
+    if len(shown) < len(found):
+        print(f"... {len(found) - len(shown)} more (--limit 0 shows all; --json for machines)")
+    return 0

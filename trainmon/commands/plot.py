@@ -1,0 +1,52 @@
+"""``trainmon plot RUN_DIR --kind K --op O``: layers x steps heatmap plus a per-layer profile."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from trainmon.cli import CommandError
+
+HELP = "plot one stat of one family as a layers x steps heatmap (PNG)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="run directory (or its output dir)")
+    parser.add_argument("--kind", required=True, help="CSV family, e.g. grad_reduced, actv")
+    parser.add_argument("--op", default="norm", help="stat column (default norm)")
+    parser.add_argument("--rank", type=int, default=None, help="rank to plot (default: the lowest)")
+    parser.add_argument("--step", type=int, default=None, help="step of the profile panel (default: last)")
+    parser.add_argument("--micro-step", type=int, default=None,
+                        help="micro-batch of actv/actv_grad (default: the first)")
+    scale = parser.add_mutually_exclusive_group()
+    scale.add_argument("--log", dest="log", action="store_true", default=None, help="log colour scale")
+    scale.add_argument("--linear", dest="log", action="store_false", help="linear colour scale")
+    parser.add_argument("-o", "--output", default=None,
+                        help="PNG path (default ./<kind>_<op>_rank<R>.png)")
+    parser.add_argument("--json", action="store_true", help="print what was written as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    # matplotlib costs ~1 s to import: only this command pays for it, not ``trainmon --help``.
+    from trainmon.diagnosis.plot import heatmap_figure, layer_grid, save_figure
+    from trainmon.diagnosis.reader import RunDirError, load_run
+    from trainmon.diagnosis.report import dump_json
+
+    try:
+        table = load_run(args.run_dir, families=[args.kind])
+        grid = layer_grid(table, args.kind, args.op, rank=args.rank, micro_step=args.micro_step)
+        fig = heatmap_figure(grid, step=args.step, log=args.log)
+    except (RunDirError, ValueError) as exc:
+        raise CommandError(str(exc)) from None
+    out = Path(args.output or f"{args.kind}_{args.op}_rank{grid.rank}.png")
+    try:
+        save_figure(fig, out)
+    except OSError as exc:
+        raise CommandError(f"cannot write {out}: {exc.strerror or exc}") from None
+    step = int(grid.steps[-1]) if args.step is None else args.step
+    if args.json:
+        dump_json({"output": str(out), "kind": grid.kind, "op": grid.op, "rank": grid.rank,
+                   "micro_step": grid.micro_step, "layers": len(grid.layers), "steps": len(grid.steps),
+                   "profile_step": step, "bytes": out.stat().st_size})
+    else:
+        print(f"wrote {out} ({len(grid.layers)} layers x {len(grid.steps)} steps, profile at step {step})")
+    return 0

@@ -1,0 +1,66 @@
+"""Training-flow order: where in a step each CSV family is recorded.
+
+Within one step the data a monitor records is produced in this order (the phases):
+
+============= ================================================ ==========================
+phase         families                                         order inside the phase
+============= ================================================ ==========================
+forward       ``actv``                                         micro-step, module call order
+backward      ``actv_grad``                                    micro-step, backward order
+pre_reduce    ``grad_unreduced``                               backward (grad-ready) order
+comm          ``comm``                                         call order
+post_reduce   ``grad_reduced``                                 model parameter order
+optimizer     ``param_origin``, ``exp_avg``, ``exp_avg_sq``,    family (this order), then
+              ``param_updated``, ``update_ratio``               model parameter order
+other         any family trainmon does not know                family name, row order
+============= ================================================ ==========================
+
+The order inside a phase is the row order of the CSV files (the writer keeps it), so "the first
+anomaly" is the first one a step would have produced.  Nothing computed in a later phase can
+feed an earlier one in the same step, which is what makes the first entry the origin.
+"""
+from __future__ import annotations
+
+__all__ = ["PHASES", "FAMILY_PHASE", "FAMILY_ORDER", "MICRO_FAMILIES", "phase_of", "phase_rank",
+           "family_rank", "FLOW_KEYS"]
+
+PHASES: tuple[str, ...] = ("forward", "backward", "pre_reduce", "comm", "post_reduce", "optimizer",
+                           "other")
+
+# Families in flow order; the index is the tie-break between families of one phase.
+FAMILY_ORDER: tuple[str, ...] = ("actv", "actv_grad", "grad_unreduced", "comm", "grad_reduced",
+                                 "param_origin", "exp_avg", "exp_avg_sq", "param_updated",
+                                 "update_ratio")
+
+FAMILY_PHASE: dict[str, str] = {
+    "actv": "forward",
+    "actv_grad": "backward",
+    "grad_unreduced": "pre_reduce",
+    "comm": "comm",
+    "grad_reduced": "post_reduce",
+    "param_origin": "optimizer",
+    "exp_avg": "optimizer",
+    "exp_avg_sq": "optimizer",
+    "param_updated": "optimizer",
+    "update_ratio": "optimizer",
+}
+
+# Families recorded once per micro-batch (their CSVs carry a ``micro_step`` column).
+MICRO_FAMILIES: frozenset[str] = frozenset({"actv", "actv_grad"})
+
+# Columns of a run table that sort rows in training-flow order (see reader.RunTable).
+FLOW_KEYS: tuple[str, ...] = ("step", "flow", "micro_step", "family_order", "position", "rank",
+                              "occurrence")
+
+
+def phase_of(family: str) -> str:
+    return FAMILY_PHASE.get(family, "other")
+
+
+def phase_rank(family: str) -> int:
+    return PHASES.index(phase_of(family))
+
+
+def family_rank(family: str) -> int:
+    # Unknown families sort after the known ones (a run table numbers them by name).
+    return FAMILY_ORDER.index(family) if family in FAMILY_ORDER else len(FAMILY_ORDER)

@@ -1,0 +1,181 @@
+"""Reading a run directory's CSVs into one table that knows the training flow.
+
+A *run table* has one row per CSV row of every rank and family, with the stats as columns
+(``norm``, ``mean``, ... -- the union over families, NaN where a family lacks one) and these
+identity and ordering columns:
+
+============== ==================================================================
+column         meaning
+============== ==================================================================
+rank           from the ``rank<R>`` directory name
+family         CSV family (``grad_reduced``, ``actv``, ...)
+vpp_stage      model chunk
+name           tensor name as written
+step           optimizer step
+micro_step     micro-batch index; -1 for families recorded once per step
+occurrence     n-th row with this name in its (rank, family, step, micro_step); >0 only
+               for repeated names such as comm calls
+position       row index inside its (rank, family, step, micro_step): order in the phase
+phase / flow   ``flow.phase_of(family)`` and its index in ``flow.PHASES``
+family_order   ``flow.family_rank(family)``, made unique (unknown families by name)
+shape, dtype   as written; ``numel`` is the product of the shape (NaN if unreadable)
+extra:<col>    columns a family adds between step/micro_step and its stats (comm)
+============== ==================================================================
+
+Sorting by ``flow.FLOW_KEYS`` gives training-flow order.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import pandas as pd
+
+from trainmon import runs
+from trainmon.diagnosis.flow import FLOW_KEYS, PHASES, family_rank, phase_of
+from trainmon.errors import TrainmonError
+
+__all__ = ["RunDirError", "RunTable", "resolve_run_dir", "rank_dirs", "read_family", "load_run",
+           "EXTRA_PREFIX"]
+
+log = logging.getLogger(__name__)
+
+EXTRA_PREFIX = "extra:"
+
+
+class RunDirError(TrainmonError):
+    """A path that is not (or holds not exactly one) trainmon run directory."""
+
+
+@dataclass
+class RunTable:
+    """Every recorded row of a run (see the module docstring for the columns)."""
+
+    path: Path
+    frame: pd.DataFrame
+    family_stats: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(sorted(int(r) for r in self.frame["rank"].unique()))
+
+    @property
+    def families(self) -> tuple[str, ...]:
+        return tuple(self.family_stats)
+
+    @property
+    def stats(self) -> tuple[str, ...]:
+        seen: dict[str, None] = {}
+        for cols in self.family_stats.values():
+            seen.update(dict.fromkeys(cols))
+        return tuple(seen)
+
+    def family(self, family: str) -> pd.DataFrame:
+        return self.frame[self.frame["family"] == family]
+
+
+# ----------------------------------------------------------------------------- discovery
+
+def rank_dirs(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """``(rank, dir)`` of every rank directory, by rank; ``run_dir`` may be one rank dir."""
+    path = Path(run_dir)
+    own = runs.rank_of(path)
+    if own is not None and runs.family_files(path):
+        return [(own, path)]
+    return [(runs.rank_of(d), d) for d in runs.rank_dirs(path)]
+
+
+def resolve_run_dir(path: str | Path) -> Path:
+    """The run directory ``path`` names: itself, a rank dir, or the only run below an output dir."""
+    p = Path(path)
+    try:
+        found = runs.find_runs(p)
+    except (FileNotFoundError, NotADirectoryError) as exc:
+        raise RunDirError(str(exc)) from None
+    if len(found) == 1:
+        return found[0]
+    if runs.rank_of(p) is not None and runs.family_files(p):
+        return p
+    if len(found) > 1:
+        names = ", ".join(str(r.relative_to(p)) for r in found[:5]) + (", ..." if len(found) > 5 else "")
+        raise RunDirError(f"{p} holds {len(found)} runs ({names}); pass one of them")
+    raise RunDirError(f"{p}: no trainmon run here (expected rank<R>/ directories with "
+                      "<family>_<a>-<b>.csv files)")
+
+
+# ----------------------------------------------------------------------------- reading
+
+def read_family(rank_dir: str | Path, family: str) -> tuple[pd.DataFrame, list[str]]:
+    """One family of one rank as written (``trainmon.runs``), plus its stat columns in order."""
+    frame = runs.read_family(rank_dir, family)
+    if frame.empty:
+        return frame, []
+    roles = runs.column_roles(frame)
+    frame = frame.rename(columns={c: EXTRA_PREFIX + c for c in roles.extras})
+    for c in roles.stats:
+        frame[c] = pd.to_numeric(frame[c], errors="coerce").astype(float)
+    return frame, list(roles.stats)
+
+
+def _numel(shape: str) -> float:
+    try:
+        dims = [int(d) for d in shape.strip().strip("[]").split(",") if d.strip()]
+    except (AttributeError, ValueError):
+        return math.nan
+    return float(math.prod(dims))
+
+
+def _annotate(frame: pd.DataFrame, rank: int, family: str, order: int) -> pd.DataFrame:
+    frame = frame.copy()
+    frame["rank"] = rank
+    frame["family"] = family
+    frame["micro_step"] = frame["micro_step"].fillna(-1).astype(int) if "micro_step" in frame else -1
+    frame["vpp_stage"] = frame["vpp_stage"].fillna(0).astype(int) if "vpp_stage" in frame else 0
+    frame["step"] = frame["step"].astype(int)
+    for col in ("shape", "dtype"):
+        if col not in frame:
+            frame[col] = ""
+    frame["phase"] = phase_of(family)
+    frame["flow"] = PHASES.index(phase_of(family))
+    frame["family_order"] = order
+    frame["position"] = frame.groupby(["step", "micro_step"], sort=False).cumcount()
+    same = ["step", "micro_step", "vpp_stage", "name"]
+    # Names repeat within a step only for comm calls: skip the costly string grouping otherwise.
+    frame["occurrence"] = (frame.groupby(same, sort=False).cumcount() if frame.duplicated(same).any()
+                           else 0)
+    # Few distinct shapes, many rows: parse each shape once.
+    frame["numel"] = frame["shape"].map({s: _numel(s) for s in frame["shape"].unique()})
+    return frame
+
+
+def load_run(path: str | Path, *, families: Sequence[str] | None = None,
+             ranks: Sequence[int] | None = None) -> RunTable:
+    """Read every (or the chosen) family of every (or the chosen) rank of a run."""
+    run_dir = resolve_run_dir(path)
+    parts: list[pd.DataFrame] = []
+    family_stats: dict[str, list[str]] = {}
+    chosen = [(rank, rdir) for rank, rdir in rank_dirs(run_dir) if ranks is None or rank in ranks]
+    names = {f for _, rdir in chosen for f in runs.family_files(rdir) if families is None or f in families}
+    # Known families by flow; unknown ones after them, by name: one integer sort key.
+    order = {f: i for i, f in enumerate(sorted(names, key=lambda f: (family_rank(f), f)))}
+    for rank, rdir in chosen:
+        for family in runs.family_files(rdir):
+            if family not in order:
+                continue
+            frame, stats = read_family(rdir, family)
+            if frame.empty:
+                continue
+            parts.append(_annotate(frame, rank, family, order[family]))
+            known = family_stats.setdefault(family, [])
+            known += [c for c in stats if c not in known]
+    if not parts:
+        frame = pd.DataFrame(columns=[*FLOW_KEYS, "family", "vpp_stage", "name", "phase", "shape", "dtype",
+                                      "numel"])
+    else:
+        frame = pd.concat(parts, ignore_index=True, sort=False)
+        frame = frame.sort_values(list(FLOW_KEYS), kind="mergesort", ignore_index=True)
+    ordered = sorted(family_stats, key=lambda fam: (family_rank(fam), fam))
+    return RunTable(path=run_dir, frame=frame, family_stats={f: tuple(family_stats[f]) for f in ordered})

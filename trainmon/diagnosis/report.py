@@ -1,0 +1,63 @@
+"""Shared output helpers of the diagnosis commands: JSON documents and aligned text tables."""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from typing import Iterable, Sequence, TextIO
+
+__all__ = ["dump_json", "table", "fmt_value", "parse_int_list", "parse_name_list"]
+
+
+def dump_json(doc: object, out: TextIO | None = None) -> None:
+    """Strict JSON (non-finite numbers are already spelled as strings by ``json_number``)."""
+    out = out or sys.stdout
+    json.dump(doc, out, indent=2, allow_nan=False)
+    out.write("\n")
+
+
+def fmt_value(value: object) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        if math.isfinite(value) and value.is_integer() and abs(value) < 1e15:
+            return str(int(value))
+        return f"{value:.6g}"
+    return str(value)
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence[object]], out: TextIO | None = None) -> None:
+    """A plain left/right aligned table (numbers right-aligned)."""
+    out = out or sys.stdout
+    cells = [[fmt_value(v) for v in row] for row in rows]
+    numeric = [all(_is_number(r[i]) for r in cells) if cells else False for i in range(len(headers))]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+
+    def line(values: Sequence[str]) -> str:
+        return "  ".join(v.rjust(w) if num else v.ljust(w)
+                         for v, w, num in zip(values, widths, numeric)).rstrip()
+
+    out.write(line(list(headers)) + "\n")
+    for r in cells:
+        out.write(line(r) + "\n")
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return text == "-"
+    return True
+
+
+def parse_int_list(text: str | None) -> list[int] | None:
+    """``"0,2,4"`` -> [0, 2, 4]; None stays None (ValueError on anything else)."""
+    if text is None:
+        return None
+    return [int(part) for part in text.split(",") if part.strip()]
+
+
+def parse_name_list(text: str | None) -> list[str] | None:
+    if text is None:
+        return None
+    return [part.strip() for part in text.split(",") if part.strip()]
