@@ -353,10 +353,40 @@ def _threshold(r: _Reader, key: str, value: object) -> object:
 
 _THRESHOLD = "finite number >= 0"
 
+_RULE_OPS = (*STAT_NAMES, "update_ratio")
+
+
+def _factor(r: _Reader, key: str, value: object) -> object:
+    return r.number(key, value, None, minimum=1, inclusive=False)
+
+
+def _positive_int(r: _Reader, key: str, value: object) -> object:
+    return r.integer(key, value, None, minimum=1, maximum=None, nullable=False)
+
+
+def _rule_ops(r: _Reader, key: str, value: object) -> object:
+    items = r.array(key, value, f"non-empty list of: {', '.join(_RULE_OPS)}", nonempty=True)
+    return None if items is None else tuple(_names(r, key, items, _RULE_OPS, "stat"))
+
+
+_NONFINITE_ARGS = {"threshold": _Arg(_threshold, expect=_THRESHOLD)}
+# The spike rule (trainmon.diagnosis.rules): fires when a value leaves the median of its recent
+# history by ``factor`` either way; msprobe's relative ``threshold`` t means factor 1 + t.
+_SPIKE_ARGS = {
+    "threshold": _Arg(_threshold, expect=_THRESHOLD),
+    "factor": _Arg(_factor, expect="number > 1"),
+    "floor": _Arg(_threshold, expect=_THRESHOLD),
+    "warmup": _Arg(_positive_int, expect="integer >= 1"),
+    "window": _Arg(_positive_int, expect="integer >= 1"),
+    "ops": _Arg(_rule_ops, expect="list of stat names"),
+}
+
 # rule name -> its arguments.  A new rule is one entry here (and its implementation elsewhere).
 KNOWN_RULES: dict[str, dict[str, _Arg]] = {
-    "AnomalyNan": {"threshold": _Arg(_threshold, required=False, expect=_THRESHOLD)},
-    "AnomalyTurbulence": {"threshold": _Arg(_threshold, required=True, expect=_THRESHOLD)},
+    "AnomalyNan": _NONFINITE_ARGS,
+    "nonfinite": _NONFINITE_ARGS,
+    "AnomalyTurbulence": _SPIKE_ARGS,
+    "spike": _SPIKE_ARGS,
 }
 
 

@@ -8,7 +8,6 @@ __all__ = ["unsupported_problems"]
 
 # key -> (predicate "the config asks for it", what to say)
 _PENDING = {
-    "alert.rules": (lambda c: bool(c.alert.rules), "run-time alerts are not supported yet"),
 }
 
 

@@ -100,7 +100,7 @@ class TrainerMon:
             return NullSink()
         options = SinkOptions(rank_dir=path, rank=self.rank, ndigits=cfg.ndigits,
                               step_count_per_record=cfg.step_count_per_record)
-        return create_sink(cfg.format, options)
+        return create_sink(cfg.format, options, extra_sinks=_alert_sinks(cfg, options))
 
     # -- public API ----------------------------------------------------------------------------
     def set_monitor(self, model: nn.Module | Sequence[nn.Module], grad_acc_steps: int | Callable[[], int] = 1,
@@ -204,6 +204,14 @@ class TrainerMon:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _alert_sinks(cfg: MonitorConfig, options: SinkOptions) -> list[Sink]:
+    if not cfg.alert.rules:
+        return []
+    from trainmon.sinks.alerts import AlertSettings, AlertSink
+
+    return [AlertSink(options, AlertSettings.from_alert_config(cfg.alert))]
 
 
 def _register_exit_close(monitor: TrainerMon) -> None:

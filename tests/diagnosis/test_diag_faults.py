@@ -156,15 +156,6 @@ def test_healthy_200_step_demo_has_no_alerts(tmp_path, capsys):
     assert sink.count == 0
 
 
-def _alerts_wired() -> bool:
-    from trainmon.config import parse_config
-    from trainmon.features import unsupported_problems
-
-    cfg = parse_config({"alert": {"rules": [{"rule_name": "AnomalyNan"}]}}, "probe.json")
-    return not any(p.key.startswith("alert") for p in unsupported_problems(cfg))
-
-
-@pytest.mark.skipif(not _alerts_wired(), reason="the monitor does not build the alert sink yet")
 def test_run_time_alerts_of_a_real_run(tmp_path, monkeypatch, capsys):
     from trainmon import TrainerMon, seed_all
     from trainmon.demo import TinyGPT, synthetic_batches

@@ -49,19 +49,20 @@ def available_formats() -> tuple[str, ...]:
 
 
 def create_sink(formats: str | Sequence[str], options: SinkOptions, *, threaded: bool = True,
-                max_pending_steps: int = 256) -> Sink:
+                max_pending_steps: int = 256, extra_sinks: Sequence[Sink] = ()) -> Sink:
     """One sink writing every format in ``formats`` (a name or a list of names).
 
     Returns ``AsyncSink(FanoutSink([...]))`` (or the bare ``FanoutSink`` with
     ``threaded=False``); an empty list gives a :class:`NullSink`.  Unknown or unusable
-    formats raise ``ValueError`` naming the formats that are available.
+    formats raise ``ValueError`` naming the formats that are available.  ``extra_sinks`` (already
+    built, e.g. the alert sink) join the same fan-out behind the same writer thread.
     """
     from trainmon.sinks.async_writer import AsyncSink, FanoutSink
 
     names = [formats] if isinstance(formats, str) else list(dict.fromkeys(formats))
-    if not names:
+    sinks = [_build(fmt, options) for fmt in names] + list(extra_sinks)
+    if not sinks:
         return NullSink(options)
-    sinks = [_build(fmt, options) for fmt in names]
     fanout = FanoutSink(sinks, options)
     return AsyncSink(fanout, max_pending_steps=max_pending_steps) if threaded else fanout
 
