@@ -4,8 +4,9 @@
     python benchmarks/overhead.py --memory        # peak RSS per config, on a bigger model
 
 A small GPT-like model (trainmon.demo.TinyGPT) trained with AdamW on the CPU, one thread.
-Configs run interleaved (A B C A B C ...) so machine noise hits all of them alike; the figure per
-config is the median step time over all repeats, divided by the unmonitored median.
+Each config trains two identical models side by side, one monitored, alternating step by step
+(so a shared machine's drifts hit both alike); the figure is the median of the per-step ratios
+monitored / unmonitored over all rounds.
 When ``mindstudio-probe`` is importable (``PYTHONPATH=<dir with msprobe>``) the same kinds are
 also measured with msprobe's ``TrainerMon`` in the same run.
 """
@@ -29,17 +30,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from trainmon.demo import GPTConfig, TinyGPT, synthetic_batches  # noqa: E402
 
 OPS = ["norm", "mean", "min", "max"]
+ALL = {"wg_distribution": True, "mv_distribution": True, "param_distribution": True}
+XY = {"xy_distribution": True, "all_xy": True}
 CONFIGS = {
     "wg": {"wg_distribution": True},
     "mv": {"mv_distribution": True},
     "param": {"param_distribution": True},
-    "all-on": {"wg_distribution": True, "mv_distribution": True, "param_distribution": True},
-    "all-on+ur": {"wg_distribution": True, "mv_distribution": True, "param_distribution": True,
-                  "ur_distribution": True},
-    "all-on, interval 10": {"wg_distribution": True, "mv_distribution": True, "param_distribution": True,
-                            "step_interval": 10},
+    "xy": XY,
+    "all-on": ALL,
+    "all-on+xy": {**ALL, **XY},
+    "all-on+xy+ur": {**ALL, **XY, "ur_distribution": True},
+    # only the steps step_interval does NOT select are timed for this one
+    "all-on+xy, unselected steps": {**ALL, **XY, "step_interval": 10},
 }
-MSPROBE_CONFIGS = ("wg", "mv", "param", "all-on")
+MSPROBE_CONFIGS = ("wg", "mv", "param", "xy", "all-on", "all-on+xy")
 MODEL = GPTConfig(vocab=512, seq=64, dim=256, heads=4, layers=4)
 
 
@@ -66,21 +70,31 @@ def attach(kind: str, cfg: dict | None, model, optimizer, workdir: Path):
     return mon
 
 
-def time_steps(kind: str, cfg: dict | None, steps: int, warmup: int, workdir: Path) -> list[float]:
+def paired_ratio(kind: str, cfg: dict, steps: int, warmup: int, workdir: Path) -> list[tuple[float, float]]:
+    """(unmonitored, monitored) step times, the two runs alternating step by step, so slow drifts
+    of a shared machine hit both alike."""
+    base_model, base_opt = build(MODEL)
     model, optimizer = build(MODEL)
     monitor = attach(kind, cfg, model, optimizer, workdir)
-    data = synthetic_batches(MODEL, 8, steps + warmup, seed=1)
-    times = []
-    for i, batch in enumerate(data):
-        t0 = time.perf_counter()
-        model.loss(batch).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
+    interval = cfg.get("step_interval", 1)
+    pairs = []
+    batches = list(synthetic_batches(MODEL, 8, steps + warmup, seed=1))
+    for i, batch in enumerate(batches):
+        t_base = _one_step(base_model, base_opt, batch)
+        t_mon = _one_step(model, optimizer, batch)
+        if i >= warmup and (interval == 1 or i % interval != 0):
+            pairs.append((t_base, t_mon))
     if monitor is not None and hasattr(monitor, "close"):
         monitor.close()
-    return times
+    return pairs
+
+
+def _one_step(model, optimizer, batch) -> float:
+    t0 = time.perf_counter()
+    model.loss(batch).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return time.perf_counter() - t0
 
 
 def msprobe_available() -> bool:
@@ -93,25 +107,24 @@ def msprobe_available() -> bool:
 
 def run_timing(repeats: int, steps: int, warmup: int) -> dict[str, float]:
     torch.set_num_threads(1)
-    runs: list[tuple[str, str, dict | None]] = [("baseline", "trainmon", None)]
-    runs += [(f"trainmon {n}", "trainmon", c) for n, c in CONFIGS.items()]
+    runs: list[tuple[str, str, dict]] = [(f"trainmon {n}", "trainmon", c) for n, c in CONFIGS.items()]
     if msprobe_available():
         runs += [(f"msprobe {n}", "msprobe", CONFIGS[n]) for n in MSPROBE_CONFIGS]
-    samples: dict[str, list[float]] = {name: [] for name, _, _ in runs}
+    pairs: dict[str, list[tuple[float, float]]] = {name: [] for name, _, _ in runs}
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["MONITOR_OUTPUT_DIR"] = str(Path(tmp) / "out")
         for _ in range(repeats):
             for name, kind, cfg in runs:
-                samples[name] += time_steps(kind, cfg, steps, warmup, Path(tmp))
-    base = statistics.median(samples["baseline"])
-    print(f"model: {sum(p.numel() for p in build(MODEL)[0].parameters()) / 1e6:.2f}M params, "
-          f"{len(list(build(MODEL)[0].parameters()))} tensors; baseline {base * 1e3:.1f} ms/step; "
-          f"{repeats} interleaved repeats x {steps} steps; torch {torch.__version__}, 1 thread")
+                pairs[name] += paired_ratio(kind, cfg, steps, warmup, Path(tmp))
+    model = build(MODEL)[0]
+    base = statistics.median(b for p in pairs.values() for b, _ in p)
+    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, "
+          f"{len(list(model.parameters()))} tensors; unmonitored {base * 1e3:.1f} ms/step; "
+          f"{repeats} rounds x {steps} paired steps; torch {torch.__version__}, 1 thread")
     ratios = {}
-    for name in samples:
-        med = statistics.median(samples[name])
-        ratios[name] = med / base
-        print(f"  {name:32s} {med * 1e3:8.1f} ms/step   {ratios[name]:.3f}x")
+    for name, p in pairs.items():
+        ratios[name] = statistics.median(m / b for b, m in p)
+        print(f"  {name:34s} {statistics.median(m for _, m in p) * 1e3:8.1f} ms/step   {ratios[name]:.3f}x")
     return ratios
 
 
