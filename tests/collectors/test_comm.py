@@ -134,7 +134,7 @@ def _comm_body(rank, world, tmp):
             assert len(df) == 2 and set(df["name"]) == {"all_reduce"}, df
             assert list(df["call"]) == [9, 9] and list(df["step"]) == [0, 1], df
             assert all(c.rsplit(":", 1)[0].endswith("dist_checks.py") for c in df["caller"])
-            assert df["norm"].tolist() == [torch.full((3,), float(sum(range(world)))).norm().item()] * 2
+            assert df["norm"].tolist() == [torch.full((3,), float(sum(range(world))), dtype=torch.float64).norm().item()] * 2
         else:
             # the filtered_all_reduce call is recorded here too: add its rows before comparing
             for step in range(2):
