@@ -1,6 +1,7 @@
 """DeepSpeed ZeRO stages 0-3 on CPU/gloo (``DS_ACCELERATOR=cpu``), 2 ranks, 2 micro-batches.
 
-Truths: each rank's local accumulated grad from a plain copy (stage 1 ``grad_unreduced``); the
+Truths: each rank's local accumulated grad from a plain copy (stages 0/1 ``grad_unreduced``), and
+for stages 2/3 (which reduce every micro-batch) each micro-batch's local grad from it; the
 single-process full-batch grad and a plain ``torch.optim.Adam`` on the full batch
 (``grad_reduced``, ``exp_avg*``); DeepSpeed's own ``safe_get_full_fp32_param`` (``param_updated``)
 and ``engine.get_global_grad_norm()`` (the norm of the merged ``grad_reduced`` rows).
@@ -61,7 +62,7 @@ def _stage(rank, world, root: Path, stage: int) -> None:
     torch.distributed.barrier()
     monitor = TrainerMon(cfg).set_monitor(engine, grad_acc_steps=GA, optimizer=opt)
     names = dict(ref.named_parameters())
-    truth, norms = {}, []
+    truth, norms, micro = {}, [], {}
     for step in range(2):
         x = torch.randn(world * GA * MB, 5, generator=torch.Generator().manual_seed(step))
         local = x.chunk(world)[rank].chunk(GA)
@@ -69,8 +70,15 @@ def _stage(rank, world, root: Path, stage: int) -> None:
             for p, (n, q) in zip(scratch.parameters(), ref.named_parameters()):
                 p.copy_(q)
                 p.grad = None
-        sum(scratch(mb).pow(2).mean() / GA for mb in local).backward()
-        truth[("grad_unreduced", step)] = {n: reference_stats(p.grad) for n, p in scratch.named_parameters()}
+        if stage >= 2:   # reduced per micro-batch: each micro-batch's own local grad
+            for k, mb in enumerate(local):
+                for p in scratch.parameters():
+                    p.grad = None
+                (scratch(mb).pow(2).mean() / GA).backward()
+                micro[(step, k)] = {n: reference_stats(p.grad) for n, p in scratch.named_parameters()}
+        else:
+            sum(scratch(mb).pow(2).mean() / GA for mb in local).backward()
+            truth[("grad_unreduced", step)] = {n: reference_stats(p.grad) for n, p in scratch.named_parameters()}
         ref_opt.zero_grad()
         ref(x).pow(2).mean().backward()
         truth[("grad_reduced", step)] = {n: reference_stats(p.grad) for n, p in names.items()}
@@ -84,12 +92,17 @@ def _stage(rank, world, root: Path, stage: int) -> None:
         truth[("param_updated", step)] = {n: reference_stats(p if stage == 0 else safe_get_full_fp32_param(p))
                                           for n, p in engine.module.named_parameters()}
     monitor.close()
+    wraps = {"reduce_ipg_grads", "_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads"}
+    assert not wraps & set(vars(opt)), (stage, wraps & set(vars(opt)))   # instance wraps undone
     rank_dir = only_run_dir(out) / f"rank{rank}"
     for (family, step), t in truth.items():
-        if family == "grad_unreduced" and stage >= 2:
-            assert read_family(rank_dir, family).empty   # per-micro-batch reduce: documented
-            continue
         _check(read_family(rank_dir, family), t, family, step, rtol=2e-5 if family == "exp_avg_sq" else 1e-5)
+    unreduced = read_family(rank_dir, "grad_unreduced")
+    assert ("micro_step" in unreduced.columns) == (stage >= 2), (stage, list(unreduced.columns))
+    if stage >= 2:
+        assert len(unreduced) == len(micro) * len(names), (stage, len(unreduced))   # once per micro-batch
+        for (step, k), t in micro.items():
+            _check(unreduced[unreduced["micro_step"] == k], t, f"grad_unreduced micro {k}", step)
     reduced = read_family(rank_dir, "grad_reduced")
     for step, norm in enumerate(norms):
         if norm is None:   # stage 0 with a plain torch optimizer computes no global norm

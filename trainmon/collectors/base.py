@@ -46,14 +46,15 @@ class CollectorContext:
     guard: "Guard" = field(default=None)  # type: ignore[assignment]
 
 
-def capture_views(ctx: CollectorContext, family: str, pairs: Sequence[tuple[TrackedParam, Any]]) -> None:
+def capture_views(ctx: CollectorContext, family: str, pairs: Sequence[tuple[TrackedParam, Any]],
+                  micro_step: int | None = None) -> None:
     """Capture ``(param, View)`` pairs; shards of one process group are merged over it."""
     by_group: dict[int, tuple[Any, list[Tracked]]] = {}
     for tp, view in pairs:
         entry = by_group.setdefault(id(view.group), (view.group, []))
         entry[1].append(Tracked(tp.name, view.tensor, tp.vpp_stage, view.shape))
     for group, items in by_group.values():
-        ctx.engine.capture(family, items, group=group)
+        ctx.engine.capture(family, items, micro_step=micro_step, group=group)
 
 
 class Collector(ABC):

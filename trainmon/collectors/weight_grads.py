@@ -59,10 +59,11 @@ class WeightGradCollector(Collector):
             body = guard.wrap(self, lambda _p, tp=tp: self._on_grad_ready(tp))
             self.handles.append(post_accumulate_grad_hook(tp.param, body))
 
-    def _emit(self, params: list[TrackedParam]) -> None:
-        """Called by an integration at its pre-reduce point."""
+    def _emit(self, params: list[TrackedParam], micro_step: int | None = None) -> None:
+        """Called by an integration at its pre-reduce point (``micro_step`` when the stack
+        reduces every micro-batch, e.g. DeepSpeed ZeRO-2/3)."""
         if self.ctx.clock.collecting:
-            self._capture(params)
+            self._capture(params, micro_step)
 
     def _on_grad_ready(self, tp: TrackedParam) -> None:
         clock = self.ctx.clock
@@ -83,9 +84,10 @@ class WeightGradCollector(Collector):
         ready, self._ready = self._ready, []
         self.ctx.guard.run(self, self._capture, ready)
 
-    def _capture(self, params: list[TrackedParam]) -> None:
+    def _capture(self, params: list[TrackedParam], micro_step: int | None = None) -> None:
         local = self.ctx.integration.local_grad
-        capture_views(self.ctx, "grad_unreduced", [(tp, v) for tp in params if (v := local(tp)) is not None])
+        capture_views(self.ctx, "grad_unreduced", [(tp, v) for tp in params if (v := local(tp)) is not None],
+                      micro_step=micro_step)
 
     def on_step_begin(self) -> None:
         reduced = self.ctx.integration.reduced_grad

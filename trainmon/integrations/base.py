@@ -56,10 +56,11 @@ class Integration:
 
     # -- pre-reduce ----------------------------------------------------------------------------
     def pre_reduce_points(self, params: list[TrackedParam],
-                          emit: Callable[[list[TrackedParam]], None]) -> list[Handle] | None:
+                          emit: Callable[..., None]) -> list[Handle] | None:
         """Install hooks that call ``emit(params)`` when those grads are this rank's local,
-        accumulated, not yet reduced grads.  ``None``: use the generic per-param
-        post-accumulate-grad hooks (right for plain torch and torch DDP)."""
+        accumulated, not yet reduced grads, or ``emit(params, micro_step)`` when the stack
+        reduces every micro-batch (the rows then carry ``micro_step``).  ``None``: use the
+        generic per-param post-accumulate-grad hooks (right for plain torch and torch DDP)."""
         if self.use_main_grad:
             return []  # main_grad belongs to a framework; its integration knows the reduce point
         return None

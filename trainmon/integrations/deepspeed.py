@@ -12,8 +12,13 @@ in one exchange per family, which gives the statistics of the full tensors.
 
 Pre-reduce (``grad_unreduced``), as DeepSpeed defines the reduce: stages 0 and 1 reduce once at
 the gradient-accumulation boundary, so the generic post-accumulate-grad hook sees this rank's
-accumulated local grad; stages 2 and 3 reduce (and free ``param.grad``) on every micro-batch, so
-an accumulated local grad never exists: ``grad_unreduced`` is not recorded for them.
+accumulated local grad (rows without ``micro_step``).  Stages 2 and 3 reduce (and free the grad)
+bucket by bucket on every micro-batch, so an accumulated local grad never exists; what exists is
+each micro-batch's local grad just before its bucket is reduced.  The optimizer's bucket-reduce
+method (stage 2 ``reduce_ipg_grads``, stage 3 ``__reduce_and_partition_ipg_grads``) is wrapped on
+the instance and the bucket's params are emitted right before calling through: one row per param
+per micro-batch, ``micro_step`` = the micro-batch's index within the step (DeepSpeed's own count).
+The grad is the tensor DeepSpeed is about to reduce (already divided by the accumulation steps).
 """
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ __all__ = ["DeepSpeedIntegration"]
 log = logging.getLogger(__name__)
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
+_Z3_REDUCE = "_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads"
 
 
 def _engine(chunks: Sequence[nn.Module]) -> Any:
@@ -58,12 +64,53 @@ class DeepSpeedIntegration(Integration):
         self.group = getattr(self.zero, "dp_process_group", None)
 
     def pre_reduce_points(self, params: list[TrackedParam],
-                          emit: Callable[[list[TrackedParam]], None]) -> list[Handle] | None:
+                          emit: Callable[[list[TrackedParam], int], None]) -> list[Handle] | None:
         if self.stage <= 1:
             return None   # reduced once at the boundary: the generic hooks see the local grad
-        log.warning("trainmon: DeepSpeed ZeRO stage %d reduces every micro-batch and keeps no "
-                    "accumulated local grad; grad_unreduced is not recorded", self.stage)
-        return []
+        by_id = {id(tp.param): tp for tp in params}
+        attr = "reduce_ipg_grads" if self.stage == 2 else _Z3_REDUCE
+        bucket_params = self._z2_bucket_params if self.stage == 2 else self._z3_bucket_params
+        inner = getattr(self.zero, attr, None)
+        if inner is None:
+            log.warning("trainmon: DeepSpeed ZeRO stage %d optimizer has no '%s' (another DeepSpeed "
+                        "version?); grad_unreduced is not recorded", self.stage, attr)
+            return []
+
+        def reduce_bucket(*args: Any, **kwargs: Any) -> Any:
+            mine = [tp for p in bucket_params(*args, **kwargs) if (tp := by_id.get(id(p))) is not None]
+            if mine:
+                emit(mine, self._micro_step())
+            return inner(*args, **kwargs)
+
+        # On the instance only: other optimizers of the class stay untouched; the call sites
+        # (``self.reduce_ipg_grads``, the mangled ``self.__reduce...``) look the instance up first.
+        setattr(self.zero, attr, reduce_bucket)
+        return [Handle(lambda: delattr(self.zero, attr))]
+
+    def _micro_step(self) -> int:
+        """Index of the running micro-batch in its step (``micro_steps`` counts finished ones)."""
+        return int(self.engine.micro_steps) % max(1, int(self.engine.gradient_accumulation_steps()))
+
+    def _z2_bucket_params(self, comm_dtype: Any = None) -> list[nn.Parameter]:
+        # ``bucket.params`` holds (group index, index in group, param id) tuples in 0.19.x
+        buckets = self.zero.ipg_buckets
+        keys = [comm_dtype] if comm_dtype is not None else list(buckets.keys())
+        groups = self.zero.bit16_groups
+        return [groups[g][i] for k in keys if k in buckets for g, i, _ in buckets[k].params]
+
+    def _z3_bucket_params(self, comm_dtype: Any = None) -> list[nn.Parameter]:
+        bucket = self.zero.ipg_buckets.get(comm_dtype)
+        return list(bucket.params) if bucket is not None else []
+
+    def local_grad(self, tp: TrackedParam) -> View | None:
+        """The grad as DeepSpeed is about to reduce it (stages 2/3: this micro-batch's only)."""
+        if self.stage == 2:
+            g = self.zero.get_gradient_for_reduction(tp.param)
+        elif self.stage == 3:
+            g = tp.param.grad   # still whole: partitioned only after the reduce-scatter
+        else:
+            return super().local_grad(tp)
+        return None if g is None else View(g.detach().reshape(-1), None, self._shape(tp))
 
     # -- fragments ---------------------------------------------------------------------------
     def _z3_valid(self, tp: TrackedParam, t: torch.Tensor) -> torch.Tensor:
