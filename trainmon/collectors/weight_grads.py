@@ -18,7 +18,9 @@ sees the grad.  In a single process nothing can reduce during backward, so the r
 batched and measured once at the end of the backward pass; when grads may be reduced during
 backward (DDP, world size > 1) each param is measured inside its hook.  A framework
 integration (``trainmon.integrations``) may provide its own pre-reduce point instead (Megatron's
-bucket ``start_grad_sync``); ``main_grad`` without one records only ``grad_reduced``.
+bucket ``start_grad_sync``); ``main_grad`` without one records only ``grad_reduced``.  A stack
+that reduces every micro-batch (DeepSpeed ZeRO-2/3) emits with a ``micro_step``: then
+``grad_unreduced`` has one row per param per micro-batch, each that micro-batch's local grad.
 """
 from __future__ import annotations
 
