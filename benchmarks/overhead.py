@@ -150,7 +150,8 @@ def _memory_child(cfg_json: str) -> None:
 
 def run_memory() -> None:
     results = {}
-    for name, cfg in [("baseline", None), ("all-on", CONFIGS["all-on"]), ("all-on+ur", CONFIGS["all-on+ur"])]:
+    for name, cfg in [("baseline", None), ("all-on", ALL), ("all-on+xy", {**ALL, **XY}),
+                      ("all-on+ur", {**ALL, "ur_distribution": True})]:
         out = subprocess.run([sys.executable, __file__, "--memory-child", json.dumps(cfg)],
                              capture_output=True, text=True, check=True)
         results[name] = int(out.stdout.split()[-1])
