@@ -141,9 +141,30 @@ def read_csv(path: str | Path) -> "pd.DataFrame":
     header = _header(path)
     if not header:
         return pd.DataFrame()
+    return _parse(path, header)
+
+
+def _parse(source, header: Sequence[str]) -> "pd.DataFrame":
+    import pandas as pd
+
     na = {c: _NAN_TEXT for c in header if c not in _TEXT_COLUMNS}
-    return pd.read_csv(path, dtype={c: str for c in _TEXT_COLUMNS if c in header},
+    return pd.read_csv(source, dtype={c: str for c in _TEXT_COLUMNS if c in header},
                        keep_default_na=False, na_values=na, **_exact_float_option())
+
+
+def _read_same_header(paths: Sequence[Path], header: Sequence[str]) -> "pd.DataFrame":
+    """Files sharing one header parsed in one go: one parse per file costs ~28x more on runs
+    with one file per step (msprobe's default layout)."""
+    import io
+
+    if len(paths) == 1:
+        return _parse(paths[0], header)
+    parts = []
+    for path in paths:
+        body = path.read_text(encoding="utf-8").split("\n", 1)
+        if len(body) == 2 and body[1]:
+            parts.append(body[1] if body[1].endswith("\n") else body[1] + "\n")
+    return _parse(io.StringIO(",".join(header) + "\n" + "".join(parts)), header)
 
 
 def read_family(rank_dir: str | Path, family: str) -> "pd.DataFrame":
@@ -154,13 +175,17 @@ def read_family(rank_dir: str | Path, family: str) -> "pd.DataFrame":
     """
     import pandas as pd
 
-    files = family_files(rank_dir).get(family, [])
-    frames = [df for df in (read_csv(f.path) for f in files) if len(df.columns)]
+    by_header: dict[tuple[str, ...], list[Path]] = {}
+    for f in family_files(rank_dir).get(family, []):
+        header = tuple(_header(Path(f.path)) or ())
+        if header:
+            by_header.setdefault(header, []).append(Path(f.path))
+    frames = [_read_same_header(paths, header) for header, paths in by_header.items()]
     if not frames:
         return pd.DataFrame()
     df = pd.concat(frames, ignore_index=True, sort=False)
-    # Only header variants of one window can be out of step order; a stable sort on step
-    # alone keeps the write order (= training-flow order) of the rows within each step.
+    # Header variants come out grouped, not in step order; a stable sort on step alone keeps the
+    # write order (= training-flow order) of the rows within each step.
     return df.sort_values("step", kind="stable", ignore_index=True)
 
 
