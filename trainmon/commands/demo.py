@@ -13,7 +13,10 @@ DEMO_CONFIG = {
     "mv_distribution": True,
     "param_distribution": True,
     "ur_distribution": True,
+    "xy_distribution": True,
+    "all_xy": True,
     "ops": ["norm", "mean", "min", "max", "std", "nans", "infs", "zeros"],
+    "alert": {"rules": [{"rule_name": "AnomalyNan"}, {"rule_name": "AnomalyTurbulence"}]},
     "step_count_per_record": 10,
     "format": "csv",
 }
@@ -69,4 +72,6 @@ def _train(args) -> int:
         print(f"  {f}")
     if len(files) > 12:
         print(f"  ... and {len(files) - 12} more")
+    print(f"next: trainmon anomalies {monitor.run_dir} | trainmon csv2tb {monitor.run_dir} | "
+          f"trainmon plot {monitor.run_dir} --kind grad_reduced --op norm")
     return 0
