@@ -2,6 +2,8 @@
 
     python benchmarks/overhead.py                 # trainmon configs (and msprobe's if importable)
     python benchmarks/overhead.py --memory        # peak RSS per config, on a bigger model
+    python benchmarks/overhead.py --fused         # with the opt-in fused CPU kernel
+                                                  # (same as TRAINMON_FUSED_CPU=1)
 
 A small GPT-like model (trainmon.demo.TinyGPT) trained with AdamW on the CPU, one thread.
 Each config trains two identical models side by side, one monitored, alternating step by step
@@ -161,6 +163,12 @@ def run_memory() -> None:
         print(f"  {name:12s} {kb / 1024:8.0f} MiB   {kb / results['baseline']:.3f}x")
 
 
+def _report_fused() -> None:
+    from trainmon.stats import _fused_cpu
+    # Builds the kernel (first use) here, outside the timed steps.
+    print(f"fused CPU kernel: {'on' if _fused_cpu.enabled() else 'off'}", file=sys.stderr)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
@@ -168,7 +176,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--memory", action="store_true", help="measure peak RSS instead of step time")
     parser.add_argument("--memory-child", help=argparse.SUPPRESS)
+    parser.add_argument("--fused", action="store_true",
+                        help="use the fused one-pass CPU stats kernel (sets TRAINMON_FUSED_CPU=1)")
     args = parser.parse_args()
+    if args.fused:
+        os.environ["TRAINMON_FUSED_CPU"] = "1"  # inherited by --memory children too
+    _report_fused()
     if args.memory_child is not None:
         _memory_child(args.memory_child)
     elif args.memory:

@@ -23,6 +23,8 @@ from typing import Sequence
 
 import torch
 
+from trainmon.stats import _fused_cpu
+
 __all__ = ["compute_partials", "device_columns"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -57,9 +59,13 @@ def compute_partials(tensors: Sequence[torch.Tensor], columns: Sequence[str], ep
     for i, t in enumerate(tensors):
         groups[(t.device, t.dtype)].append(i)
     lean = set(columns) <= _LEAN_COLUMNS
+    fused = lean and any(d.type == "cpu" and dt in _fused_cpu.FUSED_DTYPES for d, dt in groups) \
+        and _fused_cpu.enabled()
     for (device, dtype), idx in groups.items():
         group = [tensors[i] for i in idx]
-        if device.type == "cpu" and dtype in _LOW_PRECISION:
+        if fused and device.type == "cpu" and dtype in _fused_cpu.FUSED_DTYPES:
+            mats = _fused_rows(group, columns)
+        elif device.type == "cpu" and dtype in _LOW_PRECISION:
             mats = [_chunked_partials(t, columns, eps) for t in group]
         elif device.type == "cpu":
             mats = [_cpu_row(t, columns, eps) for t in group]
@@ -73,6 +79,15 @@ def compute_partials(tensors: Sequence[torch.Tensor], columns: Sequence[str], ep
 
 
 _LEAN_COLUMNS = {"count", "sum", "sumsq", "min", "max"}
+_FUSED_INDEX = {"count": 0, "sum": 1, "sumsq": 2, "min": 3, "max": 4}
+
+
+def _fused_rows(group: list[torch.Tensor], columns: Sequence[str]) -> list[torch.Tensor]:
+    """Opt-in one-pass kernel (TRAINMON_FUSED_CPU=1): all five lean columns in one read."""
+    mat = _fused_cpu.partials_f32(group)
+    if tuple(columns) != tuple(_FUSED_INDEX):
+        mat = mat[:, [_FUSED_INDEX[c] for c in columns]]
+    return list(mat.unbind(0))
 
 
 def _lean_partials(t: torch.Tensor, columns: Sequence[str]) -> torch.Tensor:

@@ -1,0 +1,117 @@
+"""The opt-in fused CPU kernel against float64 truth and against the eager path."""
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainmon.stats import _fused_cpu
+from trainmon.stats.partials import _cpu_row, _chunked_partials, compute_partials
+
+REPO = Path(__file__).resolve().parents[2]
+COLS = ("count", "sum", "sumsq", "min", "max")
+
+
+@pytest.fixture(scope="module")
+def fused(request):
+    os.environ[_fused_cpu.ENV] = "1"
+    request.addfinalizer(lambda: os.environ.pop(_fused_cpu.ENV, None))
+    if not _fused_cpu.enabled():
+        pytest.skip(f"fused CPU kernel does not build here: {_fused_cpu._state.get('error')}")
+    return _fused_cpu.partials_f32
+
+
+def truth(t: torch.Tensor) -> list[float]:
+    d = t.double().reshape(-1)
+    if d.numel() == 0:
+        return [0.0, 0.0, 0.0, math.inf, -math.inf]
+    return [float(d.numel()), d.sum().item(), (d * d).sum().item(), d.amin().item(), d.amax().item()]
+
+
+def eager(t: torch.Tensor) -> list[float]:
+    row = _chunked_partials(t, COLS, 0.0) if t.dtype != torch.float32 else _cpu_row(t, COLS, 0.0)
+    return row.tolist()
+
+
+def same(a: list[float], b: list[float], rtol: float) -> bool:
+    return all((math.isnan(x) and math.isnan(y)) or x == pytest.approx(y, rel=rtol, abs=1e-9)
+               for x, y in zip(a, b))
+
+
+SIZES = [0, 1, 7, 15, 16, 17, 511, 512, 513, 1000, 4099, 65537, 300_001]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_matches_float64_truth_and_eager_on_many_shapes(fused, dtype):
+    g = torch.Generator().manual_seed(1)
+    tensors = [(torch.randn(n, generator=g) * 3 + 0.5).to(dtype) for n in SIZES]
+    tensors += [torch.randn(3, 5, 7, generator=g).to(dtype), torch.randn(64, 256, generator=g).to(dtype)[:, ::3]]
+    got = fused(tensors)
+    assert got.shape == (len(tensors), 5) and got.dtype == torch.float64
+    for row, t in zip(got.tolist(), tensors):
+        want = truth(t)
+        assert row[0] == want[0] and row[3:] == want[3:], t.shape  # count and extremes exact
+        assert same(row, want, 1e-5), (t.shape, row, want)
+        assert same(row, eager(t), 1e-5), (t.shape, row, eager(t))
+
+
+@pytest.mark.parametrize("where", [0, 5, 600, 9999])
+def test_nan_propagates_to_every_column_like_amin_amax(fused, where):
+    t = torch.randn(10_000)
+    t[where] = math.nan
+    row = fused([t])[0].tolist()
+    assert row[0] == 10_000 and all(math.isnan(v) for v in row[1:])
+    assert math.isnan(t.amin().item()) and math.isnan(t.amax().item())
+
+
+def test_infinities_give_the_same_values_as_eager(fused):
+    pos = torch.ones(3000); pos[17] = math.inf
+    both = torch.ones(3000); both[2] = math.inf; both[2999] = -math.inf
+    huge = torch.full((1000,), 3e38)  # float squares overflow on both paths
+    for t in (pos, both, huge):
+        assert same(fused([t])[0].tolist(), eager(t), 0.0), t[:3]
+    assert fused([both])[0].tolist()[3:] == [-math.inf, math.inf]
+
+
+def test_forty_million_equal_values_stay_accurate(fused):
+    n, v = 40_000_000, torch.tensor(0.1).item()  # the float32 value of 0.1, exactly
+    row = fused([torch.full((n,), 0.1)])[0].tolist()
+    assert row[1] == pytest.approx(n * v, rel=1e-6)
+    assert row[2] == pytest.approx(n * v * v, rel=1e-6)
+    assert row[3] == row[4] == v
+
+
+def test_compute_partials_uses_it_only_for_lean_columns(fused):
+    g = torch.Generator().manual_seed(2)
+    tensors = [torch.randn(n, generator=g) for n in (5, 70_000)] + [torch.randn(9, generator=g).bfloat16(),
+                                                                    torch.arange(6), torch.empty(0)]
+    for cols in (COLS, ("count", "sumsq"), ("count", "min", "max")):
+        rows = compute_partials(tensors, cols, 1e-8)
+        for row, t in zip(rows, tensors):
+            full = dict(zip(COLS, truth(t)))
+            assert same(row.tolist(), [full[c] for c in cols], 1e-5), (cols, t.dtype)
+    # nans/zeros are not fused: the eager path still answers them
+    t = torch.tensor([0.0, math.nan, 1.0])
+    row = compute_partials([t], ("count", "sumsq", "nans", "infs", "zeros"), 1e-8)[0].tolist()
+    assert row[0] == 3 and math.isnan(row[1]) and row[2:] == [1.0, 0.0, 1.0]
+
+
+def test_build_failure_warns_once_and_falls_back(tmp_path):
+    # A real failed build: no such compiler, in a fresh extensions dir.
+    script = ("import torch, trainmon.stats.partials as p\n"
+              "t = torch.randn(100)\n"
+              "a = p.compute_partials([t], ('count','sum','sumsq','min','max'), 0.0)[0]\n"
+              "b = p.compute_partials([t], ('count','sum','sumsq','min','max'), 0.0)[0]\n"
+              "assert torch.equal(a, b) and a[0] == 100, a\n"
+              "print('ok')\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), TRAINMON_FUSED_CPU="1",
+               CXX=str(tmp_path / "no-such-compiler"), TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+    assert proc.stderr.count("fused CPU kernel did not build") == 1, proc.stderr
