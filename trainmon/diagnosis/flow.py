@@ -21,7 +21,7 @@ feed an earlier one in the same step, which is what makes the first entry the or
 """
 from __future__ import annotations
 
-__all__ = ["PHASES", "FAMILY_PHASE", "FAMILY_ORDER", "MICRO_FAMILIES", "phase_of", "phase_rank",
+__all__ = ["PHASES", "FAMILY_PHASE", "FAMILY_ORDER", "MICRO_FAMILIES", "phase_of", "phase_rank", "flow_key",
            "family_rank", "FLOW_KEYS"]
 
 PHASES: tuple[str, ...] = ("forward", "backward", "pre_reduce", "comm", "post_reduce", "optimizer",
@@ -64,3 +64,9 @@ def phase_rank(family: str) -> int:
 def family_rank(family: str) -> int:
     # Unknown families sort after the known ones (a run table numbers them by name).
     return FAMILY_ORDER.index(family) if family in FAMILY_ORDER else len(FAMILY_ORDER)
+
+
+def flow_key(step: int, kind: str, micro_step: int | None, position: int) -> tuple:
+    """Training-flow order of one entry: step, phase, micro-batch, family, row position."""
+    micro = -1 if micro_step is None else micro_step
+    return (step, PHASES.index(phase_of(kind)), micro, family_rank(kind), kind, position)

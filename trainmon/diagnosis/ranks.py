@@ -31,7 +31,7 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
-from trainmon.diagnosis.flow import PHASES, family_rank, phase_of
+from trainmon.diagnosis.flow import flow_key, phase_of
 from trainmon.diagnosis.reader import RunTable
 from trainmon.diagnosis.rules import COUNT_OPS, SpikeRule, json_number
 from trainmon.diagnosis.scan import _baselines, nonfinite
@@ -65,9 +65,7 @@ class RankIssue:
         return phase_of(self.kind)
 
     def sort_key(self) -> tuple:
-        micro = -1 if self.micro_step is None else self.micro_step
-        return (self.step, PHASES.index(self.phase), micro, family_rank(self.kind), self.kind,
-                self.position, CHECKS.index(self.check), self.rank)
+        return flow_key(self.step, self.kind, self.micro_step, self.position) + (CHECKS.index(self.check), self.rank)
 
     def to_json(self) -> dict[str, object]:
         return {"step": self.step, "phase": self.phase, "kind": self.kind, "name": self.name,

@@ -27,7 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Hashable, Mapping
 
-from trainmon.diagnosis.flow import PHASES, family_rank, phase_of
+from trainmon.diagnosis.flow import flow_key, phase_of
 
 __all__ = ["SpikeRule", "Rules", "Anomaly", "SpikeTracker", "COUNT_OPS", "ALERTS_FILE", "RATIO_FAMILIES",
            "nonfinite_op", "json_number", "from_json_number"]
@@ -97,9 +97,7 @@ class Anomaly:
         return phase_of(self.kind)
 
     def sort_key(self) -> tuple:
-        micro = -1 if self.micro_step is None else self.micro_step
-        return (self.step, PHASES.index(self.phase), micro, family_rank(self.kind), self.kind,
-                self.position, self.rank, self.occurrence)
+        return flow_key(self.step, self.kind, self.micro_step, self.position) + (self.rank, self.occurrence)
 
     def to_json(self, *, position: bool = False) -> dict[str, object]:
         out: dict[str, object] = {
