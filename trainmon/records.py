@@ -1,9 +1,28 @@
 """The value type that flows from the stats engine to the sinks."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator, Sequence, TypeVar, overload
 
-__all__ = ["StatRow"]
+__all__ = ["StatRow", "RowBlock", "LazyRows", "paced"]
+
+T = TypeVar("T")
+PACE = 32
+
+
+def paced(items: Iterable[T], every: int = PACE) -> Iterator[T]:
+    """``items``, letting other threads take the GIL every ``every`` items.
+
+    Rows are built and formatted on the writer thread while the training thread runs; CPython
+    hands the GIL to a waiting thread only after 5 ms otherwise, and the training thread needs it
+    for every Python-level op and hook.  Measured: this removes most of the writer's cost to the
+    training step (benchmarks/overhead.py).
+    """
+    for i, item in enumerate(items, 1):
+        yield item
+        if i % every == 0:
+            time.sleep(0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,3 +43,75 @@ class StatRow:
     vpp_stage: int = 0
     micro_step: int | None = None
     extra: dict[str, object] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class RowBlock:
+    """The rows of one capture in columnar form (one entry per tensor in each list): what the
+    CSV sink formats directly, without building a ``StatRow`` per row."""
+
+    family: str
+    step: int
+    micro_step: int | None
+    extra: dict[str, object] | None
+    stats: tuple[str, ...]                 # names of the values, in order
+    names: list[str]
+    vpp_stages: list[int]
+    shapes: list[tuple[int, ...]]
+    dtypes: list[str]
+    values: list[list[float | int]]
+
+    def rows(self) -> list[StatRow]:
+        family, step, micro, stats, extra = self.family, self.step, self.micro_step, self.stats, self.extra
+        return [StatRow(family, name, step, dict(zip(stats, vals)), shape, dtype, vpp, micro,
+                        dict(extra) if extra else {})
+                for name, vpp, shape, dtype, vals in zip(self.names, self.vpp_stages, self.shapes,
+                                                         self.dtypes, self.values)]
+
+
+class LazyRows(Sequence[StatRow]):
+    """One step's rows, built on first use.  The engine hands these to the sink so that turning
+    partials into rows happens on the sink's writer thread, not in the training step; a sink that
+    can format ``blocks()`` never builds the per-row objects at all."""
+
+    __slots__ = ("_build", "_blocks", "_rows")
+
+    def __init__(self, build: Callable[[], list[RowBlock]]):
+        self._build: Callable[[], list[RowBlock]] | None = build
+        self._blocks: list[RowBlock] | None = None
+        self._rows: list[StatRow] | None = None
+
+    def blocks(self) -> list[RowBlock]:
+        if self._blocks is None:
+            self._blocks = self._build()  # type: ignore[misc]
+            self._build = None
+        return self._blocks
+
+    def _all(self) -> list[StatRow]:
+        if self._rows is None:
+            self._rows = [row for block in paced(self.blocks(), 1) for row in block.rows()]
+        return self._rows
+
+    def __len__(self) -> int:
+        return sum(len(b.names) for b in self.blocks()) if self._rows is None else len(self._rows)
+
+    def __iter__(self) -> Iterator[StatRow]:
+        return iter(self._all())
+
+    @overload
+    def __getitem__(self, i: int) -> StatRow: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[StatRow]: ...
+
+    def __getitem__(self, i):
+        return self._all()[i]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (list, tuple, LazyRows)):
+            return self._all() == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"LazyRows({'unbuilt' if self._blocks is None else len(self)})"

@@ -322,3 +322,30 @@ def test_sigkill_keeps_every_returned_step(tmp_path):
     for family, steps in steps_seen.items():
         assert steps == set(range(max(steps) + 1)), family
         assert max(steps) >= last
+
+
+def test_engine_blocks_and_plain_rows_give_the_same_bytes(tmp_path):
+    """The CSV sink formats the engine's columnar blocks without building rows; the text must be
+    exactly what the row-by-row path writes (quoting, micro steps, extra columns, ints, nan/inf)."""
+    from trainmon.records import LazyRows, RowBlock
+    from trainmon.sinks.base import SinkOptions
+    from trainmon.sinks.csv import CsvSink
+
+    blocks = [
+        RowBlock("actv", 7, 2, None, ("norm", "mean", "nans"), ["a.output", 'odd,"name"'], [0, 1],
+                 [(2, 3), ()], ["torch.float32", "torch.bfloat16"], [[1.5, math.nan, 0], [math.inf, -0.0, 3]]),
+        RowBlock("comm", 7, None, {"op": "all_reduce", "when": "pre"}, ("norm",), ["x"], [0], [(4,)],
+                 ["torch.float32"], [[0.1 + 0.2]]),
+        RowBlock("grad_reduced", 7, None, None, ("norm", "min"), ["w", "b"], [0, 0], [(3, 3), (3,)],
+                 ["torch.float32"] * 2, [[1e-300, -1e300], [2.0, 5e-324]]),
+    ]
+    for ndigits in (None, 4):
+        out = {}
+        for how in ("blocks", "rows"):
+            sink = CsvSink(SinkOptions(rank_dir=tmp_path / f"{how}{ndigits}", ndigits=ndigits,
+                                       step_count_per_record=5))
+            lazy = LazyRows(lambda: blocks)
+            sink.write(lazy if how == "blocks" else list(lazy), 7)
+            sink.close()
+            out[how] = {p.name: p.read_bytes() for p in sorted((tmp_path / f"{how}{ndigits}").iterdir())}
+        assert out["blocks"] == out["rows"] and len(out["rows"]) == 3, out

@@ -1,4 +1,4 @@
-"""The opt-in fused CPU kernel against float64 truth and against the eager path."""
+"""The fused CPU kernel against float64 truth and against the eager path."""
 from __future__ import annotations
 
 import math
@@ -110,8 +110,36 @@ def test_build_failure_warns_once_and_falls_back(tmp_path):
               "assert torch.equal(a, b) and a[0] == 100, a\n"
               "print('ok')\n")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), TRAINMON_FUSED_CPU="1",
-               CXX=str(tmp_path / "no-such-compiler"), TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
+               CC=str(tmp_path / "no-such-compiler"), TRAINMON_CACHE_DIR=str(tmp_path / "cache"))
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
-    assert proc.stderr.count("fused CPU kernel did not build") == 1, proc.stderr
+    assert proc.stderr.count("fused CPU stats kernel is unavailable") == 1, proc.stderr
+
+
+def _enabled_in_subprocess(env_extra: dict, tmp_path: Path) -> subprocess.CompletedProcess:
+    script = ("import logging, torch; logging.basicConfig(level=logging.WARNING)\n"
+              "from trainmon.stats import _fused_cpu as f\n"
+              "print(f.enabled())\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("TRAINMON_FUSED_CPU", "CC")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), **env_extra)
+    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_on_by_default_and_a_missing_compiler_is_quiet(tmp_path):
+    built = _enabled_in_subprocess({"TRAINMON_CACHE_DIR": str(tmp_path / "c1")}, tmp_path)
+    if built.stdout.strip() != "True":
+        pytest.skip(f"no working C compiler here: {built.stderr[-300:]}")
+    assert list((tmp_path / "c1").glob("trainmon_fused_*.so")), "the library is cached"
+    # A later process loads the cached library: no compiler needed any more.
+    again = _enabled_in_subprocess({"TRAINMON_CACHE_DIR": str(tmp_path / "c1"),
+                                    "CC": str(tmp_path / "no-such-compiler")}, tmp_path)
+    assert again.stdout.strip() == "True", again.stderr
+    # Nothing cached and no compiler, not asked for explicitly: eager path, no warning.
+    none = _enabled_in_subprocess({"TRAINMON_CACHE_DIR": str(tmp_path / "c2"),
+                                   "CC": str(tmp_path / "no-such-compiler")}, tmp_path)
+    assert none.returncode == 0 and none.stdout.strip() == "False" and "WARNING" not in none.stderr
+    off = _enabled_in_subprocess({"TRAINMON_CACHE_DIR": str(tmp_path / "c3"), "TRAINMON_FUSED_CPU": "0"},
+                                 tmp_path)
+    assert off.stdout.strip() == "False" and not (tmp_path / "c3").exists(), "off: nothing is built"

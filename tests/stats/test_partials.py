@@ -14,6 +14,13 @@ from trainmon.stats.table import STAT_NAMES, derive, merge_partials
 ALL = list(STAT_NAMES)
 
 
+@pytest.fixture(autouse=True, params=["fused", "eager"])
+def cpu_path(request, monkeypatch):
+    """Every test here runs on both CPU paths: the fused kernel (the default) and the eager one."""
+    monkeypatch.setenv("TRAINMON_FUSED_CPU", "1" if request.param == "fused" else "0")
+    return request.param
+
+
 def engine_stats(tensors, ops=ALL, eps=1e-8):
     engine = StatsEngine(ops, eps)
     engine.capture("x", [Tracked(f"t{i}", t) for i, t in enumerate(tensors)])
@@ -105,7 +112,7 @@ def test_rows_keep_capture_order_and_metadata():
 
 @pytest.mark.parametrize("numel", [1, 7, 5000, 70000])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_lean_single_tensor_path_equals_the_batched_one(numel, dtype):
+def test_lean_single_tensor_path_equals_the_batched_one(numel, dtype, cpu_path):
     from trainmon.stats.partials import _group_partials, compute_partials
 
     torch.manual_seed(numel)
@@ -114,4 +121,6 @@ def test_lean_single_tensor_path_equals_the_batched_one(numel, dtype):
         lean = compute_partials([t], columns, 1e-8)[0]
         batched = _group_partials([t], columns, 1e-8)[0]
         assert lean.dtype == torch.float64 and lean.shape == batched.shape
-        assert torch.allclose(lean, batched, rtol=1e-12, atol=0), columns
+        # the fused kernel sums in another order (float lanes, float64 blocks): not bit-equal
+        rtol = 1e-6 if cpu_path == "fused" and dtype == torch.float32 else 1e-12
+        assert torch.allclose(lean, batched, rtol=rtol, atol=0), columns

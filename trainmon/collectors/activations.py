@@ -38,7 +38,6 @@ from trainmon.collectors.base import Collector, register_collector
 from trainmon.collectors.module_io import (HookedModule, hook_fn, in_backward, io_names,
                                            select_modules, tensors_of, uses_compile)
 from trainmon.hooks import Handle
-from trainmon.stats.engine import Tracked
 
 __all__ = ["ActivationCollector"]
 
@@ -139,19 +138,13 @@ class ActivationCollector(Collector):
             self._hook(hm.module.register_forward_pre_hook(
                 wrap(functools.partial(self._inputs, hm)), with_kwargs=True))
             self._hook(hm.module.register_forward_hook(wrap(functools.partial(self._outputs, hm))))
-        self._grad_hook = self.ctx.guard.wrap(self, self._on_grad)
-        self._base_grad_hook = self.ctx.guard.wrap(self, self._on_base_grad)
+        self._grad_hook = self.ctx.guard.gated(self, self._on_grad, self.ctx.clock)
+        self._base_grad_hook = self.ctx.guard.gated(self, self._on_base_grad, self.ctx.clock)
         self._backward_mark = self.ctx.guard.wrap(self, self._on_backward_start)
 
     def _gated(self, fn: Any) -> Any:
         """A module hook that costs one flag check on steps that are not collected."""
-        clock, guarded = self.ctx.clock, self.ctx.guard.wrap(self, fn)
-
-        def hook(*args: Any) -> None:
-            if clock.collecting:
-                guarded(*args)
-
-        return hook
+        return self.ctx.guard.gated(self, fn, self.ctx.clock)
 
     def _hook(self, handle: Any) -> None:
         self.handles.append(Handle(handle.remove))
@@ -182,12 +175,10 @@ class ActivationCollector(Collector):
             self.ctx.clock.enter_backward()
 
     def _inputs(self, hm: HookedModule, _module: nn.Module, args: Any, kwargs: Any) -> None:
-        if self.ctx.clock.collecting:
-            self._observe(hm, "input", tensors_of(kwargs, tensors_of(args)) if kwargs else tensors_of(args))
+        self._observe(hm, "input", tensors_of(kwargs, tensors_of(args)) if kwargs else tensors_of(args))
 
     def _outputs(self, hm: HookedModule, _module: nn.Module, _args: Any, output: Any) -> None:
-        if self.ctx.clock.collecting:
-            self._observe(hm, "output", tensors_of(output))
+        self._observe(hm, "output", tensors_of(output))
 
     def _observe(self, hm: HookedModule, kind: str, tensors: list[torch.Tensor]) -> None:
         if not tensors:
@@ -232,16 +223,15 @@ class ActivationCollector(Collector):
     # -- stats -----------------------------------------------------------------------------
     def _capture(self, family: str, vpp: int, names: list[str], tensors: list[torch.Tensor],
                  micro: int, shape: tuple[int, ...] | None = None) -> None:
-        cache = self._cache
-        rows: list[torch.Tensor | None] = [cache.get(t) for t in tensors]
+        cache, engine = self._cache, self.ctx.engine
+        rows = [cache.get(t) for t in tensors]
         missing = [i for i, r in enumerate(rows) if r is None]
         if missing:
-            fresh = self.ctx.engine.partials([tensors[i] for i in missing], no_sync=True)
+            fresh = engine.partials([tensors[i] for i in missing], no_sync=True)
             for i, row in zip(missing, fresh):
                 rows[i] = row
                 cache.put(tensors[i], row)
-        items = [Tracked(n, t, vpp, shape) for n, t in zip(names, tensors)]
-        self.ctx.engine.capture_rows(family, items, rows, micro_step=micro)  # type: ignore[arg-type]
+        engine.capture_tensors(family, vpp, names, tensors, rows, micro_step=micro, shape=shape)
 
     def on_step_end(self) -> None:
         self._cache.clear()

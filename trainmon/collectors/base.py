@@ -112,11 +112,29 @@ class Guard:
         try:
             return fn(*args)
         except Exception:  # noqa: BLE001 - the monitor must never take the run down
-            self.failed.add(collector.name)
-            log.exception("trainmon: collector '%s' failed at step %d and is switched off; "
-                          "training continues", collector.name, collector.ctx.clock.step)
-            self._on_failure(collector)
+            self._fail(collector)
             return None
+
+    def gated(self, collector: Collector, fn: Callable[..., Any], clock: StepClock) -> Callable[..., None]:
+        """``wrap`` for hooks that do nothing on steps that are not collected: one flag check
+        then, and one Python frame instead of three on collected steps (hooks run hundreds of
+        times per step)."""
+        failed, name = self.failed, collector.name
+
+        def hook(*args: Any) -> None:
+            if clock.collecting and name not in failed:
+                try:
+                    fn(*args)
+                except Exception:  # noqa: BLE001 - the monitor must never take the run down
+                    self._fail(collector)
+
+        return hook
+
+    def _fail(self, collector: Collector) -> None:
+        self.failed.add(collector.name)
+        log.exception("trainmon: collector '%s' failed at step %d and is switched off; "
+                      "training continues", collector.name, collector.ctx.clock.step)
+        self._on_failure(collector)
 
     def wrap(self, collector: Collector, fn: Callable[..., Any]) -> Callable[..., None]:
         """A hook body that goes through ``run`` (hooks must return None: never alter grads)."""

@@ -26,7 +26,7 @@ from typing import Mapping, Sequence
 from trainmon.diagnosis.escalation import Escalation
 from trainmon.diagnosis.rules import (ALERTS_FILE, RATIO_FAMILIES, Anomaly, Rules, SpikeRule, SpikeTracker,
                                       nonfinite_op)
-from trainmon.records import StatRow
+from trainmon.records import StatRow, paced
 from trainmon.sinks.base import Sink, SinkOptions
 
 __all__ = ["AlertSettings", "AlertSink", "ALERTS_FILE"]
@@ -122,7 +122,7 @@ class AlertSink(Sink):
         positions: dict[tuple, int] = {}
         occurrences: dict[tuple, int] = {}
         found: list[Anomaly] = []
-        for row in rows:
+        for row in paced(rows):
             # Per-row work is kept small: this runs on the writer thread, which shares the GIL.
             pos_key = (row.family, row.micro_step)
             occ_key = (row.family, row.micro_step, row.vpp_stage, row.name)

@@ -15,7 +15,7 @@ import threading
 from pathlib import Path
 from typing import Callable, Sequence
 
-from trainmon.records import StatRow
+from trainmon.records import LazyRows, StatRow
 from trainmon.sinks.base import Sink, SinkOptions
 
 __all__ = ["AsyncSink", "FanoutSink"]
@@ -82,7 +82,9 @@ class AsyncSink(Sink):
     # -- caller side ----------------------------------------------------------------------
 
     def write(self, rows: Sequence[StatRow], step: int) -> None:
-        item = (_WRITE, list(rows), step)  # a copy: the caller may reuse its list
+        # A copy (the caller may reuse its list); the engine's LazyRows are immutable and are
+        # built on the writer thread.
+        item = (_WRITE, rows if isinstance(rows, LazyRows) else list(rows), step)
         with self._lock:
             if self._closed or os.getpid() != self._owner_pid:
                 self._errors.run(self.inner.write, item[1], step)

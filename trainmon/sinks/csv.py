@@ -24,7 +24,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Sequence
 
-from trainmon.records import StatRow
+from trainmon.records import LazyRows, RowBlock, StatRow, paced
 from trainmon.sinks.base import Sink, SinkOptions, register_sink
 
 __all__ = ["CsvSink", "window_bounds", "csv_file_name"]
@@ -66,6 +66,7 @@ class _Formatter:
         if ndigits is not None and (isinstance(ndigits, bool) or int(ndigits) < 1):
             raise ValueError(f"ndigits must be a positive number of significant digits, got {ndigits!r}")
         self._spec = None if ndigits is None else f".{int(ndigits)}g"
+        self.full_precision = ndigits is None
 
     def number(self, value: object) -> str:
         if type(value) is float:  # the common case, first
@@ -206,7 +207,8 @@ class CsvSink(Sink):
 
     def write(self, rows: Sequence[StatRow], step: int) -> None:
         with self._lock:
-            for (family, a, columns), lines in self._group(rows).items():
+            grouped = self._group_blocks(rows.blocks()) if isinstance(rows, LazyRows) else self._group(rows)
+            for (family, a, columns), lines in grouped.items():
                 self._append(family, a, columns, lines)
 
     def flush(self) -> None:
@@ -233,7 +235,7 @@ class CsvSink(Sink):
     def _group(self, rows: Sequence[StatRow]) -> dict[_FileKey, list[str]]:
         by_layout: dict[tuple, list[str]] = {}
         n = self._steps_per_file
-        for row in rows:
+        for row in paced(rows):
             layout = (row.family, row.step // n * n, row.micro_step is not None,
                       tuple(row.extra) if row.extra else (), tuple(row.stats))
             lines = by_layout.get(layout)
@@ -242,6 +244,40 @@ class CsvSink(Sink):
             lines.append(self._line(row))
         return {(family, a, _columns(*layout)): lines
                 for (family, a, *layout), lines in by_layout.items()}
+
+    def _group_blocks(self, blocks: Sequence[RowBlock]) -> dict[_FileKey, list[str]]:
+        """``_group`` for the engine's columnar blocks: the same text, without a ``StatRow`` per
+        row (this runs on the writer thread, which shares the GIL with training)."""
+        by_layout: dict[tuple, list[str]] = {}
+        n = self._steps_per_file
+        for block in paced(blocks, 4):
+            layout = (block.family, block.step // n * n, block.micro_step is not None,
+                      tuple(block.extra) if block.extra else (), block.stats)
+            lines = by_layout.get(layout)
+            if lines is None:
+                lines = by_layout[layout] = []
+            lines.extend(self._block_lines(block))
+        return {(family, a, _columns(*layout)): lines
+                for (family, a, *layout), lines in by_layout.items()}
+
+    def _block_lines(self, b: RowBlock) -> list[str]:
+        # Values are Python floats and ints (engine-derived): repr is the full-precision cell.
+        number = repr if self._fmt.full_precision else self._fmt.number
+        lead = str(int(b.step))
+        if b.micro_step is not None:
+            lead += "," + str(int(b.micro_step))
+        if b.extra:
+            lead += "".join(["," + self._fmt.cell(v) for v in b.extra.values()])
+        heads, tails, out = self._heads, self._tails, []
+        for name, vpp, shape, dtype, vals in zip(b.names, b.vpp_stages, b.shapes, b.dtypes, b.values):
+            head = heads.get((vpp, name))
+            if head is None:
+                head = self._remember(heads, (vpp, name), f"{int(vpp)},{_quote(str(name))},")
+            tail = tails.get((shape, dtype))
+            if tail is None:
+                tail = self._remember(tails, (shape, dtype), f",{_shape_cell(shape)},{_quote(str(dtype))}\n")
+            out.append(",".join([head + lead, *map(number, vals)]) + tail)
+        return out
 
     def _line(self, row: StatRow) -> str:
         number = self._fmt.number

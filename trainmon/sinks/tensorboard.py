@@ -37,7 +37,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from trainmon.records import StatRow
+from trainmon.records import StatRow, paced
 from trainmon.sinks.base import Sink, SinkOptions, register_sink
 from trainmon.tb_layout import event_dir, scalar_tag, series_name
 
@@ -402,7 +402,7 @@ class TensorBoardSink(Sink):
                 return frame_record(encode_event(rows[0].step, now, body))
         by_step: dict[int, list] = {}
         value, f32 = self._value, f32_bytes
-        for row in rows:
+        for row in paced(rows):
             parts = by_step.setdefault(row.step, [])
             values = row.stats.values() if value is None else map(value, row.stats.values())
             for head, v in zip(self._heads(row), values):

@@ -1,154 +1,231 @@
-"""Opt-in fused one-pass CPU partials (count, sum, sumsq, min, max), JIT-compiled C++.
+"""The fused one-pass CPU partials (count, sum, sumsq, min, max): a small C kernel.
 
 The eager CPU path runs four ATen reductions per tensor (sum, sum of squares, amin, amax), each
-a separate pass plus dispatch overhead.  This kernel reads each tensor once.  It is used only when
-``TRAINMON_FUSED_CPU=1`` is set and the build succeeds; the build runs on first use through
-``torch.utils.cpp_extension.load_inline`` and torch caches it (``~/.cache/torch_extensions``).
-Any failure logs one warning and the caller keeps the eager path.
+a separate pass over memory plus dispatch overhead.  This kernel reads each tensor once.  It is
+plain C (no torch headers): the first use compiles it with the system C compiler in ~0.3 s into
+``~/.cache/trainmon`` (``TRAINMON_CACHE_DIR`` to move it), later processes load the cached
+library, and it is called through ``ctypes`` with the tensor's data pointer.  On by default for
+CPU tensors; ``TRAINMON_FUSED_CPU=0`` turns it off.  No compiler, or a failed build, means one
+log line and the eager path (same values, slower).
 
 Accuracy: 16 float lanes accumulate blocks of 512 elements (32 per lane), and every block's sums
 are added in float64, so the error does not grow with the tensor size (at least as accurate as the
 eager blocked path).  min/max propagate NaN like ``torch.amin``/``amax``: a NaN anywhere makes the
-sum of squares NaN (and only a NaN can), which is the trigger.
+sum of squares NaN (and only a NaN can), which is the trigger.  The lanes are independent, so the
+compiler vectorizes them without fast-math and results do not depend on the vector width.
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import os
 import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
 from typing import Sequence
 
 import torch
 
-__all__ = ["enabled", "partials_f32", "FUSED_DTYPES"]
+__all__ = ["enabled", "partials_f32", "partials_into", "FUSED_DTYPES", "ENV"]
 
 log = logging.getLogger(__name__)
 
 ENV = "TRAINMON_FUSED_CPU"
+_OFF = ("0", "false", "no", "off")
 FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
-_CPP = r"""
-#include <torch/extension.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
-#include <cmath>
-#include <limits>
-#include <vector>
+_C_SOURCE = r"""
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
 
-namespace {
-constexpr int64_t LANES = 16;
-constexpr int64_t BLOCK = 512;  // elements per float block; each lane sums BLOCK / LANES of them
+#define LANES 16
+#define BLOCK 512
 
-template <typename T>
-void one_pass(const T* p, int64_t n, double* out) {
-  double sum = 0.0, sumsq = 0.0;
-  float mn[LANES], mx[LANES];
-  for (int64_t j = 0; j < LANES; ++j) {
-    mn[j] = std::numeric_limits<float>::infinity();
-    mx[j] = -std::numeric_limits<float>::infinity();
-  }
-  int64_t i = 0;
-  const int64_t whole = n / BLOCK * BLOCK;
-  for (; i < whole; i += BLOCK) {
-    float s[LANES] = {0}, q[LANES] = {0};
-    for (int64_t k = 0; k < BLOCK; k += LANES) {
-      for (int64_t j = 0; j < LANES; ++j) {  // independent lanes: vectorizes without fast-math
-        float x = static_cast<float>(p[i + k + j]);
-        s[j] += x;
-        q[j] += x * x;
-        mn[j] = x < mn[j] ? x : mn[j];
-        mx[j] = x > mx[j] ? x : mx[j];
-      }
-    }
-    double bs = 0.0, bq = 0.0;
-    for (int64_t j = 0; j < LANES; ++j) { bs += s[j]; bq += q[j]; }
-    sum += bs;
-    sumsq += bq;
-  }
-  float lo = mn[0], hi = mx[0];
-  for (int64_t j = 1; j < LANES; ++j) { lo = mn[j] < lo ? mn[j] : lo; hi = mx[j] > hi ? mx[j] : hi; }
-  for (; i < n; ++i) {  // tail, under one block: plain double accumulation
-    float x = static_cast<float>(p[i]);
-    sum += x;
-    sumsq += static_cast<double>(x) * x;
-    lo = x < lo ? x : lo;
-    hi = x > hi ? x : hi;
-  }
-  if (std::isnan(sumsq)) {  // only a NaN element makes a sum of squares NaN
-    lo = hi = std::numeric_limits<float>::quiet_NaN();
-  }
-  out[0] = static_cast<double>(n);
-  out[1] = sum;
-  out[2] = sumsq;
-  out[3] = lo;
-  out[4] = hi;
+static inline float f32_at(const void* p, int64_t i) { return ((const float*)p)[i]; }
+static inline float bf16_at(const void* p, int64_t i) {
+  uint32_t u = (uint32_t)((const uint16_t*)p)[i] << 16; float f; memcpy(&f, &u, 4); return f;
 }
-}  // namespace
+static inline float f16_at(const void* p, int64_t i) {
+  uint16_t h = ((const uint16_t*)p)[i];
+  uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, bits;
+  if (exp == 0) {
+    if (mant == 0) { bits = sign; }
+    else { exp = 113; while (!(mant & 0x400u)) { mant <<= 1; exp--; } bits = sign | (exp << 23) | ((mant & 0x3ffu) << 13); }
+  } else if (exp == 31) { bits = sign | 0x7f800000u | (mant << 13); }
+  else { bits = sign | ((exp + 112) << 23) | (mant << 13); }
+  float f; memcpy(&f, &bits, 4); return f;
+}
 
-torch::Tensor partials_f32(std::vector<torch::Tensor> tensors) {
-  auto result = torch::empty({static_cast<int64_t>(tensors.size()), 5},
-                             torch::dtype(torch::kFloat64));
-  double* out = result.data_ptr<double>();
-  for (size_t r = 0; r < tensors.size(); ++r) {
-    torch::Tensor t = tensors[r];
-    TORCH_CHECK(t.device().is_cpu(), "partials_f32: CPU tensors only");
-    t = t.contiguous();
-    const int64_t n = t.numel();
-    double* row = out + 5 * r;
-    switch (t.scalar_type()) {
-      case torch::kFloat: one_pass(t.data_ptr<float>(), n, row); break;
-      case torch::kBFloat16: one_pass(t.data_ptr<c10::BFloat16>(), n, row); break;
-      case torch::kHalf: one_pass(t.data_ptr<c10::Half>(), n, row); break;
-      default: TORCH_CHECK(false, "partials_f32: float32/bfloat16/float16 only, got ", t.scalar_type());
-    }
+#define ONE_PASS(NAME, LOAD)                                                              \
+static void NAME(const void* p, int64_t n, double* out) {                                 \
+  double sum = 0.0, sumsq = 0.0;                                                           \
+  float mn[LANES], mx[LANES];                                                              \
+  for (int j = 0; j < LANES; ++j) { mn[j] = INFINITY; mx[j] = -INFINITY; }                 \
+  int64_t i = 0;                                                                           \
+  const int64_t whole = n / BLOCK * BLOCK;                                                 \
+  for (; i < whole; i += BLOCK) {                                                          \
+    float s[LANES] = {0}, q[LANES] = {0};                                                  \
+    for (int64_t k = 0; k < BLOCK; k += LANES) {                                           \
+      for (int j = 0; j < LANES; ++j) {                                                    \
+        float x = LOAD(p, i + k + j);                                                      \
+        s[j] += x; q[j] += x * x;                                                          \
+        mn[j] = x < mn[j] ? x : mn[j]; mx[j] = x > mx[j] ? x : mx[j];                      \
+      }                                                                                    \
+    }                                                                                      \
+    double bs = 0.0, bq = 0.0;                                                             \
+    for (int j = 0; j < LANES; ++j) { bs += s[j]; bq += q[j]; }                            \
+    sum += bs; sumsq += bq;                                                                \
+  }                                                                                        \
+  float lo = mn[0], hi = mx[0];                                                            \
+  for (int j = 1; j < LANES; ++j) { lo = mn[j] < lo ? mn[j] : lo; hi = mx[j] > hi ? mx[j] : hi; } \
+  for (; i < n; ++i) {                                                                     \
+    float x = LOAD(p, i);                                                                  \
+    sum += x; sumsq += (double)x * x;                                                      \
+    lo = x < lo ? x : lo; hi = x > hi ? x : hi;                                            \
+  }                                                                                        \
+  if (isnan(sumsq)) { lo = hi = NAN; }                                                     \
+  out[0] = (double)n; out[1] = sum; out[2] = sumsq; out[3] = lo; out[4] = hi;              \
+}
+
+ONE_PASS(pass_f32, f32_at)
+ONE_PASS(pass_bf16, bf16_at)
+ONE_PASS(pass_f16, f16_at)
+
+/* kind: 0 float32, 1 bfloat16, 2 float16.  Column j of the row gets value cols[j]
+   (0 count, 1 sum, 2 sumsq, 3 min, 4 max).  Returns 0, or -1 for an unknown kind. */
+int trainmon_partials(const void* data, int64_t n, int kind, double* row, int64_t width,
+                      const int64_t* cols) {
+  double full[5];
+  switch (kind) {
+    case 0: pass_f32(data, n, full); break;
+    case 1: pass_bf16(data, n, full); break;
+    case 2: pass_f16(data, n, full); break;
+    default: return -1;
   }
-  return result;
+  for (int64_t j = 0; j < width; ++j) row[j] = full[cols[j]];
+  return 0;
 }
 """
 
 _state: dict[str, object] = {}
+_COLMAPS: dict[tuple[int, ...], object] = {}
 
 
 def enabled() -> bool:
-    """True when the env var asks for the fused kernel and it is (or can be) built."""
-    if os.environ.get(ENV, "") not in ("1", "true", "yes", "on"):
+    """True unless ``TRAINMON_FUSED_CPU=0``, once the kernel is (or can be) built."""
+    if os.environ.get(ENV, "").strip().lower() in _OFF:
         return False
-    return _module() is not None
+    return _function() is not None
+
+
+def fill_rows(tensors: Sequence[torch.Tensor], out: torch.Tensor, start: int, cols: Sequence[int]) -> None:
+    """``partials_into`` without its argument checks, for the engine's own step buffer (the
+    per-capture path of every hook)."""
+    fn = _state["fn"]
+    colmap = _COLMAPS.get(cols)  # type: ignore[call-overload]
+    if colmap is None:
+        colmap = _COLMAPS[tuple(cols)] = (ctypes.c_int64 * len(cols))(*cols)
+    width = len(cols)
+    row = out.data_ptr() + start * width * 8
+    for t in tensors:
+        if not t.is_contiguous():
+            with torch.no_grad():  # a copy of an activation must not record autograd history
+                t = t.contiguous()
+        if fn(t.data_ptr(), t.numel(), _KIND[t.dtype], row, width, colmap) != 0:  # type: ignore[operator]
+            raise ValueError(f"fused CPU kernel: unsupported dtype {t.dtype}")
+        row += width * 8
+
+
+def partials_into(tensors: Sequence[torch.Tensor], out: torch.Tensor, start: int,
+                  cols: Sequence[int]) -> None:
+    """Write rows ``start..`` of ``out`` (contiguous float64 ``[rows, len(cols)]``, CPU):
+    column ``j`` of a tensor's row is fused value ``cols[j]`` (0 count, 1 sum, 2 sumsq, 3 min,
+    4 max).  ``tensors``: CPU tensors of a ``FUSED_DTYPES`` dtype."""
+    fn = _function()
+    if fn is None:
+        raise RuntimeError(f"fused CPU kernel unavailable: {_state.get('error')}")
+    if start < 0 or start + len(tensors) > out.shape[0] or out.dtype != torch.float64 \
+            or not out.is_contiguous() or out.dim() != 2 or out.shape[1] != len(cols):
+        raise ValueError("partials_into: out must be a contiguous float64 [rows, len(cols)] "
+                         "matrix with room for every tensor")
+    fill_rows(tensors, out, start, tuple(cols))
 
 
 def partials_f32(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """``[len(tensors) x 5]`` float64: count, sum, sumsq, min, max, one pass per tensor."""
-    mod = _module()
-    if mod is None:
-        raise RuntimeError(f"fused CPU kernel unavailable: {_state.get('error')}")
-    return mod.partials_f32(list(tensors))
+    out = torch.empty((len(tensors), 5), dtype=torch.float64)
+    partials_into(tensors, out, 0, range(5))
+    return out
 
 
-def _module():
-    if "module" in _state:
-        return _state["module"]
-    _state["module"] = None
-    try:
-        from torch.utils.cpp_extension import load_inline
-        _state["module"] = load_inline(
-            name=_ext_name(), cpp_sources=[_CPP], functions=["partials_f32"],
-            extra_cflags=["-O3", "-std=c++17", "-march=native"], verbose=False)
-    except Exception as exc:  # noqa: BLE001 -- any build/load failure means: eager path
-        _state["error"] = f"{type(exc).__name__}: {exc}"
-        log.warning("trainmon: %s=1 but the fused CPU kernel did not build (%s); using the "
-                    "eager path", ENV, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-    return _state["module"]
+def _function():
+    if "fn" not in _state:
+        _state["fn"] = None
+        try:
+            lib = ctypes.CDLL(str(_built_library()))
+            fn = lib.trainmon_partials
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
+                           ctypes.c_int64, ctypes.c_void_p]
+            fn.restype = ctypes.c_int
+            _state["fn"] = fn
+        except Exception as exc:  # noqa: BLE001 -- any build/load failure means: eager path
+            _state["error"] = f"{type(exc).__name__}: {exc}"
+            explicit = os.environ.get(ENV, "").strip().lower() not in ("", *_OFF)
+            (log.warning if explicit else log.info)(
+                "trainmon: the fused CPU stats kernel is unavailable (%s); CPU tensors use the "
+                "eager path (same values, slower)", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+    return _state["fn"]
 
 
-def _ext_name() -> str:
-    # -march=native code must not be reused on another CPU sharing the cache: the CPU's flags and
-    # the source are part of the name.
-    flags = ""
+def _cache_dir() -> Path:
+    configured = os.environ.get("TRAINMON_CACHE_DIR")
+    if configured:
+        return Path(configured)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "trainmon"
+
+
+def _compiler() -> str:
+    cc = os.environ.get("CC") or next((c for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
+    if not cc:
+        raise RuntimeError("no C compiler found (set CC)")
+    return cc
+
+
+def _built_library() -> Path:
+    """The compiled kernel for this source, compiler and CPU, building it on first use.  Built
+    under a temporary name and renamed into place, so concurrent processes never load half a
+    file and a killed build leaves nothing that blocks the next one."""
+    key = hashlib.sha1("\0".join([_C_SOURCE, _cpu_flags(), platform.machine()]).encode()).hexdigest()
+    target = _cache_dir() / f"trainmon_fused_{key[:16]}.so"
+    if target.exists():
+        return target
+    cc = _compiler()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        src, lib = Path(tmp) / "kernel.c", Path(tmp) / "kernel.so"
+        src.write_text(_C_SOURCE)
+        errors = []
+        # -march=native: this CPU's vector width; the name above holds its flags, so a cache
+        # shared with another CPU never loads code it cannot run.  Without it if unsupported.
+        for arch in (["-march=native"], []):
+            proc = subprocess.run([cc, "-O3", *arch, "-shared", "-fPIC", "-o", str(lib), str(src)],
+                                  capture_output=True, text=True, timeout=120)
+            if proc.returncode == 0:
+                os.replace(lib, target)
+                return target
+            errors.append(proc.stderr.strip().splitlines()[-1:] or [f"exit {proc.returncode}"])
+        raise RuntimeError(f"{cc} failed: {errors[-1][0]}")
+
+
+def _cpu_flags() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as fh:
-            flags = next((ln for ln in fh if ln.startswith(("flags", "Features"))), "")
+            return next((ln for ln in fh if ln.startswith(("flags", "Features"))), "")
     except OSError:
-        pass
-    key = hashlib.sha1((_CPP + flags + platform.machine() + torch.__version__).encode()).hexdigest()
-    return f"trainmon_fused_cpu_{key[:12]}"
+        return ""

@@ -8,14 +8,17 @@ It is the only place that reads device values on the host.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
 
-from trainmon.records import StatRow
-from trainmon.stats.partials import compute_partials, device_columns
-from trainmon.stats.table import derive, partials_for
+from trainmon.records import LazyRows, RowBlock, paced
+from trainmon.stats.host_rows import HostRows
+from trainmon.stats.partials import compute_partials, device_columns, fused_columns, write_cpu_rows
+from trainmon.stats.derive import derive_block
+from trainmon.stats.table import partials_for
 
 __all__ = ["StatsEngine", "Tracked", "Meta"]
 
@@ -41,11 +44,19 @@ class Meta:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass
+# One captured tensor, as the step keeps it until ``finish_step``: (name, vpp_stage, shape, dtype).
+# Plain tuples: a hook on a CPU model captures a few hundred of these per step.
+_Item = tuple
+
+
+@dataclass(slots=True)
 class _Pending:
-    metas: list[Meta]
-    rows: list[torch.Tensor]               # partials rows, or value rows for capture_values
+    family: str
+    items: list[_Item]
+    rows: list[Any]                        # host row index (CPU) or partials row tensor (device)
     columns: tuple[str, ...]
+    micro_step: int | None = None
+    extra: dict[str, Any] | None = None
     is_values: bool = False
     group: Any = None                      # process group to merge over (sharded tensors)
 
@@ -58,6 +69,8 @@ class StatsEngine:
         self.eps = eps
         self.columns = device_columns(partials_for(self.ops))
         self._pending: list[_Pending] = []
+        self._host = HostRows(len(self.columns))
+        self._fused_cols: tuple[int, ...] | None | bool = False
 
     def capture(self, family: str, items: Sequence[Tracked], *, micro_step: int | None = None,
                 extra: dict[str, Any] | None = None, group: Any = None) -> None:
@@ -71,46 +84,65 @@ class StatsEngine:
         rows = self.partials([it.tensor for it in items])
         self.capture_rows(family, items, rows, micro_step=micro_step, extra=extra, group=group)
 
-    def partials(self, tensors: Sequence[torch.Tensor], *, no_sync: bool = False) -> list[torch.Tensor]:
-        """Partials rows of ``tensors`` as they are now (``no_sync``: never read the device on
-        the host, for hooks that run inside the forward/backward on an accelerator)."""
-        return compute_partials(tensors, self.columns, self.eps, no_sync=no_sync)
+    def partials(self, tensors: Sequence[torch.Tensor], *, no_sync: bool = False) -> list[Any]:
+        """Partials rows of ``tensors`` as they are now, as opaque row handles for
+        ``capture_rows`` (``no_sync``: never read the device on the host, for hooks that run
+        inside the forward/backward on an accelerator)."""
+        if all(t.is_cpu for t in tensors):
+            return list(write_cpu_rows(tensors, self.columns, self.eps, self._host, self._fused()))
+        rows: list[Any] = compute_partials(tensors, self.columns, self.eps, no_sync=no_sync)
+        cpu = [i for i, t in enumerate(tensors) if t.is_cpu]
+        if cpu:
+            for i, r in zip(cpu, write_cpu_rows([tensors[i] for i in cpu], self.columns, self.eps,
+                                                self._host, self._fused())):
+                rows[i] = r
+        return rows
 
-    def capture_rows(self, family: str, items: Sequence[Tracked], rows: Sequence[torch.Tensor], *,
+    def _fused(self) -> tuple[int, ...] | None:
+        # Decided at the first CPU capture (that is when the kernel is built, if ever).
+        if self._fused_cols is False:
+            self._fused_cols = fused_columns(self.columns)
+        return self._fused_cols  # type: ignore[return-value]
+
+    def capture_rows(self, family: str, items: Sequence[Tracked], rows: Sequence[Any], *,
                      micro_step: int | None = None, extra: dict[str, Any] | None = None,
                      group: Any = None) -> None:
         """Record rows from ``partials`` under the names of ``items`` (one row may serve several
         names: a tensor that is the output of one module and the input of the next)."""
-        if not items:
-            return
-        metas = [Meta(family, it.name, it.vpp_stage,
-                      it.shape if it.shape is not None else tuple(it.tensor.shape),
-                      str(it.tensor.dtype), micro_step, dict(extra or {})) for it in items]
-        self._pending.append(_Pending(metas, list(rows), self.columns, group=group))
+        if items:
+            self._pending.append(_Pending(family, [
+                (it.name, it.vpp_stage, it.shape if it.shape is not None else it.tensor.shape,
+                 it.tensor.dtype) for it in items], list(rows), self.columns, micro_step,
+                dict(extra) if extra else None, group=group))
+
+    def capture_tensors(self, family: str, vpp_stage: int, names: Sequence[str],
+                        tensors: Sequence[torch.Tensor], rows: Sequence[Any], *,
+                        micro_step: int | None = None, shape: tuple[int, ...] | None = None) -> None:
+        """``capture_rows`` without ``Tracked`` objects, for hooks (activations)."""
+        self._pending.append(_Pending(family, [
+            (n, vpp_stage, t.shape if shape is None else shape, t.dtype) for n, t in zip(names, tensors)],
+            list(rows), self.columns, micro_step))
 
     def capture_values(self, family: str, metas: Sequence[Meta], values: Sequence[torch.Tensor],
                        columns: Sequence[str]) -> None:
         """Record values already computed on the device (one ``[len(columns)]`` row per meta)."""
         if metas:
-            self._pending.append(_Pending([Meta(family, *_meta_fields(m)) for m in metas],
-                                          [v.double().reshape(-1) for v in values],
-                                          tuple(columns), is_values=True))
+            self._pending.append(_Pending(family, [(m.name, m.vpp_stage, m.shape, m.dtype) for m in metas],
+                                          [v.double().reshape(-1) for v in values], tuple(columns),
+                                          metas[0].micro_step, metas[0].extra or None, is_values=True))
 
     def discard(self) -> None:
         self._pending.clear()
+        self._host.clear()
 
-    def finish_step(self, step: int) -> list[StatRow]:
-        """All rows captured since the last call, in capture order."""
+    def finish_step(self, step: int) -> LazyRows:
+        """All rows captured since the last call, in capture order.  The device values reach
+        the host here; the rows themselves (stats derived from partials) are built when first
+        read, which for a threaded sink is on its writer thread."""
         pending, self._pending = self._pending, []
-        _merge_sharded(pending)
-        host = _to_host([p.rows for p in pending])
-        out: list[StatRow] = []
-        for p, mat in zip(pending, host):
-            if p.is_values:
-                out.extend(self._value_rows(p, mat, step))
-            else:
-                out.extend(self._stat_rows(p, mat, step))
-        return out
+        self._merge_sharded(pending)
+        values = _to_host(pending, self._host.take())
+        return LazyRows(functools.partial(_build_blocks, pending, values, step, self.ops))
 
     def has_pending(self) -> bool:
         return bool(self._pending)
@@ -118,50 +150,59 @@ class StatsEngine:
     def discard_sharded(self) -> int:
         """Drop captured rows that would need a merge collective; returns how many were dropped."""
         keep = [p for p in self._pending if p.group is None]
-        dropped = sum(len(p.metas) for p in self._pending if p.group is not None)
+        dropped = sum(len(p.items) for p in self._pending if p.group is not None)
         self._pending = keep
         return dropped
 
-    def _stat_rows(self, p: _Pending, mat: list[list[float]], step: int) -> list[StatRow]:
-        rows = []
-        for meta, values in zip(p.metas, mat):
-            partials = dict(zip(p.columns, values))
-            rows.append(_row(meta, step, derive(self.ops, partials)))
-        return rows
-
-    @staticmethod
-    def _value_rows(p: _Pending, mat: list[list[float]], step: int) -> list[StatRow]:
-        return [_row(meta, step, dict(zip(p.columns, values))) for meta, values in zip(p.metas, mat)]
+    def _merge_sharded(self, pending: list[_Pending]) -> None:
+        for p in pending:
+            if p.group is not None and not p.is_values and p.rows and isinstance(p.rows[0], int):
+                p.rows = list(self._host.rows(p.rows).unbind(0))
+        _merge_sharded(pending)
 
 
-def _meta_fields(m: Meta) -> tuple:
-    return (m.name, m.vpp_stage, m.shape, m.dtype, m.micro_step, m.extra)
+def _build_blocks(pending: list[_Pending], values: list[list[list[float]]], step: int,
+                  ops: tuple[str, ...]) -> list[RowBlock]:
+    blocks = []
+    dtypes: dict[Any, str] = {}
+    for p, mat in paced(zip(pending, values), 4):
+        stats = p.columns if p.is_values else ops
+        rows = mat if p.is_values else derive_block(ops, p.columns, mat)
+        names, vpps, shapes, dts = [], [], [], []
+        for name, vpp, shape, dtype in p.items:
+            dt = dtypes.get(dtype)
+            if dt is None:
+                dt = dtypes[dtype] = str(dtype)
+            names.append(name)
+            vpps.append(vpp)
+            shapes.append(tuple(shape))
+            dts.append(dt)
+        blocks.append(RowBlock(p.family, step, p.micro_step, p.extra, tuple(stats), names, vpps,
+                               shapes, dts, rows))
+    return blocks
 
 
-def _row(meta: Meta, step: int, stats: dict) -> StatRow:
-    return StatRow(family=meta.family, name=meta.name, step=step, stats=stats, shape=meta.shape,
-                   dtype=meta.dtype, vpp_stage=meta.vpp_stage, micro_step=meta.micro_step,
-                   extra=meta.extra)
+def _to_host(pending: list[_Pending], host: list[list[float]]) -> list[list[list[float]]]:
+    """Each pending's rows as floats: host rows by index, device rows in one copy per device."""
+    device_rows = [r for p in pending for r in p.rows if not isinstance(r, int)]
+    copied = iter(_device_to_host(device_rows)) if device_rows else iter(())
+    return [[host[r] if isinstance(r, int) else next(copied) for r in p.rows] for p in pending]
 
 
-def _to_host(groups: list[list[torch.Tensor]]) -> list[list[list[float]]]:
-    """One device-to-host copy per device for every row of the step."""
-    flat = [(gi, r) for gi, rows in enumerate(groups) for r in rows]
+def _device_to_host(rows: list[torch.Tensor]) -> list[list[float]]:
+    """One device-to-host copy per device for every device row of the step."""
     by_device: dict[torch.device, list[int]] = {}
-    for k, (_, r) in enumerate(flat):
+    for k, r in enumerate(rows):
         by_device.setdefault(r.device, []).append(k)
-    values: list[list[float] | None] = [None] * len(flat)
-    for device, ks in by_device.items():
-        widths = [flat[k][1].numel() for k in ks]
-        host = torch.cat([flat[k][1] for k in ks]).cpu().tolist()
+    values: list[list[float] | None] = [None] * len(rows)
+    for ks in by_device.values():
+        widths = [rows[k].numel() for k in ks]
+        host = torch.cat([rows[k].reshape(-1) for k in ks]).cpu().tolist()
         pos = 0
         for k, w in zip(ks, widths):
             values[k] = host[pos:pos + w]
             pos += w
-    out: list[list[list[float]]] = [[] for _ in groups]
-    for (gi, _), v in zip(flat, values):
-        out[gi].append(v)  # type: ignore[arg-type]
-    return out
+    return values  # type: ignore[return-value]
 
 
 def _merge_sharded(pending: list[_Pending]) -> None:
