@@ -66,23 +66,22 @@ class _RowCache:
 
 
 class _HookedTensors:
-    """(tensor, name) pairs that carry a grad hook in this step.  A non-reentrant checkpoint
-    recomputes with the very input tensors of the first forward: hooking them again would
-    record their gradient twice."""
+    """The (vpp_stage, name)s hooked on each tensor in this step.  One grad hook per tensor serves
+    every name it has (the output of one module is often the input of the next), as long as the
+    tensor has not been modified in place in between: after ``ReLU(inplace=True)`` the same
+    tensor object holds other values with another gradient, so the version is part of the key.
+    A non-reentrant checkpoint recomputes with the very input tensors of the first forward: their
+    names are already there, so their gradient is not recorded twice."""
 
     def __init__(self) -> None:
-        self._names: dict[int, tuple[Any, set[str]]] = {}
+        self._names: dict[tuple[int, int], tuple[Any, list[tuple[int, str]]]] = {}
 
-    def add(self, t: torch.Tensor, name: str) -> bool:
-        """False when ``t`` already has a hook for ``name``."""
-        entry = self._names.get(id(t))
-        if entry is None or entry[0]() is not t:
-            self._names[id(t)] = (weakref.ref(t), {name})
-            return True
-        if name in entry[1]:
-            return False
-        entry[1].add(name)
-        return True
+    def names(self, t: torch.Tensor) -> list[tuple[int, str]] | None:
+        entry = self._names.get((id(t), t._version))
+        return entry[1] if entry is not None and entry[0]() is t else None
+
+    def add(self, t: torch.Tensor, names: list[tuple[int, str]]) -> None:
+        self._names[(id(t), t._version)] = (weakref.ref(t), names)
 
     def clear(self) -> None:
         self._names.clear()
@@ -190,35 +189,42 @@ class ActivationCollector(Collector):
             self._capture("actv", hm.vpp_stage, names, tensors, micro)
         if self._backward and torch.is_grad_enabled():
             for name, t in zip(names, tensors):
-                if t.requires_grad and self._hooked.add(t, name):
-                    self._hook_grad(hm.vpp_stage, name, t)
+                if t.requires_grad:
+                    hooked = self._hooked.names(t)
+                    if hooked is None:
+                        self._hook_grad(t, [(hm.vpp_stage, name)])
+                    elif (hm.vpp_stage, name) not in hooked:
+                        hooked.append((hm.vpp_stage, name))
 
-    def _hook_grad(self, vpp: int, name: str, t: torch.Tensor) -> None:
+    def _hook_grad(self, t: torch.Tensor, names: list[tuple[int, str]]) -> None:
+        self._hooked.add(t, names)
         fired = [False]
-        t.register_hook(functools.partial(self._grad_hook, vpp, name, fired))
+        t.register_hook(functools.partial(self._grad_hook, names, fired))
         base = _same_elements_base(t)
         if base is not None:
             # A hook on a view is lost when the view is later modified in place (Linear on a 3-D
             # input returns a view; ReLU(inplace=True) then rebases it).  Its base still gets
             # the gradient of these very elements, after the view's would have: it is used only
             # when the view's own hook did not run.
-            base.register_hook(functools.partial(self._base_grad_hook, vpp, name, fired, tuple(t.shape)))
+            base.register_hook(functools.partial(self._base_grad_hook, names, fired, tuple(t.shape)))
 
     # -- backward --------------------------------------------------------------------------
-    def _on_grad(self, vpp: int, name: str, fired: list[bool], grad: torch.Tensor | None) -> None:
+    def _on_grad(self, names: list[tuple[int, str]], fired: list[bool], grad: torch.Tensor | None) -> None:
         fired[0] = True
-        clock = self.ctx.clock
-        if grad is None or not self._live or not clock.collecting:
-            return
-        self._capture("actv_grad", vpp, [name], [grad], clock.enter_backward())
+        if grad is not None and self._live:
+            self._capture_grad(names, grad, None)
 
-    def _on_base_grad(self, vpp: int, name: str, fired: list[bool], shape: tuple[int, ...],
+    def _on_base_grad(self, names: list[tuple[int, str]], fired: list[bool], shape: tuple[int, ...],
                       grad: torch.Tensor | None) -> None:
-        if fired[0]:  # the view's hook ran: not the lost-hook case
-            return
-        clock = self.ctx.clock
-        if grad is not None and self._live and clock.collecting:
-            self._capture("actv_grad", vpp, [name], [grad], clock.enter_backward(), shape=shape)
+        if not fired[0] and grad is not None and self._live:  # fired: the view's hook ran
+            self._capture_grad(names, grad, shape)
+
+    def _capture_grad(self, names: list[tuple[int, str]], grad: torch.Tensor,
+                      shape: tuple[int, ...] | None) -> None:
+        micro = self.ctx.clock.enter_backward()
+        for vpp in dict.fromkeys(v for v, _ in names):  # one stage in practice
+            labels = [n for v, n in names if v == vpp]
+            self._capture("actv_grad", vpp, labels, [grad] * len(labels), micro, shape=shape)
 
     # -- stats -----------------------------------------------------------------------------
     def _capture(self, family: str, vpp: int, names: list[str], tensors: list[torch.Tensor],

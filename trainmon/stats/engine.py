@@ -1,10 +1,13 @@
-"""The stats engine: collectors hand it tensors, it hands sinks ``StatRow``s.
+"""The stats engine: collectors hand it tensors, it hands sinks the step's rows.
 
 Within a step, ``capture`` turns tensors into partials rows right away (the tensors may change
-later in the step: grads get reduced, params updated) and keeps only those small rows on the
-device.  ``finish_step`` moves everything of the step to the host in one copy per device, merges
-sharded rows over their process group, derives the requested stats and returns the rows.
-It is the only place that reads device values on the host.
+later in the step: grads get reduced, params updated) and keeps only those small rows: on the
+device for accelerator tensors, in one reused host buffer (``HostRows``) for CPU tensors.
+``finish_step`` moves everything of the step to the host in one copy per device and merges
+sharded rows over their process group; it is the only place that reads device values on the
+host.  It returns ``LazyRows``: the statistics are derived from the partials (a block at a time,
+``stats.derive``) when a sink first reads them, which for the threaded sink is on its writer
+thread.
 """
 from __future__ import annotations
 
@@ -125,7 +128,8 @@ class StatsEngine:
 
     def capture_values(self, family: str, metas: Sequence[Meta], values: Sequence[torch.Tensor],
                        columns: Sequence[str]) -> None:
-        """Record values already computed on the device (one ``[len(columns)]`` row per meta)."""
+        """Record values already computed on the device (one ``[len(columns)]`` row per meta;
+        the rows share the first meta's ``micro_step`` and ``extra``)."""
         if metas:
             self._pending.append(_Pending(family, [(m.name, m.vpp_stage, m.shape, m.dtype) for m in metas],
                                           [v.double().reshape(-1) for v in values], tuple(columns),

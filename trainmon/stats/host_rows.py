@@ -6,6 +6,7 @@ per row, no stacking at the end of the step, and ``finish_step`` reads every row
 """
 from __future__ import annotations
 
+import threading
 from typing import Iterable
 
 import torch
@@ -17,6 +18,9 @@ class HostRows:
     def __init__(self, width: int, capacity: int = 1024):
         self.width = width
         self.count = 0
+        # Held while rows are reserved and filled: a hook on another thread (autograd runs GPU
+        # work on device threads) must not write into a buffer that is being grown.
+        self.lock = threading.Lock()
         self.tensor = torch.empty((capacity, width), dtype=torch.float64)
         self.array = self.tensor.numpy()   # same memory: eager rows are written through numpy
 
@@ -34,8 +38,9 @@ class HostRows:
 
     def take(self) -> list[list[float]]:
         """Every row written since the last ``take``/``clear``; the buffer is then reused."""
-        values = self.array[:self.count].tolist()
-        self.count = 0
+        with self.lock:
+            values = self.array[:self.count].tolist()
+            self.count = 0
         return values
 
     def clear(self) -> None:

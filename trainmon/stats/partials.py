@@ -99,17 +99,18 @@ def write_cpu_rows(tensors: Sequence[torch.Tensor], columns: Sequence[str], eps:
     """Partials of CPU ``tensors`` written into ``host`` (the engine's step buffer); returns their
     row indices.  ``fused``: ``fused_columns(columns)``.  The hot path of every hook on a CPU
     model, hence no per-row tensors and few Python frames."""
-    start = host.reserve(len(tensors))
-    if fused is not None and all(t.dtype in _FUSED_DTYPES for t in tensors):
-        _fused_cpu.fill_rows(tensors, host.tensor, start, fused)
+    with host.lock:
+        start = host.reserve(len(tensors))
+        if fused is not None and all(t.dtype in _FUSED_DTYPES for t in tensors):
+            _fused_cpu.fill_rows(tensors, host.tensor, start, fused)
+            return range(start, start + len(tensors))
+        with torch.no_grad():
+            for k, t in enumerate(tensors):
+                if fused is not None and t.dtype in _FUSED_DTYPES:
+                    _fused_cpu.fill_rows([t], host.tensor, start + k, fused)
+                else:
+                    host.array[start + k] = _cpu_values(t, columns, eps)
         return range(start, start + len(tensors))
-    with torch.no_grad():
-        for k, t in enumerate(tensors):
-            if fused is not None and t.dtype in _FUSED_DTYPES:
-                _fused_cpu.fill_rows([t], host.tensor, start + k, fused)
-            else:
-                host.array[start + k] = _cpu_values(t, columns, eps)
-    return range(start, start + len(tensors))
 
 
 
