@@ -2,6 +2,7 @@
 
     python benchmarks/overhead.py                 # trainmon configs (and msprobe's if importable)
     python benchmarks/overhead.py --memory        # peak RSS per config, on a bigger model
+    python benchmarks/overhead.py --only all-on+xy --repeats 20   # one config, more rounds
     python benchmarks/overhead.py --eager         # without the fused CPU kernel
                                                   # (same as TRAINMON_FUSED_CPU=0)
 
@@ -107,11 +108,15 @@ def msprobe_available() -> bool:
         return False
 
 
-def run_timing(repeats: int, steps: int, warmup: int) -> dict[str, float]:
+def run_timing(repeats: int, steps: int, warmup: int, only: str | None = None) -> dict[str, float]:
     torch.set_num_threads(1)
     runs: list[tuple[str, str, dict]] = [(f"trainmon {n}", "trainmon", c) for n, c in CONFIGS.items()]
     if msprobe_available():
         runs += [(f"msprobe {n}", "msprobe", CONFIGS[n]) for n in MSPROBE_CONFIGS]
+    if only:
+        runs = [r for r in runs if r[0].split(" ", 1)[1] == only]
+        if not runs:
+            raise SystemExit(f"--only: no config named {only!r}; configs: {', '.join(CONFIGS)}")
     pairs: dict[str, list[tuple[float, float]]] = {name: [] for name, _, _ in runs}
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["MONITOR_OUTPUT_DIR"] = str(Path(tmp) / "out")
@@ -175,6 +180,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--memory", action="store_true", help="measure peak RSS instead of step time")
+    parser.add_argument("--only", metavar="CONFIG", help="time one config, e.g. 'all-on+xy' (more rounds fit)")
     parser.add_argument("--memory-child", help=argparse.SUPPRESS)
     parser.add_argument("--eager", action="store_true",
                         help="without the fused one-pass CPU stats kernel (sets TRAINMON_FUSED_CPU=0)")
@@ -187,7 +193,7 @@ def main() -> None:
     elif args.memory:
         run_memory()
     else:
-        run_timing(args.repeats, args.steps, args.warmup)
+        run_timing(args.repeats, args.steps, args.warmup, args.only)
 
 
 if __name__ == "__main__":

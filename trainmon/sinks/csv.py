@@ -233,30 +233,29 @@ class CsvSink(Sink):
     # -- rendering ------------------------------------------------------------------------
 
     def _group(self, rows: Sequence[StatRow]) -> dict[_FileKey, list[str]]:
-        by_layout: dict[tuple, list[str]] = {}
-        n = self._steps_per_file
-        for row in paced(rows):
-            layout = (row.family, row.step // n * n, row.micro_step is not None,
-                      tuple(row.extra) if row.extra else (), tuple(row.stats))
-            lines = by_layout.get(layout)
-            if lines is None:
-                lines = by_layout[layout] = []
-            lines.append(self._line(row))
-        return {(family, a, _columns(*layout)): lines
-                for (family, a, *layout), lines in by_layout.items()}
+        return self._by_file((self._layout(r.family, r.step, r.micro_step, r.extra, tuple(r.stats)),
+                              [self._line(r)]) for r in paced(rows))
 
     def _group_blocks(self, blocks: Sequence[RowBlock]) -> dict[_FileKey, list[str]]:
         """``_group`` for the engine's columnar blocks: the same text, without a ``StatRow`` per
         row (this runs on the writer thread, which shares the GIL with training)."""
-        by_layout: dict[tuple, list[str]] = {}
+        return self._by_file((self._layout(b.family, b.step, b.micro_step, b.extra, b.stats),
+                              self._block_lines(b)) for b in paced(blocks, 4))
+
+    def _layout(self, family: str, step: int, micro: int | None, extra: dict | None,
+                stats: tuple[str, ...]) -> tuple:
         n = self._steps_per_file
-        for block in paced(blocks, 4):
-            layout = (block.family, block.step // n * n, block.micro_step is not None,
-                      tuple(block.extra) if block.extra else (), block.stats)
-            lines = by_layout.get(layout)
-            if lines is None:
-                lines = by_layout[layout] = []
-            lines.extend(self._block_lines(block))
+        return family, step // n * n, micro is not None, tuple(extra) if extra else (), stats
+
+    @staticmethod
+    def _by_file(pieces) -> dict[_FileKey, list[str]]:
+        by_layout: dict[tuple, list[str]] = {}
+        for layout, lines in pieces:
+            found = by_layout.get(layout)
+            if found is None:
+                by_layout[layout] = lines
+            else:
+                found.extend(lines)
         return {(family, a, _columns(*layout)): lines
                 for (family, a, *layout), lines in by_layout.items()}
 

@@ -206,7 +206,13 @@ def _built_library() -> Path:
     if target.exists():
         return target
     cc = _compiler()
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError:  # e.g. a read-only home directory: a private temporary cache instead
+        target = Path(tempfile.gettempdir()) / f"trainmon-cache-{os.getuid()}" / target.name
+        if target.exists():
+            return target
+        target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         src, lib = Path(tmp) / "kernel.c", Path(tmp) / "kernel.so"
         src.write_text(_C_SOURCE)

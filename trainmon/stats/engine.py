@@ -167,13 +167,18 @@ class StatsEngine:
 
 def _build_blocks(pending: list[_Pending], values: list[list[list[float]]], step: int,
                   ops: tuple[str, ...]) -> list[RowBlock]:
+    """One block per run of consecutive captures that share a layout (an activation hook captures
+    one or two tensors at a time: merged, a micro-batch's forward is one block, so numpy's fixed
+    cost is paid a few times per step, not once per hook call)."""
     blocks = []
     dtypes: dict[Any, str] = {}
-    for p, mat in paced(zip(pending, values), 4):
-        stats = p.columns if p.is_values else ops
-        rows = mat if p.is_values else derive_block(ops, p.columns, mat)
+    for (family, micro, extra, columns, is_values), run in _runs(pending, values):
+        items = [item for p, _ in run for item in p.items]
+        partials = [row for _, mat in run for row in mat]
+        stats = columns if is_values else ops
+        rows = partials if is_values else derive_block(ops, columns, partials)
         names, vpps, shapes, dts = [], [], [], []
-        for name, vpp, shape, dtype in p.items:
+        for name, vpp, shape, dtype in items:
             dt = dtypes.get(dtype)
             if dt is None:
                 dt = dtypes[dtype] = str(dtype)
@@ -181,9 +186,23 @@ def _build_blocks(pending: list[_Pending], values: list[list[list[float]]], step
             vpps.append(vpp)
             shapes.append(tuple(shape))
             dts.append(dt)
-        blocks.append(RowBlock(p.family, step, p.micro_step, p.extra, tuple(stats), names, vpps,
-                               shapes, dts, rows))
+        blocks.append(RowBlock(family, step, micro, extra, tuple(stats), names, vpps, shapes, dts, rows))
     return blocks
+
+
+def _runs(pending: list[_Pending], values: list[list[list[float]]]):
+    """(layout, [(pending, values), ...]) for each run of consecutive captures with one layout."""
+    key = None
+    run: list = []
+    for p, mat in paced(zip(pending, values), 16):
+        k = (p.family, p.micro_step, p.extra, p.columns, p.is_values)
+        if run and k != key:
+            yield key, run
+            run = []
+        key = k
+        run.append((p, mat))
+    if run:
+        yield key, run
 
 
 def _to_host(pending: list[_Pending], host: list[list[float]]) -> list[list[list[float]]]:

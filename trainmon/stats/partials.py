@@ -1,9 +1,11 @@
 """Per-tensor mergeable partials, computed in batches on the tensors' own device.
 
-``compute_partials(tensors, columns, eps)`` returns one float64 matrix ``[len(tensors) x
-len(columns)]`` on the tensors' device, without a host sync (except the cheap finiteness check
-needed for NaN/Inf counts, see below).  Tensors are grouped by (device, dtype) so each group is
-one batch of reductions; ``torch._foreach_norm`` handles the sums of squares.
+``compute_partials(tensors, columns, eps)`` returns one float64 row per tensor on the tensor's
+device, without a host sync (except the cheap finiteness check needed for NaN/Inf counts, see
+below).  Tensors are grouped by (device, dtype) so each group is one batch of reductions;
+``torch._foreach_norm`` handles the sums of squares.  ``write_cpu_rows`` is the engine's path for
+CPU tensors: rows go straight into its step buffer, through the fused one-pass kernel
+(``_fused_cpu``) when it serves the columns, else through the eager reductions below.
 
 Accuracy notes (why the code looks like this):
 - fp32 ``vector_norm`` on CPU drifts on large tensors (~3e-3 relative at 40M elements), so large
@@ -115,7 +117,7 @@ def write_cpu_rows(tensors: Sequence[torch.Tensor], columns: Sequence[str], eps:
 
 
 def _fused_rows(group: list[torch.Tensor], columns: Sequence[str]) -> list[torch.Tensor]:
-    """Opt-in one-pass kernel (TRAINMON_FUSED_CPU=1): all five lean columns in one read."""
+    """The fused one-pass kernel (on unless TRAINMON_FUSED_CPU=0): all five lean columns in one read."""
     mat = _fused_cpu.partials_f32(group)
     if tuple(columns) != tuple(_FUSED_INDEX):
         mat = mat[:, [_FUSED_INDEX[c] for c in columns]]
