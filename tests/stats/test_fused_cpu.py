@@ -143,3 +143,20 @@ def test_on_by_default_and_a_missing_compiler_is_quiet(tmp_path):
     off = _enabled_in_subprocess({"TRAINMON_CACHE_DIR": str(tmp_path / "c3"), "TRAINMON_FUSED_CPU": "0"},
                                  tmp_path)
     assert off.stdout.strip() == "False" and not (tmp_path / "c3").exists(), "off: nothing is built"
+
+
+def test_unwritable_cache_uses_a_private_temp_folder_and_never_a_shared_one(tmp_path):
+    unwritable = "/proc/trainmon-no-such-dir/cache"
+    (tmp_path / "t1").mkdir()
+    ok = _enabled_in_subprocess({"TRAINMON_CACHE_DIR": unwritable, "TMPDIR": str(tmp_path / "t1")}, tmp_path)
+    if ok.stdout.strip() != "True":
+        pytest.skip(f"no working C compiler here: {ok.stderr[-300:]}")
+    private = tmp_path / "t1" / f"trainmon-cache-{os.getuid()}"
+    assert list(private.glob("trainmon_fused_*.so")) and (private.stat().st_mode & 0o077) == 0
+    # A folder of that name that others can write to (a shared /tmp) is refused: eager path.
+    shared = tmp_path / "t2" / f"trainmon-cache-{os.getuid()}"
+    shared.mkdir(parents=True)
+    shared.chmod(0o777)
+    refused = _enabled_in_subprocess({"TRAINMON_CACHE_DIR": unwritable, "TMPDIR": str(tmp_path / "t2")}, tmp_path)
+    assert refused.returncode == 0 and refused.stdout.strip() == "False", refused.stderr
+    assert not list(shared.iterdir())

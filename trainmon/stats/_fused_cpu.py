@@ -209,10 +209,15 @@ def _built_library() -> Path:
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
     except OSError:  # e.g. a read-only home directory: a private temporary cache instead
-        target = Path(tempfile.gettempdir()) / f"trainmon-cache-{os.getuid()}" / target.name
+        private = Path(tempfile.gettempdir()) / f"trainmon-cache-{os.getuid()}"
+        private.mkdir(mode=0o700, exist_ok=True)
+        info = private.lstat()
+        if private.is_symlink() or info.st_uid != os.getuid() or info.st_mode & 0o022:
+            # Someone else's folder in a shared /tmp: never load a library from it.
+            raise RuntimeError(f"{private} is not a private folder of this user") from None
+        target = private / target.name
         if target.exists():
             return target
-        target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         src, lib = Path(tmp) / "kernel.c", Path(tmp) / "kernel.so"
         src.write_text(_C_SOURCE)
