@@ -8,6 +8,7 @@ index among those tensors.  Outputs likewise (``<module>.output[.<i>]``).
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -85,7 +86,8 @@ def _labels(picked: list[tuple[int, str, nn.Module]], squash: bool) -> dict[tupl
 
 
 def _recordable(t: torch.Tensor) -> bool:
-    return t.layout == torch.strided and not t.is_complex() and t.device.type != "meta"
+    # is_meta rather than t.device: building a device object per tensor shows up in profiles
+    return t.layout == torch.strided and not t.is_meta and not t.is_complex()
 
 
 def tensors_of(value: Any, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
@@ -104,9 +106,11 @@ def tensors_of(value: Any, out: list[torch.Tensor] | None = None) -> list[torch.
     return out
 
 
-def io_names(label: str, kind: str, n: int) -> list[str]:
+@functools.lru_cache(maxsize=65536)
+def io_names(label: str, kind: str, n: int) -> tuple[str, ...]:
+    """Called by every activation hook: cached (the same few names repeat every step)."""
     base = f"{label}.{kind}"
-    return [base] if n == 1 else [f"{base}.{i}" for i in range(n)]
+    return (base,) if n == 1 else tuple(f"{base}.{i}" for i in range(n))
 
 
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
