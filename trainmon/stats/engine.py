@@ -93,8 +93,12 @@ class StatsEngine:
         inside the forward/backward on an accelerator)."""
         if all(t.is_cpu for t in tensors):
             return list(write_cpu_rows(tensors, self.columns, self.eps, self._host, self._fused()))
-        rows: list[Any] = compute_partials(tensors, self.columns, self.eps, no_sync=no_sync)
+        rows: list[Any] = [None] * len(tensors)
         cpu = [i for i, t in enumerate(tensors) if t.is_cpu]
+        device = [i for i, t in enumerate(tensors) if not t.is_cpu]
+        for i, r in zip(device, compute_partials([tensors[i] for i in device], self.columns, self.eps,
+                                                 no_sync=no_sync)):
+            rows[i] = r
         if cpu:
             for i, r in zip(cpu, write_cpu_rows([tensors[i] for i in cpu], self.columns, self.eps,
                                                 self._host, self._fused())):
