@@ -83,6 +83,22 @@ def check_family(rank_dir_: Path, family: str, step: int, expected: dict[str, to
     return len(at)
 
 
+def reference_state(ref: nn.Module, ref_opt, names=None) -> tuple[dict, dict]:
+    """(params after the step, {exp_avg, exp_avg_sq}) of the single-process reference, by name
+    (``names``: the names to use, in ``ref.parameters()`` order; default its own)."""
+    named = list(zip(names, ref.parameters())) if names is not None else list(ref.named_parameters())
+    moments = {k: {n: ref_opt.state[p][k].clone() for n, p in named} for k in ("exp_avg", "exp_avg_sq")}
+    return {n: p.detach().clone() for n, p in named}, moments
+
+
+def check_param_families(out: Path, step: int, origin: dict, updated: dict, moments: dict) -> None:
+    """param_origin, param_updated and the Adam moments of one step against the reference."""
+    check_family(out, "param_origin", step, origin)
+    check_family(out, "param_updated", step, updated)
+    for k, tensors in moments.items():
+        check_family(out, k, step, tensors)
+
+
 def filtered_all_reduce(t: torch.Tensor) -> None:
     """A comm call made from this file (the cc_codeline test selects calls by file name)."""
     import torch.distributed as dist

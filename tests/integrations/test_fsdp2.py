@@ -14,7 +14,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from tests.conftest import read_family
-from tests.dist_checks import MB, batch, check_family, expected_step, micro, rank_dir, tiny_model, write_config
+from tests.dist_checks import (MB, batch, check_family, check_param_families, expected_step, micro,
+                               rank_dir, reference_state, tiny_model, write_config)
 from tests.distributed import run_distributed
 from trainmon import TrainerMon
 from trainmon.integrations.fsdp2 import PRE_REDUCE_ENV
@@ -64,9 +65,7 @@ def _scenario(rank, world, tmp, run_id, pre_reduce, hsdp=False):
         ref_opt.step()
         opt.step()
         opt.zero_grad()
-        moments = {k: {n: ref_opt.state[p][k].clone() for n, p in ref.named_parameters()}
-                   for k in ("exp_avg", "exp_avg_sq")}
-        updated = {n: p.detach().clone() for n, p in ref.named_parameters()}
+        updated, moments = reference_state(ref, ref_opt)
         ratio = {n: ((updated[n].double() - before[n].double()).norm() / before[n].double().norm()).item()
                  for n in updated}
         expected.append((local, full, origin, updated, moments, ratio))
@@ -75,10 +74,7 @@ def _scenario(rank, world, tmp, run_id, pre_reduce, hsdp=False):
         if pre_reduce:
             check_family(out, "grad_unreduced", step, local)
         check_family(out, "grad_reduced", step, full)
-        check_family(out, "param_origin", step, origin)
-        check_family(out, "param_updated", step, updated)
-        for k, tensors in moments.items():
-            check_family(out, k, step, tensors)
+        check_param_families(out, step, origin, updated, moments)
         reduced = read_family(out, "grad_reduced")
         total = math.sqrt((reduced[reduced["step"] == step]["norm"] ** 2).sum())
         assert math.isclose(total, clip[step], rel_tol=1e-5), (total, clip[step])

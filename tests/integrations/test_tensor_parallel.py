@@ -13,7 +13,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from tests.conftest import read_family
-from tests.dist_checks import batch, check_family, rank_dir, tiny_model, write_config
+from tests.dist_checks import (batch, check_family, check_param_families, rank_dir, reference_state,
+                               tiny_model, write_config)
 from tests.distributed import run_distributed
 from trainmon import TrainerMon
 
@@ -84,19 +85,14 @@ def _body(rank, world, tmp):
         opt.step()
         for o in (ref_opt, opt):
             o.zero_grad()
-        moments = {k: {n: ref_opt.state[p][k].clone() for n, p in zip(names, ref.parameters())}
-                   for k in ("exp_avg", "exp_avg_sq")}
-        updated = {n: p.detach().clone() for n, p in zip(names, ref.parameters())}
+        updated, moments = reference_state(ref, ref_opt, names)
         expected.append((grads, origin, updated, moments))
     mon.close()
     out = rank_dir("tp", rank)
     for step, (grads, origin, updated, moments) in enumerate(expected):
         check_family(out, "grad_unreduced", step, grads)
         check_family(out, "grad_reduced", step, grads)
-        check_family(out, "param_origin", step, origin)
-        check_family(out, "param_updated", step, updated)
-        for k, tensors in moments.items():
-            check_family(out, k, step, tensors)
+        check_param_families(out, step, origin, updated, moments)
     comm = read_family(out, "comm")
     # the model's own forward all_reduce only (1 per step), none of trainmon's merges
     assert set(comm["name"]) == {"all_reduce"} and len(comm) == STEPS, comm

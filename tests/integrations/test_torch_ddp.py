@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from tests.dist_checks import MB, batch, check_family, expected_step, micro, rank_dir, tiny_model, write_config
+from tests.dist_checks import (MB, batch, check_family, check_param_families, expected_step, micro,
+                               rank_dir, reference_state, tiny_model, write_config)
 from tests.distributed import run_distributed
 from trainmon import TrainerMon
 
@@ -46,18 +47,13 @@ def _scenario(rank, world, tmp, acc, no_sync, bucket_view, run_id):
         ref_opt.step()
         opt.step()
         opt.zero_grad()
-        moments = {k: {n: ref_opt.state[p][k].clone() for n, p in ref.named_parameters()}
-                   for k in ("exp_avg", "exp_avg_sq")}
-        updated = {n: p.detach().clone() for n, p in ref.named_parameters()}
+        updated, moments = reference_state(ref, ref_opt)
         expected.append((local, full, origin, updated, moments))
     mon.close()
     for step, (local, full, origin, updated, moments) in enumerate(expected):
         check_family(out, "grad_unreduced", step, local)
         check_family(out, "grad_reduced", step, full)
-        check_family(out, "param_origin", step, origin)
-        check_family(out, "param_updated", step, updated)
-        for k, tensors in moments.items():
-            check_family(out, k, step, tensors)
+        check_param_families(out, step, origin, updated, moments)
     # the monitor did not change training: DDP's params are the reference's
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-7, msg=n)
