@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainmon.demo import GPTConfig, TinyGPT, synthetic_batches  # noqa: E402
+from trainmon.testing.tiny_gpt import GPTConfig, TinyGPT, synthetic_batches  # noqa: E402
 
 MODEL = GPTConfig(vocab=128, seq=32, dim=64, heads=4, layers=2)
 
@@ -112,7 +112,7 @@ def _agreement_rank(rank: int, world: int, n: int, out_dir: str) -> None:
     cfg = Path(out_dir) / "conf" / "monitor_config.json"
     mon = TrainerMon(cfg)
     mon.set_monitor(torch.nn.Linear(2, 2))      # no optimizer: we drive the boundary by hand
-    controller = mon._controller
+    controller = mon._driver
     for _ in range(50):
         controller.after_step()
     dist.barrier()
@@ -130,7 +130,7 @@ def _agreement_rank(rank: int, world: int, n: int, out_dir: str) -> None:
 
 
 def agreement_cost(world: int, n: int) -> dict:
-    from tests.distributed import run_distributed
+    from tests._support.distributed import run_distributed
 
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "conf").mkdir()

@@ -6,7 +6,7 @@
     python benchmarks/overhead.py --eager         # without the fused CPU kernel
                                                   # (same as TRAINMON_FUSED_CPU=0)
 
-A small GPT-like model (trainmon.demo.TinyGPT) trained with AdamW on the CPU, one thread.
+A small GPT-like model (trainmon.testing.tiny_gpt.TinyGPT) trained with AdamW on the CPU, one thread.
 Each config trains two identical models side by side, one monitored, alternating step by step
 (so a shared machine's drifts hit both alike); the figure is the median of the per-step ratios
 monitored / unmonitored over all rounds.
@@ -30,7 +30,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from trainmon.demo import GPTConfig, TinyGPT, synthetic_batches  # noqa: E402
+from trainmon.testing.tiny_gpt import GPTConfig, TinyGPT, synthetic_batches  # noqa: E402
 
 OPS = ["norm", "mean", "min", "max"]
 ALL = {"wg_distribution": True, "mv_distribution": True, "param_distribution": True}

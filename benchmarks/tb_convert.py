@@ -39,7 +39,7 @@ def _names(n: int) -> list[str]:
 
 
 def _step_rows(step: int, names: list[str], families: tuple[str, ...], rng: random.Random):
-    from trainmon.records import StatRow
+    from trainmon.stats.rows import StatRow
 
     rows = []
     for family in families:
@@ -64,7 +64,7 @@ def make_csv_run(run_dir: Path, params: int, steps: int, families: tuple[str, ..
 
 
 def bench_convert(args) -> None:
-    from trainmon.commands.csv2tb import convert_rank
+    from trainmon.cli.csv2tb import convert_rank
 
     families = ALL if args.families == "all" else tuple(args.families.split(","))
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:

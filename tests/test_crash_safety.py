@@ -9,14 +9,14 @@ import textwrap
 import time
 from pathlib import Path
 
-from tests.conftest import only_run_dir, read_family
+from tests._support.runs import only_run_dir, read_family
 
 REPO = Path(__file__).resolve().parents[1]   # the checkout under test, not an installed copy
 SCRIPT = textwrap.dedent("""
     import json, sys, torch
     torch.set_num_threads(1)
     from trainmon import TrainerMon
-    from trainmon.demo import GPTConfig, TinyGPT, synthetic_batches
+    from trainmon.testing.tiny_gpt import GPTConfig, TinyGPT, synthetic_batches
     model = TinyGPT(GPTConfig(vocab=32, seq=8, dim=16, heads=2, layers=2))
     opt = torch.optim.Adam(model.parameters())
     mon = TrainerMon(sys.argv[1])

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed import DistributedFailure, run_distributed
+from tests._support.distributed import DistributedFailure, run_distributed
 
 pytestmark = pytest.mark.slow   # real multi-process gloo jobs
 

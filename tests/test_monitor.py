@@ -8,9 +8,9 @@ from collections import defaultdict
 import pytest
 import torch
 
-from tests.conftest import only_run_dir, read_family, reference_stats
+from tests._support.runs import only_run_dir, read_family, reference_stats
 from trainmon import ConfigError, TrainerMon
-from trainmon.demo import GPTConfig, TinyGPT, synthetic_batches
+from trainmon.testing.tiny_gpt import GPTConfig, TinyGPT, synthetic_batches
 
 OPS = ["norm", "mean", "min", "max", "std", "zeros", "nans", "infs"]
 ALL_ON = dict(wg_distribution=True, mv_distribution=True, param_distribution=True, ur_distribution=True,

@@ -19,7 +19,7 @@ def __getattr__(name: str):
         from trainmon.monitor import TrainerMon
         return TrainerMon
     if name == "seed_all":
-        from trainmon.seed import seed_all
+        from trainmon.runtime.seed import seed_all
         return seed_all
     if name == "load_config":
         from trainmon.config import load_config

@@ -9,7 +9,7 @@ Two pieces, so the logic can be driven without threads or sleeps:
 * :class:`ConfigWatcher` -- a watchdog observer on the file's *folder* (editors and ``sed -i``
   replace the file by rename, which a watch on the file's inode would miss) plus one small
   thread that calls ``settle`` when a change has rested.  Nothing is applied from these
-  threads: the step boundary reads the staged decision (``trainmon.dynamic_controller``).
+  threads: the step boundary reads the staged decision (``trainmon.runtime.dynamic_driver``).
 
 Settings (environment, read when ``TrainerMon`` is created) are in :class:`WatchSettings`.
 """
@@ -78,6 +78,8 @@ class WatchSettings:
     interval_s: float = 1.0
     settle_s: float = 0.2
     timeout_s: float = 1800.0
+    # False: no observer; whoever holds the stager calls note_change/settle (tests drive it so).
+    watch: bool = True
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "WatchSettings":

@@ -12,10 +12,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from tests.conftest import only_run_dir, read_family, reference_stats
+from tests._support.runs import only_run_dir, read_family, reference_stats
 from trainmon import ConfigError, TrainerMon
-from trainmon.demo import GPTConfig, TinyGPT, synthetic_batches
-from trainmon.naming import squash_name
+from trainmon.testing.tiny_gpt import GPTConfig, TinyGPT, synthetic_batches
+from trainmon.core.naming import squash_name
 
 OPS = ["norm", "mean", "min", "max", "std", "zeros", "nans", "infs"]
 V, D = 24, 16

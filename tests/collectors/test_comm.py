@@ -12,9 +12,9 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from tests.conftest import read_family, reference_stats
-from tests.dist_checks import filtered_all_reduce, rank_dir, tiny_model, write_config
-from tests.distributed import run_distributed
+from tests._support.runs import read_family, reference_stats
+from tests._support.dist_checks import filtered_all_reduce, rank_dir, tiny_model, write_config
+from tests._support.distributed import run_distributed
 from trainmon import TrainerMon
 from trainmon.collectors.comm import COMM_OPS as ALL_OPS
 from trainmon.integrations.torch_ddp import record_ddp_comm

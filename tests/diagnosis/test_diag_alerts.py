@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.diagnosis._simulate import FAULT_RANK, FAULT_STEP, named_run
+from tests._support.simulate import FAULT_RANK, FAULT_STEP, named_run
 from trainmon.config import parse_config
 from trainmon.diagnosis.escalation import Escalation
 from trainmon.diagnosis.reader import load_run
 from trainmon.diagnosis.rules import COUNT_OPS, Anomaly, Rules, SpikeRule
 from trainmon.diagnosis.scan import read_alert_files, scan
-from trainmon.records import StatRow
+from trainmon.stats.rows import StatRow
 from trainmon.sinks.alerts import ALERTS_FILE, AlertSettings, AlertSink
 from trainmon.sinks.async_writer import AsyncSink
 from trainmon.sinks.base import SinkOptions
@@ -106,7 +106,7 @@ def test_killed_writer_leaves_whole_lines(tmp_path):
     script = textwrap.dedent(f"""
         import math, sys
         from pathlib import Path
-        from trainmon.records import StatRow
+        from trainmon.stats.rows import StatRow
         from trainmon.sinks.alerts import AlertSink
         from trainmon.sinks.base import SinkOptions
         sink = AlertSink(SinkOptions(rank_dir=Path({str(tmp_path)!r})))

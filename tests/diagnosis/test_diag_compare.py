@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from tests.diagnosis._simulate import Net, named_run, row, write_run
+from tests._support.simulate import Net, named_run, row, write_run
 from trainmon.diagnosis.compare import compare_runs, rel_diff
 from trainmon.diagnosis.names import canonical, match_names
 from trainmon.diagnosis.reader import load_run

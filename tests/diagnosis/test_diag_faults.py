@@ -1,6 +1,6 @@
 """Injected faults in real monitored training runs: each command's first entry names the start.
 
-Multi-rank faults run under torch DDP on gloo (one spawn for all of them, tests/diagnosis/_real.py);
+Multi-rank faults run under torch DDP on gloo (one spawn for all of them, tests/_support/real_runs.py);
 the learning-rate and activation faults compare two single-process runs; the healthy run is
 ``trainmon demo`` for 200 steps.  The truth comes from the test's own hooks and choices, never
 from trainmon.
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.diagnosis import _real
+from tests._support import real_runs as _real
 from tests.diagnosis.test_diag_alerts import _steps_of
 from trainmon.cli import main
 from trainmon.diagnosis.reader import load_run
@@ -89,7 +89,7 @@ def test_corrupted_post_reduce_grad_on_one_rank(ddp_runs, capsys):
 def _gpt_run(out: Path, run_id: str, monkeypatch, *, group_lr: float | None = None,
              relu_layer: int | None = None, steps: int = 3, xy: bool = False) -> Path:
     from trainmon import TrainerMon, seed_all
-    from trainmon.demo import TinyGPT, train
+    from trainmon.testing.tiny_gpt import TinyGPT, train
 
     cfg = out / f"{run_id}.json"
     cfg.write_text(json.dumps({"wg_distribution": True, "mv_distribution": True, "param_distribution": True,
@@ -114,7 +114,7 @@ def _gpt_run(out: Path, run_id: str, monkeypatch, *, group_lr: float | None = No
 
 
 def test_different_learning_rate_for_one_param_group(tmp_path, monkeypatch, capsys):
-    from trainmon.demo import TinyGPT
+    from trainmon.testing.tiny_gpt import TinyGPT
 
     base = _gpt_run(tmp_path, "base", monkeypatch)
     again = _gpt_run(tmp_path, "again", monkeypatch)
@@ -158,7 +158,7 @@ def test_healthy_200_step_demo_has_no_alerts(tmp_path, capsys):
 
 def test_run_time_alerts_of_a_real_run(tmp_path, monkeypatch, capsys):
     from trainmon import TrainerMon, seed_all
-    from trainmon.demo import TinyGPT, synthetic_batches
+    from trainmon.testing.tiny_gpt import TinyGPT, synthetic_batches
 
     cfg = tmp_path / "alerts.json"
     cfg.write_text(json.dumps({"wg_distribution": True, "ops": ["norm", "mean", "nans"], "alert": {"rules": [

@@ -1,13 +1,13 @@
 """Cross-rank checks and the anomaly scan on simulated data-parallel runs with injected faults.
 
-The simulated runs (tests/diagnosis/_simulate.py) average grads by hand and record every family
+The simulated runs (tests/_support/simulate.py) average grads by hand and record every family
 from the tensors, so where each fault starts is known exactly.
 """
 from __future__ import annotations
 
 import pytest
 
-from tests.diagnosis._simulate import (BLOW_PARAM, CORRUPT_PARAM, CORRUPT_RANK, FAULT_RANK, FAULT_STEP,
+from tests._support.simulate import (BLOW_PARAM, CORRUPT_PARAM, CORRUPT_RANK, FAULT_RANK, FAULT_STEP,
                                        named_run, row, write_run)
 from trainmon.diagnosis.reader import load_run
 from trainmon.diagnosis.ranks import check_ranks

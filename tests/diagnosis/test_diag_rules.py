@@ -8,7 +8,7 @@ import statistics
 
 import pytest
 
-from tests.diagnosis._simulate import row, write_run
+from tests._support.simulate import row, write_run
 from trainmon.diagnosis.reader import load_run
 from trainmon.diagnosis.rules import (Anomaly, Rules, SpikeRule, SpikeTracker, json_number,
                                       nonfinite_op)

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import only_run_dir, read_family, reference_stats
-from tests.distributed import run_distributed
+from tests._support.runs import only_run_dir, read_family, reference_stats
+from tests._support.distributed import run_distributed
 
 pytest.importorskip("deepspeed", reason="DeepSpeed not installed (.ci/run installs it)")
 

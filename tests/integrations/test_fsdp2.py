@@ -13,10 +13,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from tests.conftest import read_family
-from tests.dist_checks import (MB, batch, check_family, check_param_families, expected_step, micro,
+from tests._support.runs import read_family
+from tests._support.dist_checks import (MB, batch, check_family, check_param_families, expected_step, micro,
                                rank_dir, reference_state, tiny_model, write_config)
-from tests.distributed import run_distributed
+from tests._support.distributed import run_distributed
 from trainmon import TrainerMon
 from trainmon.integrations.fsdp2 import PRE_REDUCE_ENV
 

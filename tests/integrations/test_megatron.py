@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import only_run_dir, read_family, reference_stats
-from tests.distributed import run_distributed
+from tests._support.runs import only_run_dir, read_family, reference_stats
+from tests._support.distributed import run_distributed
 
 pytest.importorskip("megatron.core", reason="megatron-core not installed (.ci/run installs it)")
 
@@ -53,8 +53,8 @@ def _mlp_loss(model, x):
 
 def _run_case(rank, world, root: Path, case: dict) -> None:
     """Train 2 steps under the monitor; check every family against the test's own truths."""
-    from tests.integrations import fake_megatron as fm
-    from tests.integrations import megatron_shim as ms
+    from tests._support import fake_megatron as fm
+    from tests._support import megatron_shim as ms
     from trainmon import TrainerMon
 
     def build():
@@ -134,7 +134,7 @@ def _check_ranges_match_real(buffers) -> None:
     """The stand-in's owned ranges are the real DistributedOptimizer's, on the real buffers."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer as Real
 
-    from tests.integrations.fake_megatron import DistributedOptimizer as Fake
+    from tests._support.fake_megatron import DistributedOptimizer as Fake
 
     def flat(m):
         return {(key, i, id(p)): {k: (r.start, r.end) for k, r in ranges.items()}
@@ -152,7 +152,7 @@ def _pp_vpp_naming(rank, world, root: Path) -> None:
 
     from megatron.core import parallel_state
 
-    from tests.integrations import megatron_shim as ms
+    from tests._support import megatron_shim as ms
     from trainmon import TrainerMon
 
     parallel_state.destroy_model_parallel()
@@ -183,7 +183,7 @@ def _pp_vpp_naming(rank, world, root: Path) -> None:
 _STUB_TRAINING = """
 import json, sys, torch
 from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator, get_num_microbatches
-from tests.integrations import fake_megatron as fm, megatron_shim as ms
+from tests._support import fake_megatron as fm, megatron_shim as ms
 
 def setup_model_and_optimizer(*args, **kwargs):
     torch.manual_seed(0)
@@ -252,7 +252,7 @@ CASES = [
 
 
 def _real_megatron_body(rank, world, root):
-    from tests.integrations import megatron_shim as ms
+    from tests._support import megatron_shim as ms
 
     ms.init_parallel()
     for case in CASES:
@@ -285,7 +285,7 @@ _READ_BY_TRAINMON = {
 def test_stand_in_optimizers_match_real_megatron_names_and_contract():
     from megatron.core.optimizer import distrib_optimizer, optimizer as real_opt
 
-    from tests.integrations import fake_megatron as fm
+    from tests._support import fake_megatron as fm
 
     real = {**{n: getattr(real_opt, n) for n in ("Float16OptimizerWithFloat16Params", "MixedPrecisionOptimizer",
                                                  "FP32Optimizer", "ChainedOptimizer", "MegatronOptimizer")},
@@ -316,7 +316,7 @@ def test_stand_in_optimizers_match_real_megatron_names_and_contract():
 
 
 def test_fp16_overflow_stand_in_skips_like_megatron():
-    from tests.integrations import fake_megatron as fm
+    from tests._support import fake_megatron as fm
 
     p = torch.nn.Parameter(torch.ones(3))
     p.main_grad = torch.tensor([1.0, float("inf"), 0.0])

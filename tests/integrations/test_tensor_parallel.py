@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from tests.conftest import read_family
-from tests.dist_checks import (batch, check_family, check_param_families, rank_dir, reference_state,
+from tests._support.runs import read_family
+from tests._support.dist_checks import (batch, check_family, check_param_families, rank_dir, reference_state,
                                tiny_model, write_config)
-from tests.distributed import run_distributed
+from tests._support.distributed import run_distributed
 from trainmon import TrainerMon
 
 pytestmark = pytest.mark.slow   # real multi-process gloo jobs

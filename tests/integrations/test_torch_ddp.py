@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from tests.dist_checks import (MB, batch, check_family, check_param_families, expected_step, micro,
+from tests._support.dist_checks import (MB, batch, check_family, check_param_families, expected_step, micro,
                                rank_dir, reference_state, tiny_model, write_config)
-from tests.distributed import run_distributed
+from tests._support.distributed import run_distributed
 from trainmon import TrainerMon
 
 pytestmark = pytest.mark.slow   # real multi-process gloo jobs

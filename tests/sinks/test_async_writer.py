@@ -14,7 +14,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from trainmon.records import StatRow
+from trainmon.stats.rows import StatRow
 from trainmon.sinks import NullSink, Sink, SinkOptions, available_formats, create_sink
 from trainmon.sinks.async_writer import AsyncSink, FanoutSink
 from trainmon.sinks.csv import CsvSink
@@ -243,7 +243,7 @@ def test_forked_child_never_waits_on_parent_writer():
 _EXIT_SCRIPT = textwrap.dedent("""
     import sys
     from pathlib import Path
-    from trainmon.records import StatRow
+    from trainmon.stats.rows import StatRow
     from trainmon.sinks import SinkOptions, create_sink
 
     sink = create_sink(["csv"], SinkOptions(rank_dir=Path(sys.argv[1]), step_count_per_record=1000))
@@ -266,7 +266,7 @@ def test_atexit_writes_everything_queued(tmp_path):
 _KILL_SCRIPT = textwrap.dedent("""
     import sys
     from pathlib import Path
-    from trainmon.records import StatRow
+    from trainmon.stats.rows import StatRow
     from trainmon.sinks import SinkOptions
     from trainmon.sinks.async_writer import AsyncSink
     from trainmon.sinks.csv import CsvSink

@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from trainmon.records import StatRow
+from trainmon.stats.rows import StatRow
 from trainmon.sinks import SinkOptions
 from trainmon.sinks.csv import CsvSink
 
@@ -240,7 +240,7 @@ def test_disk_full_keeps_other_files_going(tmp_path, caplog):
 _FSIZE_SCRIPT = textwrap.dedent("""
     import logging, resource, signal, sys
     from pathlib import Path
-    from trainmon.records import StatRow
+    from trainmon.stats.rows import StatRow
     from trainmon.sinks import SinkOptions
     from trainmon.sinks.csv import CsvSink
 
@@ -277,7 +277,7 @@ def test_write_cut_short_is_rolled_back(tmp_path):
 _KILL_SCRIPT = textwrap.dedent("""
     import sys
     from pathlib import Path
-    from trainmon.records import StatRow
+    from trainmon.stats.rows import StatRow
     from trainmon.sinks import SinkOptions
     from trainmon.sinks.csv import CsvSink
 
@@ -327,7 +327,7 @@ def test_sigkill_keeps_every_returned_step(tmp_path):
 def test_engine_blocks_and_plain_rows_give_the_same_bytes(tmp_path):
     """The CSV sink formats the engine's columnar blocks without building rows; the text must be
     exactly what the row-by-row path writes (quoting, micro steps, extra columns, ints, nan/inf)."""
-    from trainmon.records import LazyRows, RowBlock
+    from trainmon.stats.rows import LazyRows, RowBlock
     from trainmon.sinks.base import SinkOptions
     from trainmon.sinks.csv import CsvSink
 

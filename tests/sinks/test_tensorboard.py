@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from trainmon.records import StatRow
+from trainmon.stats.rows import StatRow
 from trainmon.sinks import SinkOptions, create_sink
 from trainmon.sinks.csv import CsvSink
 from trainmon.sinks.tensorboard import (TensorBoardSink, crc32c, encode_event, f32_bytes, frame_record,
@@ -77,7 +77,7 @@ def family_rows(step: int, n_params: int = 3, micro_steps: int = 2, ops=ALL_OPS,
 
 
 def expected_tag(row: StatRow, op: str) -> str:
-    """The documented tag layout, written out independently of trainmon.tb_layout."""
+    """The documented tag layout, written out independently of trainmon.output.tb_tags."""
     tag = f"{row.family}.{op}/vp{row.vpp_stage}:{row.name}"
     for key, value in row.extra.items():
         tag += f":{key}={value}"
@@ -339,7 +339,7 @@ def test_unwritable_directory_warns_once_and_never_raises(tmp_path, caplog):
 
 
 def test_importing_the_sink_does_not_import_tensorboard():
-    code = ("import sys, trainmon.sinks.tensorboard, trainmon.tb_layout, trainmon.runs; "
+    code = ("import sys, trainmon.sinks.tensorboard, trainmon.output.tb_tags, trainmon.output.runs; "
             "print('tensorboard' in sys.modules, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(REPO)})

@@ -6,8 +6,8 @@ import threading
 import pytest
 import torch
 
-from tests.conftest import reference_stats
-from trainmon.records import LazyRows
+from tests._support.runs import reference_stats
+from trainmon.stats.rows import LazyRows
 from trainmon.stats.engine import StatsEngine, Tracked
 
 OPS = ["norm", "mean", "min", "max"]

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from tests.conftest import reference_stats
+from tests._support.runs import reference_stats
 from trainmon.stats import partials as partials_mod
 from trainmon.stats.engine import StatsEngine, Tracked
 from trainmon.stats.table import STAT_NAMES, derive, merge_partials

@@ -34,10 +34,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from trainmon.families import Family
 from trainmon.collectors.base import Collector, register_collector
 from trainmon.collectors.module_io import (HookedModule, hook_fn, in_backward, io_names,
                                            select_modules, tensors_of, uses_compile)
-from trainmon.hooks import Handle
+from trainmon.core.hooks import Handle
 
 __all__ = ["ActivationCollector"]
 
@@ -104,6 +105,7 @@ def _version(t: torch.Tensor) -> int:
 @register_collector
 class ActivationCollector(Collector):
     name = "activations"
+    priority = 10
 
     @staticmethod
     def enabled(config) -> bool:
@@ -186,7 +188,7 @@ class ActivationCollector(Collector):
         recompute = in_backward()
         if self._forward and not recompute:
             micro = max(self._counts[hm.vpp_stage] - 1, 0) if self._count_step == self.ctx.clock.step else 0
-            self._capture("actv", hm.vpp_stage, names, tensors, micro)
+            self._capture(Family.ACTV, hm.vpp_stage, names, tensors, micro)
         if self._backward and torch.is_grad_enabled():
             for name, t in zip(names, tensors):
                 if t.requires_grad:
@@ -224,7 +226,7 @@ class ActivationCollector(Collector):
         micro = self.ctx.clock.enter_backward()
         for vpp in dict.fromkeys(v for v, _ in names):  # one stage in practice
             labels = [n for v, n in names if v == vpp]
-            self._capture("actv_grad", vpp, labels, [grad] * len(labels), micro, shape=shape)
+            self._capture(Family.ACTV_GRAD, vpp, labels, [grad] * len(labels), micro, shape=shape)
 
     # -- stats -----------------------------------------------------------------------------
     def _capture(self, family: str, vpp: int, names: list[str], tensors: list[torch.Tensor],

@@ -14,9 +14,9 @@ from typing import Any, Callable, ClassVar, Sequence
 import torch.nn as nn
 
 from trainmon.config import MonitorConfig
-from trainmon.hooks import Handle
-from trainmon.naming import TargetMatcher, TrackedParam
-from trainmon.schedule import StepClock
+from trainmon.core.hooks import Handle
+from trainmon.core.naming import TargetMatcher, TrackedParam
+from trainmon.core.schedule import StepClock
 from trainmon.stats.engine import StatsEngine, Tracked
 
 __all__ = ["Collector", "CollectorContext", "register_collector", "collector_classes", "Guard",
@@ -58,9 +58,13 @@ def capture_views(ctx: CollectorContext, family: str, pairs: Sequence[tuple[Trac
 
 
 class Collector(ABC):
-    """Base class; subclasses set ``name`` and ``enabled_by`` and register themselves."""
+    """Base class; subclasses set ``name``, ``priority`` and ``enabled`` and register themselves.
+
+    ``priority`` orders the collectors' step hooks (lower first); ties by name.
+    """
 
     name: ClassVar[str]
+    priority: ClassVar[int] = 100
 
     def __init__(self, ctx: CollectorContext):
         self.ctx = ctx
@@ -96,7 +100,8 @@ def register_collector(cls: type[Collector]) -> type[Collector]:
 
 
 def collector_classes() -> list[type[Collector]]:
-    return list(_REGISTRY.values())
+    """Registered collectors by ``priority`` (lower first): the order of their step hooks."""
+    return sorted(_REGISTRY.values(), key=lambda c: (c.priority, c.name))
 
 
 class Guard:

@@ -41,9 +41,10 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from trainmon import _dist
+from trainmon.families import Family
+from trainmon.core import dist as _dist
 from trainmon.collectors.base import Collector, register_collector
-from trainmon.hooks import Handle
+from trainmon.core.hooks import Handle
 from trainmon.stats.engine import Tracked
 
 __all__ = ["CommCollector", "COMM_OPS"]
@@ -128,6 +129,7 @@ class _Patch:
 @register_collector
 class CommCollector(Collector):
     name = "comm"
+    priority = 20
 
     @staticmethod
     def enabled(config) -> bool:
@@ -195,7 +197,7 @@ class CommCollector(Collector):
         engine = self.ctx.engine
         with self._lock:
             for pos, item, t in tensors:
-                engine.capture("comm", [Tracked(op, t.detach())],
+                engine.capture(Family.COMM, [Tracked(op, t.detach())],
                                extra={"call": meta["call"], "when": when, "arg": pos, "item": item,
                                       "caller": meta["caller"]})
 

@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 
-from trainmon.naming import ROOT_NAME, TargetMatcher, clean_name, squash_name, unwrap_model
+from trainmon.core.naming import ROOT_NAME, TargetMatcher, clean_name, squash_name, unwrap_model
 
 __all__ = ["HookedModule", "select_modules", "walk_modules", "tensors_of", "io_names", "in_backward",
            "is_container", "uses_compile", "hook_fn"]

@@ -22,6 +22,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
+from trainmon.families import MOMENTS
 from trainmon.collectors.base import Collector, capture_views, register_collector
 
 __all__ = ["OptimizerStateCollector", "MomentAdapter", "TorchStateAdapter", "register_moment_adapter",
@@ -29,7 +30,7 @@ __all__ = ["OptimizerStateCollector", "MomentAdapter", "TorchStateAdapter", "reg
 
 log = logging.getLogger(__name__)
 
-MOMENT_FAMILIES = ("exp_avg", "exp_avg_sq")
+MOMENT_FAMILIES = tuple(str(f) for f in MOMENTS)
 
 
 class MomentAdapter(Protocol):
@@ -73,6 +74,7 @@ def adapter_for(optimizer: Any) -> MomentAdapter | None:
 @register_collector
 class OptimizerStateCollector(Collector):
     name = "optimizer_state"
+    priority = 30
 
     @staticmethod
     def enabled(config) -> bool:

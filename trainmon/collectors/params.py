@@ -23,6 +23,7 @@ from collections import defaultdict
 
 import torch
 
+from trainmon.families import Family
 from trainmon.collectors.base import Collector, capture_views, register_collector
 from trainmon.stats.engine import Meta
 
@@ -32,6 +33,7 @@ __all__ = ["ParamCollector"]
 @register_collector
 class ParamCollector(Collector):
     name = "params"
+    priority = 40
 
     @staticmethod
     def enabled(config) -> bool:
@@ -46,13 +48,13 @@ class ParamCollector(Collector):
 
     def on_step_begin(self) -> None:
         if self.ctx.config.param_distribution:
-            self._capture("param_origin")
+            self._capture(Family.PARAM_ORIGIN)
         if self.ctx.config.ur_distribution:
             self._snapshot.take([v.tensor for v in self._views()])
 
     def on_step_end(self) -> None:
         if self.ctx.config.param_distribution:
-            self._capture("param_updated")
+            self._capture(Family.PARAM_UPDATED)
         if self.ctx.config.ur_distribution:
             self._capture_update_ratio()
 
@@ -66,9 +68,9 @@ class ParamCollector(Collector):
         before, delta = self._snapshot.norms_and_delta_norms([v.tensor for v in views])
         before, delta = _merge_norms(views, before, delta)
         ratios = [d / b for b, d in zip(before, delta)]  # IEEE: inf if theta_before is 0, nan if 0/0
-        metas = [Meta("update_ratio", tp.name, tp.vpp_stage, v.shape or tuple(tp.param.shape),
+        metas = [Meta(Family.UPDATE_RATIO, tp.name, tp.vpp_stage, v.shape or tuple(tp.param.shape),
                       str(tp.param.dtype)) for tp, v in zip(self.ctx.params, views)]
-        self.ctx.engine.capture_values("update_ratio", metas, ratios, ("update_ratio",))
+        self.ctx.engine.capture_values(Family.UPDATE_RATIO, metas, ratios, ("update_ratio",))
 
 
 def _merge_norms(views: list, before: list[torch.Tensor], delta: list[torch.Tensor]
@@ -80,7 +82,7 @@ def _merge_norms(views: list, before: list[torch.Tensor], delta: list[torch.Tens
             by_group.setdefault(id(v.group), []).append(i)
     if not by_group:
         return before, delta
-    from trainmon import _dist
+    from trainmon.core import dist as _dist
     import torch.distributed as dist
 
     before, delta = list(before), list(delta)

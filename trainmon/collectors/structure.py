@@ -22,10 +22,11 @@ from typing import Any
 
 import torch.nn as nn
 
+from trainmon.output.layout import rank_dir_name
 from trainmon.collectors.base import Collector, register_collector
 from trainmon.collectors.module_io import hook_fn, in_backward, io_names, tensors_of, uses_compile, walk_modules
-from trainmon.hooks import Handle
-from trainmon.naming import ROOT_NAME, squash_name
+from trainmon.core.hooks import Handle
+from trainmon.core.naming import ROOT_NAME, squash_name
 
 __all__ = ["ModuleStructCollector", "STRUCT_FILE"]
 
@@ -37,6 +38,7 @@ STRUCT_FILE = "module_struct.json"
 @register_collector
 class ModuleStructCollector(Collector):
     name = "module_struct"
+    priority = 50
 
     @staticmethod
     def enabled(config) -> bool:
@@ -101,7 +103,7 @@ class ModuleStructCollector(Collector):
         cfg, run_dir = self.ctx.config, self.ctx.run_dir
         if run_dir is None or (cfg.module_ranks and self.ctx.rank not in cfg.module_ranks):
             return
-        target = Path(run_dir) / (STRUCT_FILE if self.ctx.rank == 0 else f"rank{self.ctx.rank}/{STRUCT_FILE}")
+        target = Path(run_dir) / (STRUCT_FILE if self.ctx.rank == 0 else f"{rank_dir_name(self.ctx.rank)}/{STRUCT_FILE}")
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
             tmp = target.with_suffix(".json.tmp")

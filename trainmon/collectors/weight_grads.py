@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import logging
 
+from trainmon.families import Family
 from trainmon.collectors.base import Collector, capture_views, register_collector
-from trainmon.hooks import post_accumulate_grad_hook
-from trainmon.naming import TrackedParam
+from trainmon.core.hooks import post_accumulate_grad_hook
+from trainmon.core.naming import TrackedParam
 
 __all__ = ["WeightGradCollector"]
 
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 @register_collector
 class WeightGradCollector(Collector):
     name = "weight_grads"
+    priority = 60
 
     @staticmethod
     def enabled(config) -> bool:
@@ -88,13 +90,13 @@ class WeightGradCollector(Collector):
 
     def _capture(self, params: list[TrackedParam], micro_step: int | None = None) -> None:
         local = self.ctx.integration.local_grad
-        capture_views(self.ctx, "grad_unreduced", [(tp, v) for tp in params if (v := local(tp)) is not None],
+        capture_views(self.ctx, Family.GRAD_UNREDUCED, [(tp, v) for tp in params if (v := local(tp)) is not None],
                       micro_step=micro_step)
 
     def on_step_begin(self) -> None:
         reduced = self.ctx.integration.reduced_grad
         pairs = [(tp, v) for tp in self.ctx.params if (v := reduced(tp)) is not None]
-        capture_views(self.ctx, "grad_reduced", pairs)
+        capture_views(self.ctx, Family.GRAD_REDUCED, pairs)
         if self._generic:
             self._warn_missed([tp.name for tp, _ in pairs if id(tp.param) not in self._captured])
         self._captured.clear()

@@ -15,38 +15,27 @@ optimizer     ``param_origin``, ``exp_avg``, ``exp_avg_sq``,    family (this ord
 other         any family trainmon does not know                family name, row order
 ============= ================================================ ==========================
 
-The order inside a phase is the row order of the CSV files (the writer keeps it), so "the first
+Phases and families come from ``trainmon.families``.  The order inside a phase is the row order of the CSV files (the writer keeps it), so "the first
 anomaly" is the first one a step would have produced.  Nothing computed in a later phase can
 feed an earlier one in the same step, which is what makes the first entry the origin.
 """
 from __future__ import annotations
 
+from trainmon.families import FAMILIES
+from trainmon.families import PHASES as _PHASES
+
 __all__ = ["PHASES", "FAMILY_PHASE", "FAMILY_ORDER", "MICRO_FAMILIES", "phase_of", "phase_rank", "flow_key",
            "family_rank", "FLOW_KEYS"]
 
-PHASES: tuple[str, ...] = ("forward", "backward", "pre_reduce", "comm", "post_reduce", "optimizer",
-                           "other")
+PHASES: tuple[str, ...] = tuple(str(p) for p in _PHASES)
 
 # Families in flow order; the index is the tie-break between families of one phase.
-FAMILY_ORDER: tuple[str, ...] = ("actv", "actv_grad", "grad_unreduced", "comm", "grad_reduced",
-                                 "param_origin", "exp_avg", "exp_avg_sq", "param_updated",
-                                 "update_ratio")
+FAMILY_ORDER: tuple[str, ...] = tuple(str(f) for f in FAMILIES)
 
-FAMILY_PHASE: dict[str, str] = {
-    "actv": "forward",
-    "actv_grad": "backward",
-    "grad_unreduced": "pre_reduce",
-    "comm": "comm",
-    "grad_reduced": "post_reduce",
-    "param_origin": "optimizer",
-    "exp_avg": "optimizer",
-    "exp_avg_sq": "optimizer",
-    "param_updated": "optimizer",
-    "update_ratio": "optimizer",
-}
+FAMILY_PHASE: dict[str, str] = {str(f): str(info.phase) for f, info in FAMILIES.items()}
 
 # Families recorded once per micro-batch (their CSVs carry a ``micro_step`` column).
-MICRO_FAMILIES: frozenset[str] = frozenset({"actv", "actv_grad"})
+MICRO_FAMILIES: frozenset[str] = frozenset(str(f) for f, info in FAMILIES.items() if info.per_micro_step)
 
 # Columns of a run table that sort rows in training-flow order (see reader.RunTable).
 FLOW_KEYS: tuple[str, ...] = ("step", "flow", "micro_step", "family_order", "position", "rank",

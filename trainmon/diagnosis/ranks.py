@@ -31,6 +31,7 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
+from trainmon.families import FAMILIES
 from trainmon.diagnosis.flow import flow_key, phase_of
 from trainmon.diagnosis.reader import RunTable
 from trainmon.diagnosis.rules import COUNT_OPS, SpikeRule, json_number
@@ -40,7 +41,7 @@ __all__ = ["RankIssue", "CHECKS", "check_ranks", "REPLICATED"]
 
 CHECKS: tuple[str, ...] = ("post_reduce_mismatch", "replicated_mismatch", "reduce_average",
                            "nonfinite_some_ranks", "pre_reduce_outlier")
-REPLICATED: tuple[str, ...] = ("param_origin", "param_updated", "exp_avg", "exp_avg_sq", "update_ratio")
+REPLICATED: tuple[str, ...] = tuple(str(f) for f, info in FAMILIES.items() if info.replicated)
 _EPS = {"torch.float16": 2.0 ** -10, "torch.bfloat16": 2.0 ** -7, "torch.float64": 2.0 ** -52}
 
 

@@ -34,11 +34,11 @@ from typing import Sequence
 
 import pandas as pd
 
-from trainmon import runs
+from trainmon.output import runs
 from trainmon.diagnosis.flow import FLOW_KEYS, PHASES, family_rank, phase_of
 from trainmon.errors import TrainmonError
 
-__all__ = ["RunDirError", "RunTable", "resolve_run_dir", "rank_dirs", "read_family", "load_run",
+__all__ = ["RunDirError", "RunTable", "resolve_run_dir", "ranked_dirs", "read_stats_family", "load_run",
            "EXTRA_PREFIX"]
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ class RunTable:
 
 # ----------------------------------------------------------------------------- discovery
 
-def rank_dirs(run_dir: str | Path) -> list[tuple[int, Path]]:
+def ranked_dirs(run_dir: str | Path) -> list[tuple[int, Path]]:
     """``(rank, dir)`` of every rank directory, by rank; ``run_dir`` may be one rank dir."""
     path = Path(run_dir)
     own = runs.rank_of(path)
@@ -108,8 +108,8 @@ def resolve_run_dir(path: str | Path) -> Path:
 
 # ----------------------------------------------------------------------------- reading
 
-def read_family(rank_dir: str | Path, family: str) -> tuple[pd.DataFrame, list[str]]:
-    """One family of one rank as written (``trainmon.runs``), plus its stat columns in order."""
+def read_stats_family(rank_dir: str | Path, family: str) -> tuple[pd.DataFrame, list[str]]:
+    """One family of one rank as written (``trainmon.output.runs``), plus its stat columns in order."""
     frame = runs.read_family(rank_dir, family)
     if frame.empty:
         return frame, []
@@ -157,7 +157,7 @@ def load_run(path: str | Path, *, families: Sequence[str] | None = None,
     run_dir = resolve_run_dir(path)
     parts: list[pd.DataFrame] = []
     family_stats: dict[str, list[str]] = {}
-    chosen = [(rank, rdir) for rank, rdir in rank_dirs(run_dir) if ranks is None or rank in ranks]
+    chosen = [(rank, rdir) for rank, rdir in ranked_dirs(run_dir) if ranks is None or rank in ranks]
     names = {f for _, rdir in chosen for f in runs.family_files(rdir) if families is None or f in families}
     # Known families by flow; unknown ones after them, by name: one integer sort key.
     order = {f: i for i, f in enumerate(sorted(names, key=lambda f: (family_rank(f), f)))}
@@ -165,7 +165,7 @@ def load_run(path: str | Path, *, families: Sequence[str] | None = None,
         for family in runs.family_files(rdir):
             if family not in order:
                 continue
-            frame, stats = read_family(rdir, family)
+            frame, stats = read_stats_family(rdir, family)
             if frame.empty:
                 continue
             parts.append(_annotate(frame, rank, family, order[family]))

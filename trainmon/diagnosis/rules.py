@@ -27,17 +27,18 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Hashable, Mapping
 
+from trainmon.families import FAMILIES
+from trainmon.output.layout import ALERTS_FILE  # noqa: F401 - re-exported for the alert sink
 from trainmon.diagnosis.flow import flow_key, phase_of
 
 __all__ = ["SpikeRule", "Rules", "Anomaly", "SpikeTracker", "COUNT_OPS", "ALERTS_FILE", "RATIO_FAMILIES",
            "nonfinite_op", "json_number", "from_json_number"]
 
 COUNT_OPS: tuple[str, ...] = ("nans", "infs")
-ALERTS_FILE = "anomalies.jsonl"   # run-time alerts, one per rank dir (written by sinks.alerts)
 # Families whose value is a ratio of two norms: inf (x/0) and nan (0/0) are its definition for
 # params at zero or not updated, not a sign of NaN in a tensor (those show in the param and
 # grad families), so the nonfinite rule skips them.
-RATIO_FAMILIES: frozenset[str] = frozenset({"update_ratio"})
+RATIO_FAMILIES: frozenset[str] = frozenset(str(f) for f, info in FAMILIES.items() if info.own_stats)
 
 
 @dataclass(frozen=True)

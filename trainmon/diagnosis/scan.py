@@ -13,7 +13,7 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
-from trainmon.diagnosis.reader import RunTable, load_run, rank_dirs, resolve_run_dir
+from trainmon.diagnosis.reader import RunTable, load_run, ranked_dirs, resolve_run_dir
 from trainmon.diagnosis.rules import ALERTS_FILE, COUNT_OPS, RATIO_FAMILIES, Anomaly, Rules, SpikeRule
 
 __all__ = ["nonfinite", "spikes", "over_threshold", "scan", "read_alert_files", "merge_runtime",
@@ -164,7 +164,7 @@ def _to_anomaly(r) -> Anomaly:
 def read_alert_files(run_dir: str | Path) -> list[Anomaly]:
     """Alerts written during the run (``anomalies.jsonl`` of each rank dir); torn lines skipped."""
     found = []
-    for _, rdir in rank_dirs(resolve_run_dir(run_dir)):
+    for _, rdir in ranked_dirs(resolve_run_dir(run_dir)):
         path = rdir / ALERTS_FILE
         if not path.is_file():
             continue

@@ -17,8 +17,8 @@ from typing import Any, Callable, ClassVar, Sequence
 import torch
 import torch.nn as nn
 
-from trainmon.hooks import Handle
-from trainmon.naming import TrackedParam
+from trainmon.core.hooks import Handle
+from trainmon.core.naming import TrackedParam
 
 __all__ = ["View", "Integration", "register_integration", "select_integration"]
 
@@ -40,6 +40,8 @@ class Integration:
     """
 
     name: ClassVar[str] = "torch"
+    # Detection order of the stack-specific integrations (lower first).
+    priority: ClassVar[int] = 100
     # True when stats need every rank's shard (a merge over a process group): then ranks outside
     # ``module_ranks`` still compute, they only do not write.
     needs_all_ranks: ClassVar[bool] = False
@@ -111,9 +113,10 @@ _REGISTRY: list[type[Integration]] = []
 
 
 def register_integration(cls: type[Integration]) -> type[Integration]:
-    """Stack-specific integrations are tried before the plain torch one, newest first."""
+    """Stack-specific integrations are tried by ``priority`` (lower first), then the plain torch one."""
     if cls not in _REGISTRY:
-        _REGISTRY.insert(0, cls)
+        _REGISTRY.append(cls)
+        _REGISTRY.sort(key=lambda c: (c.priority, c.name))
     return cls
 
 

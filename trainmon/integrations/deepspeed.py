@@ -28,15 +28,16 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 
-from trainmon.hooks import Handle
+from trainmon.families import MOMENTS
+from trainmon.core.hooks import Handle
 from trainmon.integrations.base import Integration, View, register_integration
-from trainmon.naming import TrackedParam
+from trainmon.core.naming import TrackedParam
 
 __all__ = ["DeepSpeedIntegration"]
 
 log = logging.getLogger(__name__)
 
-_MOMENTS = ("exp_avg", "exp_avg_sq")
+_MOMENTS = tuple(str(f) for f in MOMENTS)
 _Z3_REDUCE = "_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads"
 
 
@@ -50,6 +51,7 @@ def _engine(chunks: Sequence[nn.Module]) -> Any:
 @register_integration
 class DeepSpeedIntegration(Integration):
     name = "deepspeed"
+    priority = 40
     needs_all_ranks = True   # shards are merged over a process group: every rank takes part
 
     @classmethod

@@ -27,9 +27,9 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 
-from trainmon.hooks import Handle
+from trainmon.core.hooks import Handle
 from trainmon.integrations.base import Integration, View, register_integration
-from trainmon.naming import TrackedParam
+from trainmon.core.naming import TrackedParam
 
 __all__ = ["FSDP2Integration", "PRE_REDUCE_ENV"]
 
@@ -73,6 +73,7 @@ def sharded_view(t: torch.Tensor) -> View:
 @register_integration
 class FSDP2Integration(Integration):
     name = "fsdp2"
+    priority = 30
     needs_all_ranks = True   # shards are merged over a process group: every rank takes part
 
     def __init__(self, chunks: Sequence[nn.Module], optimizer: Any, use_main_grad: bool):

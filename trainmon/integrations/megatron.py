@@ -28,15 +28,16 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.nn as nn
 
-from trainmon.hooks import Handle
+from trainmon.families import MOMENTS
+from trainmon.core.hooks import Handle
 from trainmon.integrations.base import Integration, View, register_integration
-from trainmon.naming import TrackedParam, clean_name, unwrap_model
+from trainmon.core.naming import TrackedParam, clean_name, unwrap_model
 
 __all__ = ["MegatronIntegration", "megatron_ddp_modules", "leaf_optimizers", "global_layer_names"]
 
 log = logging.getLogger(__name__)
 
-_MOMENTS = ("exp_avg", "exp_avg_sq")
+_MOMENTS = tuple(str(f) for f in MOMENTS)
 
 
 def megatron_ddp_modules(chunks: Sequence[nn.Module]) -> list[Any]:
@@ -105,6 +106,7 @@ def _wrap_instance(obj: Any, name: str, make: Callable[[Callable], Callable]) ->
 @register_integration
 class MegatronIntegration(Integration):
     name = "megatron"
+    priority = 20
     needs_all_ranks = True   # shards are merged over a process group: every rank takes part
 
     @classmethod

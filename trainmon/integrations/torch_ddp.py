@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 
 import torch.nn as nn
 
-from trainmon import _dist
+from trainmon.core import dist as _dist
 from trainmon.errors import TrainmonError
 from trainmon.integrations.base import Integration, register_integration
 
@@ -39,6 +39,7 @@ class TorchDDPIntegration(Integration):
     """DDP needs nothing beyond plain torch; the class documents and detects it."""
 
     name = "torch_ddp"
+    priority = 10
 
     @classmethod
     def detect(cls, chunks: Sequence[nn.Module], optimizer: Any) -> bool:
@@ -54,8 +55,7 @@ def record_ddp_comm(monitor: Any, ddp: nn.Module, hook: Callable | None = None, 
     """
     if not _is_ddp(ddp):
         raise TypeError(f"record_ddp_comm needs a DistributedDataParallel module, got {type(ddp).__name__}")
-    session = getattr(monitor, "_session", None)
-    comm = next((c for c in getattr(session, "collectors", ()) if c.name == "comm"), None)
+    comm = monitor.collector("comm")
     if comm is None:
         raise TrainmonError(f"{monitor.config_file_path}: cc_distribution.enable must be true (and "
                             "set_monitor called) to record DDP bucket reduces")

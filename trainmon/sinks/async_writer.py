@@ -15,7 +15,7 @@ import threading
 from pathlib import Path
 from typing import Callable, Sequence
 
-from trainmon.records import LazyRows, StatRow
+from trainmon.stats.rows import LazyRows, StatRow
 from trainmon.sinks.base import Sink, SinkOptions
 
 __all__ = ["AsyncSink", "FanoutSink"]

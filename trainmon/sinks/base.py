@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from trainmon.records import StatRow
+from trainmon.stats.rows import StatRow
 
 __all__ = ["Sink", "NullSink", "SinkOptions", "register_sink", "sink_class", "registered_sinks"]
 

@@ -24,10 +24,11 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Sequence
 
-from trainmon.records import LazyRows, RowBlock, StatRow, paced
+from trainmon.output.layout import family_file_name, window_bounds
+from trainmon.stats.rows import LazyRows, RowBlock, StatRow, paced
 from trainmon.sinks.base import Sink, SinkOptions, register_sink
 
-__all__ = ["CsvSink", "window_bounds", "csv_file_name"]
+__all__ = ["CsvSink"]
 
 logger = logging.getLogger(__name__)
 
@@ -36,17 +37,6 @@ _CACHE_LIMIT = 100_000  # distinct names/shapes remembered; tensor names repeat 
 
 # (family, window start, columns): the identity of one header-compatible file.
 _FileKey = tuple[str, int, tuple[str, ...]]
-
-
-def window_bounds(step: int, steps_per_file: int) -> tuple[int, int]:
-    """First and last step of the file window holding ``step``."""
-    a = step // steps_per_file * steps_per_file
-    return a, a + steps_per_file - 1
-
-
-def csv_file_name(family: str, a: int, b: int, k: int = 0) -> str:
-    """``{family}_{a}-{b}.csv``, or ``{family}_{a}-{b}.{k}.csv`` for the k-th header variant."""
-    return f"{family}_{a}-{b}.csv" if k == 0 else f"{family}_{a}-{b}.{k}.csv"
 
 
 def _quote(text: str) -> str:
@@ -308,7 +298,7 @@ class CsvSink(Sink):
         header = (",".join(_quote(c) for c in columns) + "\n").encode()
         body = "".join(lines).encode()
         path = (self._paths.get((family, a, columns))
-                or self._dir / csv_file_name(family, *window_bounds(a, self._steps_per_file)))
+                or self._dir / family_file_name(family, *window_bounds(a, self._steps_per_file)))
         try:
             path, fd, is_new = self._open_for(family, a, columns, header)
             _write_all(fd, header + body if is_new else body)
@@ -331,7 +321,7 @@ class CsvSink(Sink):
         b = window_bounds(a, self._steps_per_file)[1]
         k = 0
         while True:  # ends: each turn claims a name, and only finitely many files exist
-            path = self._dir / csv_file_name(family, a, b, k)
+            path = self._dir / family_file_name(family, a, b, k)
             k += 1
             if path in self._claimed or path in self._retired:
                 continue

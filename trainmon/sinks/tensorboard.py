@@ -1,6 +1,6 @@
 """Native TensorBoard output: one event file per rank, one event per step holding every value.
 
-Where and under which tags is decided in :mod:`trainmon.tb_layout` (shared with
+Where and under which tags is decided in :mod:`trainmon.output.tb_tags` (shared with
 ``trainmon csv2tb``).  Implementation choices:
 
 * **Values are float32.** TensorBoard keeps scalars as float32 (``simple_value``; its
@@ -37,9 +37,9 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from trainmon.records import StatRow, paced
+from trainmon.stats.rows import StatRow, paced
 from trainmon.sinks.base import Sink, SinkOptions, register_sink
-from trainmon.tb_layout import event_dir, scalar_tag, series_name
+from trainmon.output.tb_tags import event_dir, scalar_tag, series_name
 
 __all__ = ["TensorBoardSink", "EventFile", "crc32c", "masked_crc32c", "encode_event", "frame_record",
            "value_prefix", "row_prefixes", "f32_bytes", "make_rounder", "tb_rank_dir", "event_file_name"]
@@ -346,7 +346,7 @@ class TensorBoardSink(Sink):
     """Writes :class:`StatRow` s as TensorBoard scalars under ``<run>/tensorboard/rank<R>/``.
 
     One tag per (row, statistic): ``<family>.<op>/vp<vpp>:<name>[:<key>=<value>...][:micro<m>]``
-    (see :mod:`trainmon.tb_layout`), at TensorBoard step = the row's ``step``; values are
+    (see :mod:`trainmon.output.tb_tags`), at TensorBoard step = the row's ``step``; values are
     ``simple_value`` float32 of the CSV cells.  ``shape`` and ``dtype`` are not written.
     """
 

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 import torch
 
-from trainmon.records import LazyRows, RowBlock, paced
+from trainmon.stats.rows import LazyRows, RowBlock, paced
 from trainmon.stats.host_rows import HostRows
 from trainmon.stats.partials import compute_partials, device_columns, fused_columns, write_cpu_rows
 from trainmon.stats.derive import derive_block
@@ -244,7 +244,7 @@ def _merge_sharded(pending: list[_Pending]) -> None:
         if p.group is not None and not p.is_values and p.rows:
             by_group.setdefault(id(p.group), []).append(p)
     for members in by_group.values():
-        from trainmon import _dist
+        from trainmon.core import dist as _dist
 
         rows = [r for p in members for r in p.rows]
         device = rows[0].device

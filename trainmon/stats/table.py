@@ -40,7 +40,6 @@ class Stat:
     needs: tuple[str, ...]
     derive: Callable[[Mapping[str, float]], float | int]
     doc: str
-    is_count: bool = False
 
 
 def _mean(p: Mapping[str, float]) -> float:
@@ -68,8 +67,8 @@ STATS: dict[str, Stat] = {s.name: s for s in (
     Stat("max", ("count", "max"), _extreme("max"), "largest element"),
     Stat("zeros", ("count", "zeros"), lambda p: p["zeros"] / p["count"] if p["count"] else math.nan,
          "fraction of elements with abs(x) < eps"),
-    Stat("nans", ("nans",), lambda p: int(p["nans"]), "number of NaN elements", is_count=True),
-    Stat("infs", ("infs",), lambda p: int(p["infs"]), "number of +-Inf elements", is_count=True),
+    Stat("nans", ("nans",), lambda p: int(p["nans"]), "number of NaN elements"),
+    Stat("infs", ("infs",), lambda p: int(p["infs"]), "number of +-Inf elements"),
     Stat("std", ("count", "sum", "m2"), _std, "standard deviation (unbiased)"),
 )}
 

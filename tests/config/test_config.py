@@ -1,0 +1,461 @@
+"""The strict config loader: defaults, valid files, and the exact text of every problem."""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import dataclasses
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from trainmon.config import (KNOWN_FORMATS, AlertConfig, AlertRule, CommConfig, MonitorConfig,
+                             load_config, parse_config)
+from trainmon.errors import ConfigError, Problem
+
+REPO = Path(__file__).resolve().parents[2]
+STATS = "norm, mean, min, max, zeros, nans, infs, std"
+TOP_KEYS = ("targets, start_step, step_interval, collect_times, format, ops, eps, ndigits, "
+            "wg_distribution, mv_distribution, param_distribution, ur_distribution, xy_distribution, "
+            "forward_only, backward_only, all_xy, print_struct, squash_name, dynamic_on, global_layer_names, "
+            "module_ranks, step_count_per_record, cc_distribution, alert")
+
+
+def problems_of(data: object) -> list[tuple[str, str]]:
+    with pytest.raises(ConfigError) as info:
+        parse_config(data, "cfg.json")
+    assert info.value.path == "cfg.json"
+    assert all(isinstance(p, Problem) for p in info.value.problems)
+    return [(p.key, p.message) for p in info.value.problems]
+
+
+def write(tmp_path: Path, text: str | bytes, name: str = "monitor.json") -> Path:
+    path = tmp_path / name
+    if isinstance(text, bytes):
+        path.write_bytes(text)
+    else:
+        path.write_text(text, encoding="utf-8")
+    return path
+
+
+def file_problem(path: Path) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    err = info.value
+    assert err.path == str(path)
+    assert len(err.problems) == 1 and err.problems[0].key == ""
+    assert str(err).startswith(f"1 problem in {path}\n  ")
+    return err.problems[0].message
+
+
+# ----------------------------------------------------------------------------- valid configs
+
+def test_defaults():
+    cfg = parse_config({}, "empty.json")
+    assert cfg == MonitorConfig()
+    assert cfg.source == "empty.json"
+    assert cfg.targets == () and cfg.module_ranks == ()
+    assert (cfg.start_step, cfg.step_interval, cfg.collect_times) == (0, 1, None)
+    assert cfg.format == ("csv",) and cfg.ops == ("norm", "mean", "min", "max")
+    assert cfg.eps == 1e-8 and cfg.ndigits is None and cfg.step_count_per_record == 1
+    flags = ("wg_distribution", "mv_distribution", "param_distribution", "ur_distribution",
+             "xy_distribution", "forward_only", "backward_only", "all_xy", "print_struct",
+             "squash_name", "dynamic_on")
+    assert all(getattr(cfg, f) is False for f in flags)
+    assert cfg.cc_distribution == CommConfig(enable=False, cc_codeline=(), cc_pre_hook=False)
+    assert cfg.alert == AlertConfig(rules=(), dump=False)
+
+
+def test_config_is_frozen_hashable_and_source_not_compared():
+    cfg = parse_config({"alert": {"rules": [{"rule_name": "AnomalyNan"}]}}, "a.json")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.start_step = 3  # type: ignore[misc]
+    assert hash(cfg) == hash(parse_config({"alert": {"rules": [{"rule_name": "AnomalyNan"}]}}, "b.json"))
+    assert cfg == dataclasses.replace(cfg, source="elsewhere.json")
+
+
+FULL = {
+    "targets": ["model.layers.0", "model.layers.1.mlp"],
+    "start_step": 5,
+    "step_interval": 10,
+    "collect_times": 3,
+    "format": ["tensorboard", "csv"],
+    "ops": ["std", "norm", "zeros", "infs", "nans", "min", "max", "mean"],
+    "eps": 1e-6,
+    "ndigits": 9,
+    "wg_distribution": True,
+    "mv_distribution": True,
+    "param_distribution": True,
+    "ur_distribution": True,
+    "xy_distribution": True,
+    "forward_only": True,
+    "backward_only": False,
+    "all_xy": True,
+    "print_struct": True,
+    "squash_name": True,
+    "global_layer_names": True,
+    "module_ranks": [3, 0],
+    "step_count_per_record": 4,
+    "dynamic_on": True,
+    "cc_distribution": {"enable": True, "cc_codeline": [r"layers\.\d+", "^train$"], "cc_pre_hook": True},
+    "alert": {"rules": [{"rule_name": "AnomalyTurbulence", "args": {"threshold": 0.5}},
+                        {"rule_name": "AnomalyNan", "args": {"threshold": 1}},
+                        {"rule_name": "AnomalyNan"}],
+              "dump": True},
+}
+
+
+def test_full_config_round_trip(tmp_path):
+    path = write(tmp_path, json.dumps(FULL, indent=2))
+    cfg = load_config(path)
+    assert cfg.source == str(path)
+    assert cfg == MonitorConfig(
+        targets=("model.layers.0", "model.layers.1.mlp"), start_step=5, step_interval=10,
+        collect_times=3, format=("tensorboard", "csv"),
+        ops=("std", "norm", "zeros", "infs", "nans", "min", "max", "mean"), eps=1e-6, ndigits=9,
+        wg_distribution=True, mv_distribution=True, param_distribution=True, ur_distribution=True,
+        xy_distribution=True, forward_only=True, backward_only=False, all_xy=True, print_struct=True,
+        squash_name=True, global_layer_names=True, module_ranks=(3, 0), step_count_per_record=4,
+        dynamic_on=True,
+        cc_distribution=CommConfig(enable=True, cc_codeline=(r"layers\.\d+", "^train$"), cc_pre_hook=True),
+        alert=AlertConfig(rules=(AlertRule("AnomalyTurbulence", {"threshold": 0.5}),
+                                 AlertRule("AnomalyNan", {"threshold": 1.0}),
+                                 AlertRule("AnomalyNan", {})), dump=True))
+    # args are plain dicts, not the loader's own dict subclass
+    assert all(type(rule.args) is dict for rule in cfg.alert.rules)
+    # to_dict is plain JSON that loads back to an equal config, and it carries every key of FULL
+    data = json.loads(json.dumps(cfg.to_dict()))
+    assert parse_config(data, "again.json") == cfg
+    assert set(data) == set(FULL)
+    assert data["ops"] == FULL["ops"] and data["targets"] == FULL["targets"]
+
+
+def test_eps_int_is_a_float():
+    cfg = parse_config({"eps": 1}, "x")
+    assert cfg.eps == 1.0 and isinstance(cfg.eps, float)
+
+
+def test_format_single_string_and_null_optionals():
+    cfg = parse_config({"format": "tensorboard", "collect_times": None, "ndigits": None}, "x")
+    assert cfg.format == ("tensorboard",) and cfg.collect_times is None and cfg.ndigits is None
+    assert KNOWN_FORMATS == ("csv", "tensorboard")
+
+
+def test_shipped_example_loads():
+    path = REPO / "monitor_config.json"
+    cfg = load_config(path)
+    raw = json.loads(path.read_text(encoding="utf-8"))
+    assert cfg.wg_distribution and cfg.mv_distribution and cfg.param_distribution
+    assert cfg.ops == ("norm", "mean", "min", "max", "nans")
+    assert cfg.format == ("csv",)
+    assert list(cfg.targets) == list(raw.get("targets", []))
+
+
+def test_msprobe_style_config_loads(tmp_path):
+    text = json.dumps({
+        "targets": {"language_model.encoder.layers.0": {}, "language_model.encoder.layers.1": {}},
+        "print_struct": False,
+        "module_ranks": [],
+        "ur_distribution": False,
+        "xy_distribution": True,
+        "all_xy": False,
+        "forward_only": False,
+        "backward_only": False,
+        "wg_distribution": True,
+        "mv_distribution": False,
+        "param_distribution": False,
+        "cc_distribution": {"enable": False, "cc_codeline": [], "cc_pre_hook": False, "cc_log_only": False},
+        "alert": {"rules": [{"rule_name": "AnomalyTurbulence", "args": {"threshold": 0.5}}], "dump": False},
+        "ops": ["min", "max", "norm", "zeros", "nans", "mean", "shape", "dtype"],
+        "eps": 1e-8,
+        "ndigits": 12,
+        "step_count_per_record": 1,
+        "squash_name": True,
+        "monitor_mbs_grad": False,
+        "mg_direction": False,
+        "stack_info": False,
+        "append_output": [],
+        "recording_l2_features": False,
+        "l2_targets": {},
+        "sa_order": "",
+        "dynamic_on": False,
+    })
+    cfg = load_config(write(tmp_path, text))
+    assert cfg.targets == ("language_model.encoder.layers.0", "language_model.encoder.layers.1")
+    assert cfg.ops == ("min", "max", "norm", "zeros", "nans", "mean")  # user order, shape/dtype dropped
+    assert cfg.xy_distribution and cfg.wg_distribution and cfg.squash_name and cfg.ndigits == 12
+    assert cfg.alert.rules == (AlertRule("AnomalyTurbulence", {"threshold": 0.5}),)
+    assert cfg.cc_distribution == CommConfig()
+
+
+def test_shape_and_dtype_anywhere_in_ops_are_dropped():
+    assert parse_config({"ops": ["shape", "max", "dtype", "nans"]}, "x").ops == ("max", "nans")
+
+
+# ----------------------------------------------------------------------------- one bad value each
+
+BAD = [
+    ({"wg_distrbution": True}, "wg_distrbution", "unknown key (did you mean 'wg_distribution'?)"),
+    ({"stack_infos": False}, "stack_infos", "unknown key (did you mean 'stack_info'?)"),
+    ({"zzz": 1}, "zzz", f"unknown key (allowed: {TOP_KEYS})"),
+    ({"ops": ["norm", "nrom"]}, "ops[1]",
+     f"unknown stat 'nrom' (did you mean 'norm'? allowed: {STATS})"),
+    ({"ops": ["id"]}, "ops[0]", f"unknown stat 'id' (allowed: {STATS})"),
+    ({"ops": "norm"}, "ops", f"'norm' is not a list (non-empty list of: {STATS})"),
+    ({"ops": []}, "ops", f"[] is empty (non-empty list of: {STATS})"),
+    ({"ops": ["norm", "mean", "norm"]}, "ops[2]", "duplicate 'norm' (already at ops[0])"),
+    ({"ops": [1]}, "ops[0]", f"1 is not a string (stat name: {STATS})"),
+    ({"ops": ["shape", "dtype"]}, "ops",
+     "['shape', 'dtype'] names no statistic ('shape' and 'dtype' are always written)"),
+    ({"start_step": -1}, "start_step", "-1 is out of range (integer >= 0)"),
+    ({"start_step": True}, "start_step", "True is not an integer (integer >= 0)"),
+    ({"step_interval": 0}, "step_interval", "0 is out of range (integer >= 1)"),
+    ({"step_interval": 2.0}, "step_interval", "2.0 is not an integer (integer >= 1)"),
+    ({"collect_times": 0}, "collect_times", "0 is out of range (integer >= 1 or null)"),
+    ({"step_count_per_record": "10"}, "step_count_per_record", "'10' is not an integer (integer >= 1)"),
+    ({"step_count_per_record": None}, "step_count_per_record", "None is not an integer (integer >= 1)"),
+    ({"ndigits": 0}, "ndigits", "0 is out of range (integer 1..17 or null)"),
+    ({"ndigits": 18}, "ndigits", "18 is out of range (integer 1..17 or null)"),
+    ({"eps": 0}, "eps", "0 is out of range (finite number > 0)"),
+    ({"eps": -1e-8}, "eps", "-1e-08 is out of range (finite number > 0)"),
+    ({"eps": float("inf")}, "eps", "inf is out of range (finite number > 0)"),
+    ({"eps": "1e-8"}, "eps", "'1e-8' is not a number (finite number > 0)"),
+    ({"eps": False}, "eps", "False is not a number (finite number > 0)"),
+    ({"wg_distribution": 1}, "wg_distribution", "1 is not a boolean (true or false)"),
+    ({"dynamic_on": "true"}, "dynamic_on", "'true' is not a boolean (true or false)"),
+    ({"forward_only": True, "backward_only": True}, "backward_only",
+     "True together with forward_only: True records nothing (set at most one of them)"),
+    ({"xy_distribution": True}, "xy_distribution",
+     "True needs targets (the modules to record) or all_xy: True (every module)"),
+    ({"xy_distribution": True, "targets": [], "all_xy": False}, "xy_distribution",
+     "True needs targets (the modules to record) or all_xy: True (every module)"),
+    ({"format": "parquet"}, "format", "unknown format 'parquet' (allowed: csv, tensorboard)"),
+    ({"format": ["csv", "tensorbord"]}, "format[1]",
+     "unknown format 'tensorbord' (did you mean 'tensorboard'? allowed: csv, tensorboard)"),
+    ({"format": []}, "format", "[] is empty (one of csv, tensorboard, or a non-empty list of them)"),
+    ({"format": ["csv", "csv"]}, "format[1]", "duplicate 'csv' (already at format[0])"),
+    ({"format": 1}, "format", "1 is not a list (one of csv, tensorboard, or a non-empty list of them)"),
+    ({"targets": "layers.0"}, "targets",
+     "'layers.0' is not a list or object (list of names, or {\"name\": {}})"),
+    ({"targets": ["a", ""]}, "targets[1]", "'' is empty (non-empty module or parameter name)"),
+    ({"targets": ["a", " "]}, "targets[1]", "' ' is empty (non-empty module or parameter name)"),
+    ({"targets": [3]}, "targets[0]", "3 is not a string (non-empty module or parameter name)"),
+    ({"targets": ["a", "b", "a"]}, "targets[2]", "duplicate 'a' (already at targets[0])"),
+    ({"targets": {"layers.0": {"input": "tuple[2]:0"}}}, 'targets["layers.0"]',
+     "per-target specs are not supported ({'input': 'tuple[2]:0'}); use an empty object {}"),
+    ({"targets": {"layers.0": True}}, 'targets["layers.0"]',
+     "True is not an object (use an empty object {})"),
+    ({"module_ranks": 0}, "module_ranks",
+     "0 is not a list (list of distinct ranks, integers >= 0; [] = all ranks)"),
+    ({"module_ranks": [0, 1, 0]}, "module_ranks[2]", "duplicate 0 (already at module_ranks[0])"),
+    ({"module_ranks": [True]}, "module_ranks[0]", "True is not an integer (integer >= 0)"),
+    ({"module_ranks": [-2]}, "module_ranks[0]", "-2 is out of range (integer >= 0)"),
+    ({"cc_distribution": True}, "cc_distribution",
+     "True is not an object (keys: enable, cc_codeline, cc_pre_hook)"),
+    ({"cc_distribution": {"enabel": True}}, "cc_distribution.enabel",
+     "unknown key (did you mean 'enable'?)"),
+    ({"cc_distribution": {"cc_codeline": ["ok", "("]}}, "cc_distribution.cc_codeline[1]",
+     "'(' is not a valid regular expression: missing ), unterminated subpattern at position 0"),
+    ({"cc_distribution": {"cc_codeline": "x"}}, "cc_distribution.cc_codeline",
+     "'x' is not a list (list of regular expressions)"),
+    ({"cc_distribution": {"cc_log_only": True}}, "cc_distribution.cc_log_only",
+     "True is an msprobe option trainmon does not support (only false is accepted)"),
+    ({"cc_distribution": {"cc_pre_hook": 0}}, "cc_distribution.cc_pre_hook",
+     "0 is not a boolean (true or false)"),
+    ({"alert": []}, "alert", "[] is not an object (keys: rules, dump)"),
+    ({"alert": {"dump": 1}}, "alert.dump", "1 is not a boolean (true or false)"),
+    ({"alert": {"rules": {}}}, "alert.rules",
+     "{} is not a list (list of {\"rule_name\": ..., \"args\": {...}})"),
+    ({"alert": {"rules": [{"rule_name": "AnomalyNaN"}]}}, "alert.rules[0].rule_name",
+     "unknown rule 'AnomalyNaN' (did you mean 'AnomalyNan'? allowed: AnomalyNan, nonfinite, AnomalyTurbulence, spike)"),
+    ({"alert": {"rules": [{"rule_name": 7}]}}, "alert.rules[0].rule_name",
+     "unknown rule 7 (allowed: AnomalyNan, nonfinite, AnomalyTurbulence, spike)"),
+    ({"alert": {"rules": [{"args": {}}]}}, "alert.rules[0].rule_name",
+     "missing (one of AnomalyNan, nonfinite, AnomalyTurbulence, spike)"),
+    ({"alert": {"rules": [{"rule_name": "spike", "args": {"factor": 1}}]}}, "alert.rules[0].args.factor",
+     "1 is out of range (finite number > 1)"),
+    ({"alert": {"rules": [{"rule_name": "spike", "args": {"ops": ["nrom"]}}]}}, "alert.rules[0].args.ops[0]",
+     "unknown stat 'nrom' (did you mean 'norm'? allowed: norm, mean, min, max, zeros, nans, infs, std, "
+     "update_ratio)"),
+    ({"alert": {"rules": [{"rule_name": "AnomalyTurbulence", "args": {"warmup": 0}}]}},
+     "alert.rules[0].args.warmup", "0 is out of range (integer >= 1)"),
+    ({"alert": {"rules": [{"rule_name": "AnomalyNan", "args": {"threshold": -0.5}}]}},
+     "alert.rules[0].args.threshold", "-0.5 is out of range (finite number >= 0)"),
+    ({"alert": {"rules": [{"rule_name": "AnomalyNan", "args": {"threshold": "1"}}]}},
+     "alert.rules[0].args.threshold", "'1' is not a number (finite number >= 0)"),
+    ({"alert": {"rules": [{"rule_name": "AnomalyNan", "args": {"threshhold": 1}}]}},
+     "alert.rules[0].args.threshhold", "unknown key (did you mean 'threshold'?)"),
+    ({"alert": {"rules": [{"rule_name": "AnomalyNan", "arg": {}}]}}, "alert.rules[0].arg",
+     "unknown key (did you mean 'args'?)"),
+    ({"alert": {"rules": ["AnomalyNan"]}}, "alert.rules[0]",
+     "'AnomalyNan' is not an object (keys: rule_name, args)"),
+    ({"stack_info": True}, "stack_info",
+     "True is an msprobe option trainmon does not support (remove it or set it to false)"),
+    ({"append_output": ["Dec03_10-00-00", "Dec03_11-00-00"]}, "append_output",
+     "['Dec03_10-00-00', 'Dec03_11-00-00'] is an msprobe option trainmon does not support "
+     "(remove it or set it to false)"),
+    ({"monitor_mbs_grad": True}, "monitor_mbs_grad",
+     "True is an msprobe option trainmon does not support (remove it or set it to false)"),
+    ({"l2_targets": {"attention_hook": ["0:0.self_attention.core_attention.flash_attention"]}},
+     "l2_targets", "{'attention_hook': ['0:0.self_attention.core_attention.fl..."
+     " is an msprobe option trainmon does not support (remove it or set it to false)"),
+]
+
+
+@pytest.mark.parametrize("data,key,message", BAD, ids=[f"{i}-{k}" for i, (_, k, _) in enumerate(BAD)])
+def test_bad_value_gives_one_exact_problem(data, key, message):
+    assert problems_of(data) == [(key, message)]
+
+
+def test_bad_cases_are_distinct_and_plenty():
+    assert len(BAD) >= 25
+    assert len({json.dumps(d, sort_keys=True, default=str) for d, _, _ in BAD}) == len(BAD)
+
+
+# ----------------------------------------------------------------------------- many problems at once
+
+def test_every_problem_of_a_file_in_one_error(tmp_path):
+    text = """{
+  "wg_distrbution": true,
+  "ops": ["norm", "nrom", "shape"],
+  "step_interval": 0,
+  "format": "csv",
+  "alert": {"rules": [{"rule_name": "AnomalyTurbulence", "args": {"threshold": -1}}]},
+  "ndigits": 6,
+  "mg_direction": true
+}"""
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    err = info.value
+    assert isinstance(err, ValueError)
+    assert str(err) == (
+        f"5 problems in {path}\n"
+        "  wg_distrbution: unknown key (did you mean 'wg_distribution'?)\n"
+        f"  ops[1]: unknown stat 'nrom' (did you mean 'norm'? allowed: {STATS})\n"
+        "  step_interval: 0 is out of range (integer >= 1)\n"
+        "  alert.rules[0].args.threshold: -1 is out of range (finite number >= 0)\n"
+        "  mg_direction: True is an msprobe option trainmon does not support "
+        "(remove it or set it to false)")
+
+
+def test_nested_problems_are_all_reported():
+    data = {"cc_distribution": {"enable": "yes", "cc_codeline": ["[", 5], "x": 1},
+            "alert": {"rules": [{"rule_name": "AnomalyNan", "args": {"threshold": None}},
+                                {"rule_name": "Nope"}], "dump": "no"}}
+    assert problems_of(data) == [
+        ("cc_distribution.x", "unknown key (allowed: enable, cc_codeline, cc_pre_hook)"),
+        ("cc_distribution.enable", "'yes' is not a boolean (true or false)"),
+        ("cc_distribution.cc_codeline[0]",
+         "'[' is not a valid regular expression: unterminated character set at position 0"),
+        ("cc_distribution.cc_codeline[1]", "5 is not a string (regular expression)"),
+        ("alert.rules[0].args.threshold", "None is not a number (finite number >= 0)"),
+        ("alert.rules[1].rule_name", "unknown rule 'Nope' (allowed: AnomalyNan, nonfinite, AnomalyTurbulence, spike)"),
+        ("alert.dump", "'no' is not a boolean (true or false)"),
+    ]
+
+
+def test_repeated_json_keys_are_problems(tmp_path):
+    path = write(tmp_path, '{"ops": ["norm"], "targets": {"a": {}, "a": {}},'
+                           ' "alert": {"dump": true, "dump": false}, "ops": ["max"]}')
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    msg = "duplicate key (JSON would silently keep only the last value)"
+    assert [(p.key, p.message) for p in info.value.problems] == [
+        ("ops", msg), ('targets["a"]', msg), ("alert.dump", msg)]
+
+
+# ----------------------------------------------------------------------------- file errors
+
+def test_json_syntax_error_line_and_column(tmp_path):
+    text = '{\n  "ops": ["norm"],\n  "eps": 1e-8\n  "wg_distribution": true\n}\n'
+    line4 = text.splitlines()[3]
+    column = line4.index('"') + 1  # the parser stops at the key that should follow a comma
+    assert file_problem(write(tmp_path, text)) == (
+        f"invalid JSON at line 4, column {column}: Expecting ',' delimiter")
+
+
+def test_json_trailing_comma_is_located(tmp_path):
+    text = '{"wg_distribution": true,\n "ops": ["norm", "max",]\n}'
+    column = text.splitlines()[1].index("]") + 1
+    assert file_problem(write(tmp_path, text)) == f"invalid JSON at line 2, column {column}: Expecting value"
+
+
+def test_missing_file(tmp_path):
+    assert file_problem(tmp_path / "nowhere" / "monitor.json") == "file not found"
+
+
+def test_directory(tmp_path):
+    assert file_problem(tmp_path) == "is a directory, expected a JSON file"
+
+
+@pytest.mark.parametrize("text,kind", [("[1, 2]", "a list"), ('"csv"', "a string"), ("3", "a number"),
+                                       ("null", "null"), ("true", "a boolean")])
+def test_top_level_not_an_object(tmp_path, text, kind):
+    assert file_problem(write(tmp_path, text)) == (
+        f"the top level is {kind}, expected an object ({{\"key\": value, ...}})")
+
+
+def test_empty_file(tmp_path):
+    assert file_problem(write(tmp_path, " \n")) == "the file is empty (expected a JSON object)"
+
+
+def test_not_utf8(tmp_path):
+    raw = '{"targets": ["café"]}'.encode("latin-1")
+    offset = raw.index(bytes([0xE9]))
+    assert file_problem(write(tmp_path, raw)) == f"not valid UTF-8 (byte 0xe9 at offset {offset})"
+
+
+def test_byte_order_mark_is_tolerated(tmp_path):
+    cfg = load_config(write(tmp_path, b'\xef\xbb\xbf{"wg_distribution": true}'))
+    assert cfg.wg_distribution is True
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0,
+                    reason="file permissions do not stop root")
+def test_unreadable_file(tmp_path):
+    path = write(tmp_path, "{}")
+    path.chmod(0)
+    try:
+        assert file_problem(path) == "cannot read the file: Permission denied"
+    finally:
+        path.chmod(0o644)
+
+
+def test_path_through_a_file_is_a_read_error(tmp_path):
+    blocker = write(tmp_path, "{}", name="plain_file")
+    message = file_problem(blocker / "monitor.json")
+    assert message == "cannot read the file: Not a directory"
+
+
+def test_pathlike_and_str_paths(tmp_path):
+    path = write(tmp_path, '{"step_interval": 2}')
+    assert load_config(str(path)) == load_config(path)
+    assert load_config(path).step_interval == 2
+
+
+# ----------------------------------------------------------------------------- the module and docs
+
+def test_config_and_output_layers_import_no_torch():
+    code = ("import sys, trainmon.config, trainmon.output.runs, trainmon.output.layout, trainmon.output.tb_tags; "
+            "bad = [m for m in ('torch', 'numpy', 'pydantic') if m in sys.modules]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+def test_docs_table_lists_every_key():
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    section = readme.split("\n## Configuration file\n", 1)[1]
+    text = section.split("\n## ", 1)[0]
+    documented = set(re.findall(r"^\| `([a-z_.]+)` \|", text, flags=re.MULTILINE))
+    fields = {f.name for f in dataclasses.fields(MonitorConfig)} - {"source"}
+    nested = {f"cc_distribution.{f.name}" for f in dataclasses.fields(CommConfig)}
+    nested |= {f"alert.{f.name}" for f in dataclasses.fields(AlertConfig)}
+    assert fields | nested <= documented
+    assert documented - {"cc_distribution.cc_log_only"} <= fields | nested
+    # every top-level key the docs list is one the loader accepts
+    for key in fields:
+        parse_config({key: MonitorConfig().to_dict()[key]}, "x")

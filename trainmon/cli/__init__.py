@@ -1,0 +1,47 @@
+"""The ``trainmon`` console script: one subcommand per module of this package.
+
+A command module defines ``HELP`` (one line), ``add_arguments(parser)`` and ``run(args) -> int``.
+Modules are discovered, so adding a command is adding a file.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+
+__all__ = ["main", "CommandError"]
+
+
+class CommandError(Exception):
+    """A user error in a command (bad path, bad option): printed as one line, exit code 2."""
+
+
+def _command_modules():
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
+        if not info.name.startswith("_"):
+            yield info.name, importlib.import_module(f"{__name__}.{info.name}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="trainmon", description="trainmon: training-state monitor tools")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name, module in _command_modules():
+        cmd = sub.add_parser(name.replace("_", "-"), help=module.HELP, description=module.HELP)
+        module.add_arguments(cmd)
+        cmd.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except CommandError as exc:
+        print(f"trainmon {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

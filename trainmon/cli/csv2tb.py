@@ -1,0 +1,237 @@
+"""``trainmon csv2tb``: turn a run's CSV files into TensorBoard event files.
+
+Every family of every rank is converted (activations with their micro-steps, comm with its
+extra columns) into ``<run>/tensorboard/rank<R>/`` -- the directory and tags the native
+``tensorboard`` format uses (:mod:`trainmon.output.tb_tags`), so the two are interchangeable.
+With ``-o DIR`` the events go to ``DIR/<run_id>/rank<R>/`` instead.
+
+Re-running never duplicates: a rank's converted events are one file with a fixed name,
+written under a temporary name and moved over the previous one in one rename.  A rank whose
+directory already holds native events (the run wrote ``format: tensorboard``) is skipped,
+because converting would show every value twice; ``-o`` converts it elsewhere.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from itertools import chain
+from pathlib import Path
+from typing import Callable
+
+from trainmon.output.runs import (FAMILY_STATS, FamilyFile, column_roles, family_files, find_runs, rank_dirs, rank_of,
+                           read_csv)
+from trainmon.output.tb_tags import TB_DIRNAME, series_name
+
+HELP = "convert the CSV files of a run (or of every run of an output dir) into TensorBoard event files"
+
+CONVERTED_NAME = "events.out.tfevents.trainmon-csv2tb"
+_TMP_PREFIX = ".csv2tb-"
+PROGRESS_DELAY_S = 1.0  # the bar appears only on conversions that take longer than this
+
+__all__ = ["HELP", "add_arguments", "run", "convert_rank", "RankResult", "CONVERTED_NAME",
+           "native_event_files"]
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("path", type=Path, metavar="RUN_OR_OUTPUT_DIR",
+                        help="a run directory (holding rank<R>/), one rank<R>/ of a run, or a directory of runs")
+    parser.add_argument("-o", "--output", type=Path, metavar="DIR",
+                        help="write events to DIR/<run_id>/rank<R>/ instead of <run>/tensorboard/rank<R>/")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+@dataclass
+class RankResult:
+    rank_dir: Path
+    target: Path
+    files: int = 0
+    rows: int = 0
+    scalars: int = 0
+    skipped: str = ""                       # why nothing was written, if so
+    unreadable: list[str] = field(default_factory=list)
+
+
+def native_event_files(directory: Path) -> list[Path]:
+    """Event files in ``directory`` that csv2tb did not write."""
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.iterdir()
+                  if "tfevents" in p.name and p.name != CONVERTED_NAME and p.is_file())
+
+
+def _targets(runs: list[Path], output: Path | None) -> list[tuple[Path, Path]]:
+    jobs = []
+    for run_dir in runs:
+        base = run_dir / TB_DIRNAME if output is None else output / run_dir.name
+        jobs.extend((rank, base / rank.name) for rank in rank_dirs(run_dir))
+    return jobs
+
+
+def run(args) -> int:
+    from trainmon.cli import CommandError
+
+    try:
+        runs = find_runs(args.path)
+    except OSError as exc:
+        raise CommandError(str(exc)) from None
+    if args.output is not None and args.output.exists() and not args.output.is_dir():
+        raise CommandError(f"{args.output}: not a directory")
+    if runs:
+        jobs = _targets(runs, args.output)
+    elif rank_of(args.path) is not None and family_files(args.path):   # one rank of a run
+        run_dir = args.path.resolve().parent
+        base = run_dir / TB_DIRNAME if args.output is None else args.output / run_dir.name
+        runs, jobs = [run_dir], [(args.path, base / args.path.name)]
+    else:
+        raise CommandError(f"{args.path}: no trainmon run here (a run directory holds rank<R>/ directories)")
+    total = sum(f.path.stat().st_size for rank, _ in jobs for fs in family_files(rank).values() for f in fs)
+    started = time.perf_counter()
+    results = []
+    with _progress(total, disable=args.no_progress) as bar:
+        for rank, target in jobs:
+            try:
+                results.append(convert_rank(rank, target, progress=bar.update))
+            except OSError as exc:
+                raise CommandError(f"cannot write {target}: {exc.strerror or exc}") from None
+    _report(results, len(runs), time.perf_counter() - started)
+    return 1 if any(r.unreadable for r in results) else 0
+
+
+def _progress(total: int, disable: bool):
+    from tqdm import tqdm
+
+    # disable=None: no bar when stderr is not a terminal (logs, CI)
+    return tqdm(total=total, unit="B", unit_scale=True, desc="csv2tb", file=sys.stderr,
+                disable=True if disable else None, delay=PROGRESS_DELAY_S, leave=False)
+
+
+def _report(results: list[RankResult], n_runs: int, seconds: float) -> None:
+    done = [r for r in results if not r.skipped]
+    for r in results:
+        if r.skipped:
+            print(f"{r.rank_dir}: skipped: {r.skipped}")
+        for problem in r.unreadable:
+            print(f"trainmon csv2tb: warning: {problem}", file=sys.stderr)
+    scalars = sum(r.scalars for r in done)
+    rate = f", {scalars / seconds:,.0f} scalars/s" if seconds > 0 and scalars else ""
+    where = sorted({str(r.target.parent) for r in done})
+    print(f"converted {len(done)} rank(s) of {n_runs} run(s): {sum(r.files for r in done)} CSV files, "
+          f"{sum(r.rows for r in done):,} rows, {scalars:,} scalars in {seconds:.1f} s{rate}"
+          + (f" -> {', '.join(where)}" if where else ""))
+
+
+def convert_rank(rank_dir: Path, target: Path, *, progress: Callable[[int], object] | None = None) -> RankResult:
+    """Convert every family of one rank dir into ``target/CONVERTED_NAME`` (replacing it)."""
+    from trainmon.sinks.tensorboard import EventFile
+
+    rank_dir, target = Path(rank_dir), Path(target)
+    result = RankResult(rank_dir, target)
+    families = family_files(rank_dir)
+    files = [f for fs in families.values() for f in fs]
+    if not files:
+        result.skipped = "no CSV files"
+        return result
+    native = native_event_files(target)
+    if native:
+        result.skipped = (f"{target} already holds native TensorBoard events ({native[0].name}); "
+                          f"use -o DIR to convert anyway")
+        _advance(progress, files)
+        return result
+    target.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temps(target)
+    tmp = target / f"{_TMP_PREFIX}{os.getpid()}.tmp"   # no "tfevents" in it: TensorBoard ignores it
+    events = EventFile(tmp)
+    try:
+        converter = _Converter(events)
+        for f in files:
+            converter.convert_file(f, result)
+            _advance(progress, [f])
+        events.close(sync=True)
+        os.replace(tmp, target / CONVERTED_NAME)
+    except BaseException:
+        events.close(sync=False)
+        tmp.unlink(missing_ok=True)
+        raise
+    return result
+
+
+def _advance(progress, files: list[FamilyFile]) -> None:
+    if progress is not None:
+        progress(sum(f.path.stat().st_size for f in files))
+
+
+def _remove_stale_temps(target: Path) -> None:
+    for p in target.glob(f"{_TMP_PREFIX}*.tmp"):
+        p.unlink(missing_ok=True)  # left by a conversion that was killed
+
+
+class _Converter:
+    """Writes the events of one rank's files into one event file."""
+
+    def __init__(self, events):
+        self.events = events
+        self._heads: dict[tuple, dict[tuple, list[bytes]]] = {}
+
+    def convert_file(self, f: FamilyFile, result: RankResult) -> None:
+        import pandas as pd
+
+        try:
+            df = read_csv(f.path)
+        except (OSError, ValueError, UnicodeDecodeError, pd.errors.ParserError) as exc:
+            result.unreadable.append(f"{f.path}: unreadable CSV, skipped ({str(exc).splitlines()[0]})")
+            return
+        result.files += 1
+        if "step" not in df.columns or "name" not in df.columns:
+            return
+        keys = [c for c in ("vpp_stage", "step", "micro_step") if c in df.columns]
+        df = df.dropna(subset=keys)  # a row without its step cannot be placed (never from trainmon)
+        if df.empty:
+            return
+        roles = column_roles(df, FAMILY_STATS)
+        if not roles.stats:
+            return
+        self._write(f.family, df, roles)
+        result.rows += len(df)
+        result.scalars += len(df) * len(roles.stats)
+
+    def _write(self, family: str, df, roles) -> None:
+        import numpy as np
+
+        width = len(roles.stats)
+        heads = self._row_heads(family, df, roles)
+        import pandas as pd
+
+        # a cell that is not a number becomes NaN, as in the native sink
+        numbers = df[list(roles.stats)].apply(pd.to_numeric, errors="coerce")
+        with np.errstate(over="ignore"):   # beyond float32's range is +-inf, as in the native sink
+            values = numbers.to_numpy(dtype=np.float64).astype("<f4").tobytes()
+        steps = df["step"].to_numpy(dtype=np.int64)
+        cuts = [0, *(np.flatnonzero(np.diff(steps)) + 1).tolist(), len(steps)]
+        now = time.time()
+        for a, b in zip(cuts, cuts[1:]):
+            chunks = [values[i:i + 4] for i in range(a * width * 4, b * width * 4, 4)]
+            body = b"".join(chain.from_iterable(zip(chain.from_iterable(heads[a:b]), chunks)))
+            self.events.write_event(int(steps[a]), now, body)
+
+    def _row_heads(self, family: str, df, roles) -> list[list[bytes]]:
+        """Value prefixes of each row's statistics, in ``roles.stats`` order."""
+        from trainmon.sinks.tensorboard import row_prefixes
+
+        cache = self._heads.setdefault((family, roles.stats), {})
+        n = len(df)
+        columns = [df["vpp_stage"].tolist() if "vpp_stage" in df.columns else [0] * n,
+                   df["name"].tolist(),
+                   df["micro_step"].tolist() if "micro_step" in df.columns else [None] * n,
+                   *(df[c].tolist() for c in roles.extras)]
+        out = []
+        for key in zip(*columns):
+            heads = cache.get(key)
+            if heads is None:
+                vpp, name, micro, *extra = key
+                micro = None if micro is None or micro != micro else int(micro)  # NaN: no micro-step
+                series = series_name(int(vpp), str(name), zip(roles.extras, extra), micro)
+                heads = cache[key] = row_prefixes(family, series, roles.stats)
+            out.append(heads)
+        return out

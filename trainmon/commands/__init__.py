@@ -1,1 +1,0 @@
-"""Subcommands of the ``trainmon`` console script (see ``trainmon.cli``)."""

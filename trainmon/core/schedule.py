@@ -1,0 +1,91 @@
+"""Which steps are collected, and where the training loop is now (step, micro-batch)."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+__all__ = ["Schedule", "StepClock"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """``start_step``, ``step_interval`` and ``collect_times`` from the config."""
+
+    start_step: int = 0
+    step_interval: int = 1
+    collect_times: int | None = None
+
+    def selects(self, step: int, collected: int) -> bool:
+        if self.exhausted(collected) or step < self.start_step:
+            return False
+        return (step - self.start_step) % self.step_interval == 0
+
+    def exhausted(self, collected: int) -> bool:
+        return self.collect_times is not None and collected >= self.collect_times
+
+
+class StepClock:
+    """Step number, whether this step is collected, and the index of the running backward pass.
+
+    Backward passes are counted with an autograd end-of-backward callback queued by the first
+    monitor hook that fires in each pass, so counting costs nothing on steps that are not collected
+    (no hook does any work then) and needs no cooperation from the training loop.
+    """
+
+    def __init__(self, schedule: Schedule, grad_acc_steps: int | Callable[[], int], first_step: int = 0):
+        self.schedule = schedule
+        self._grad_acc = grad_acc_steps
+        self.step = first_step
+        self.collected = 0
+        self.collecting = schedule.selects(first_step, 0)
+        self.backward_index = 0          # backward passes completed in this step
+        self.acc_steps = self._read_acc()
+        self._in_backward = False
+        self._backward_end_callbacks: list[Callable[[], None]] = []
+
+    def _read_acc(self) -> int:
+        value = self._grad_acc() if callable(self._grad_acc) else self._grad_acc
+        return max(1, int(value))
+
+    def on_backward_end(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` once when the current backward pass finishes."""
+        self._backward_end_callbacks.append(callback)
+
+    def enter_backward(self) -> int:
+        """Called from backward hooks; returns the 0-based micro-batch index of this pass."""
+        if not self._in_backward:
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+        return self.backward_index
+
+    def is_last_micro_batch(self, index: int) -> bool:
+        return index == self.acc_steps - 1
+
+    def _backward_done(self) -> None:
+        callbacks, self._backward_end_callbacks = self._backward_end_callbacks, []
+        self._in_backward = False
+        self.backward_index += 1
+        for cb in callbacks:
+            cb()
+
+    def advance(self) -> None:
+        """Step boundary: the step just finished; decide whether the next one is collected."""
+        if self.collecting:
+            self.collected += 1
+            if self.backward_index > self.acc_steps:
+                log.warning("trainmon: step %d ran %d backward passes but grad_acc_steps is %d; "
+                            "grad_unreduced holds the grad after pass %d", self.step,
+                            self.backward_index, self.acc_steps, self.acc_steps)
+        self.step += 1
+        self.backward_index = 0
+        self.acc_steps = self._read_acc()
+        self.collecting = self.schedule.selects(self.step, self.collected)
+
+    @property
+    def finished(self) -> bool:
+        return self.schedule.exhausted(self.collected)

@@ -1,0 +1,97 @@
+"""The families trainmon records: one list, with everything the layers need to know of each.
+
+A *family* is one kind of recorded tensor statistics (one CSV file family, one TensorBoard tag
+prefix).  The collectors write them, the sinks name files after them, the diagnosis commands
+order them by training flow.  Adding a family is one member here and one entry in ``FAMILIES``.
+No torch here: the readers and the config loader import it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+__all__ = ["Family", "FamilyInfo", "FAMILIES", "MOMENTS", "Phase", "PHASES", "family_info"]
+
+
+class _StrEnum(str, Enum):
+    """A str whose value is its name on disk (``enum.StrEnum`` needs Python 3.11)."""
+
+    __hash__ = str.__hash__  # members and their strings are the same dict key
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+
+class Phase(_StrEnum):
+    """Where in a step data is produced, in training-flow order."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    PRE_REDUCE = "pre_reduce"
+    COMM = "comm"
+    POST_REDUCE = "post_reduce"
+    OPTIMIZER = "optimizer"
+    OTHER = "other"          # a family trainmon does not know
+
+
+PHASES: tuple[Phase, ...] = tuple(Phase)
+
+
+class Family(_StrEnum):
+    ACTV = "actv"
+    ACTV_GRAD = "actv_grad"
+    GRAD_UNREDUCED = "grad_unreduced"
+    COMM = "comm"
+    GRAD_REDUCED = "grad_reduced"
+    PARAM_ORIGIN = "param_origin"
+    EXP_AVG = "exp_avg"
+    EXP_AVG_SQ = "exp_avg_sq"
+    PARAM_UPDATED = "param_updated"
+    UPDATE_RATIO = "update_ratio"
+
+
+@dataclass(frozen=True)
+class FamilyInfo:
+    """What one family is.
+
+    ``config_flag``: the config key that switches it on; ``per_micro_step``: one row per
+    micro-batch (a ``micro_step`` column); ``replicated``: equal on every data-parallel rank
+    under plain DDP (rank checks compare them); ``own_stats``: value columns of its own instead
+    of the ``ops``; ``moment``: an optimizer state tensor.
+    """
+
+    phase: Phase
+    config_flag: str
+    per_micro_step: bool = False
+    replicated: bool = False
+    own_stats: tuple[str, ...] = ()
+    moment: bool = False
+
+
+# In training-flow order: the order is the tie-break between families of one phase.
+FAMILIES: dict[Family, FamilyInfo] = {
+    Family.ACTV: FamilyInfo(Phase.FORWARD, "xy_distribution", per_micro_step=True),
+    Family.ACTV_GRAD: FamilyInfo(Phase.BACKWARD, "xy_distribution", per_micro_step=True),
+    Family.GRAD_UNREDUCED: FamilyInfo(Phase.PRE_REDUCE, "wg_distribution"),
+    Family.COMM: FamilyInfo(Phase.COMM, "cc_distribution"),
+    Family.GRAD_REDUCED: FamilyInfo(Phase.POST_REDUCE, "wg_distribution"),
+    Family.PARAM_ORIGIN: FamilyInfo(Phase.OPTIMIZER, "param_distribution", replicated=True),
+    Family.EXP_AVG: FamilyInfo(Phase.OPTIMIZER, "mv_distribution", replicated=True, moment=True),
+    Family.EXP_AVG_SQ: FamilyInfo(Phase.OPTIMIZER, "mv_distribution", replicated=True, moment=True),
+    Family.PARAM_UPDATED: FamilyInfo(Phase.OPTIMIZER, "param_distribution", replicated=True),
+    Family.UPDATE_RATIO: FamilyInfo(Phase.OPTIMIZER, "ur_distribution", replicated=True,
+                                    own_stats=("update_ratio",)),
+}
+
+MOMENTS: tuple[Family, ...] = tuple(f for f, i in FAMILIES.items() if i.moment)
+
+
+def family_info(family: str) -> FamilyInfo | None:
+    """The info of a family name, or None for one trainmon does not know."""
+    try:
+        return FAMILIES[Family(family)]
+    except ValueError:
+        return None

@@ -1,0 +1,72 @@
+"""The on-disk contract: every name trainmon writes, built and parsed here and nowhere else.
+
+::
+
+    $MONITOR_OUTPUT_DIR/<run_id>/
+        run.json                                  what ran (written once by rank 0)
+        rank<R>/<family>_<a>-<b>[.<k>].csv        one file per family per step window
+        rank<R>/anomalies.jsonl                   run-time alerts
+        tensorboard/rank<R>/events.out.tfevents.* TensorBoard events (see ``tb_tags``)
+
+``<a>-<b>`` is the window of ``step_count_per_record`` steps a file holds; ``<k>`` (1, 2, ...)
+numbers the files of a window written under another header (``ops`` changed mid-run).
+This module imports neither torch nor pandas.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["RUN_META", "ALERTS_FILE", "TB_DIRNAME", "NOT_RUNS", "FamilyFile", "rank_dir_name",
+           "parse_rank_dir", "window_bounds", "family_file_name", "parse_family_file"]
+
+RUN_META = "run.json"
+ALERTS_FILE = "anomalies.jsonl"
+TB_DIRNAME = "tensorboard"
+# Directories that hold rank<R>/ folders but are not runs (event files of a run).
+NOT_RUNS = frozenset({TB_DIRNAME})
+
+_RANK_DIR = re.compile(r"^rank(\d+)$")
+_FAMILY_FILE = re.compile(r"^(?P<family>[A-Za-z0-9_]+?)_(?P<start>\d+)-(?P<end>\d+)(?:\.(?P<part>\d+))?"
+                          r"\.(?P<ext>csv)$")
+
+
+@dataclass(frozen=True, order=True)
+class FamilyFile:
+    """One file of a family: the step window ``start..end`` and its header variant ``part``."""
+
+    start: int
+    part: int
+    end: int
+    family: str
+    path: Path
+
+
+def rank_dir_name(rank: int) -> str:
+    return f"rank{int(rank)}"
+
+
+def parse_rank_dir(name: str) -> int | None:
+    """``R`` of a ``rank<R>`` directory name, else None."""
+    m = _RANK_DIR.match(name)
+    return int(m.group(1)) if m else None
+
+
+def window_bounds(step: int, steps_per_file: int) -> tuple[int, int]:
+    """First and last step of the file window holding ``step``."""
+    a = step // steps_per_file * steps_per_file
+    return a, a + steps_per_file - 1
+
+
+def family_file_name(family: str, a: int, b: int, k: int = 0, ext: str = "csv") -> str:
+    """``{family}_{a}-{b}.csv``, or ``{family}_{a}-{b}.{k}.csv`` for the k-th header variant."""
+    return f"{family}_{a}-{b}.{ext}" if k == 0 else f"{family}_{a}-{b}.{k}.{ext}"
+
+
+def parse_family_file(path: Path) -> FamilyFile | None:
+    """The :class:`FamilyFile` a path names, else None (other files of a rank dir)."""
+    m = _FAMILY_FILE.match(path.name)
+    if m is None:
+        return None
+    return FamilyFile(int(m["start"]), int(m["part"] or 0), int(m["end"]), m["family"], path)

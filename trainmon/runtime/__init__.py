@@ -1,0 +1,1 @@
+"""The runtime layer: sessions, their builder, the step drivers (static and dynamic), the run directory."""

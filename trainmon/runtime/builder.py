@@ -1,0 +1,129 @@
+"""Building a :class:`Session` for a config on the model that ``set_monitor`` attached.
+
+The static driver builds one session at ``set_monitor``; the dynamic driver builds one each time
+the config file switches monitoring on.  Both go through :class:`SessionBuilder`, so a session
+is built the same way whoever asks for it.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch.nn as nn
+
+from trainmon.collectors import CollectorContext
+from trainmon.config import MonitorConfig, load_config
+from trainmon.errors import ConfigError
+from trainmon.integrations import select_integration
+from trainmon.core import dist as _dist
+from trainmon.runtime.features import unsupported_problems
+from trainmon.core.naming import TargetMatcher, module_names, tracked_params
+from trainmon.runtime.run_dir import rank_dir
+from trainmon.core.schedule import Schedule, StepClock
+from trainmon.runtime.session import Session
+from trainmon.sinks import create_sink
+from trainmon.sinks.base import NullSink, Sink, SinkOptions
+from trainmon.stats.engine import StatsEngine
+
+__all__ = ["Attachment", "SessionBuilder"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Attachment:
+    """What ``set_monitor`` was given."""
+
+    chunks: Sequence[nn.Module]
+    grad_acc_steps: int | Callable[[], int]
+    optimizer: Any
+    dp_group: Any
+    tp_group: Any
+
+
+class SessionBuilder:
+    """Sessions for one attachment, one config file and one run directory."""
+
+    def __init__(self, attachment: Attachment, config_file: Path, process_group: Any = None,
+                 params_have_main_grad: bool | None = None):
+        self.attachment = attachment
+        self.config_file = config_file
+        self.process_group = process_group
+        self.params_have_main_grad = params_have_main_grad
+        self.run_dir: Path | None = None
+        chunks = attachment.chunks
+        self._names = module_names(chunks) + [(p.vpp_stage, p.name) for p in tracked_params(chunks)]
+
+    @property
+    def rank(self) -> int:
+        return _dist.rank()
+
+    def check_targets(self, cfg: MonitorConfig, source: str) -> TargetMatcher:
+        """The config's target matcher; ``ConfigError`` naming ``source`` if a target matches nothing."""
+        matcher = TargetMatcher(cfg.targets)
+        if not matcher.selects_all:
+            matcher.check_all_used(self._names, source)
+        return matcher
+
+    def validate_file(self, path: Path) -> MonitorConfig:
+        """The config in ``path`` if a session can run it on this model, else ``ConfigError``."""
+        cfg = load_config(path)
+        problems = unsupported_problems(cfg)
+        if problems:
+            raise ConfigError(str(path), problems)
+        self.check_targets(cfg, str(path))
+        return cfg
+
+    def build(self, cfg: MonitorConfig, first_step: int, step_optimizer: Any = None) -> Session:
+        """A session collecting ``cfg`` from step ``first_step``.
+
+        With ``step_optimizer`` the session wraps that optimizer's step itself; without, whoever
+        owns the step boundary (``monitor.step()``, the dynamic driver) drives it.
+        """
+        matcher = self.check_targets(cfg, cfg.source or str(self.config_file))
+        ctx = self._context(cfg, matcher, first_step)
+        return Session(ctx, self._make_sink(cfg), step_optimizer,
+                       collect=self._records_here(cfg, ctx.integration))
+
+    def _context(self, cfg: MonitorConfig, matcher: TargetMatcher, first_step: int) -> CollectorContext:
+        a = self.attachment
+        params = [p for p in tracked_params(a.chunks) if matcher.matches(p.name, p.vpp_stage)]
+        use_main_grad = self.params_have_main_grad
+        if use_main_grad is None:
+            use_main_grad = bool(params) and all(hasattr(p.param, "main_grad") for p in params)
+        clock = StepClock(Schedule(cfg.start_step, cfg.step_interval, cfg.collect_times),
+                          a.grad_acc_steps, first_step=first_step)
+        integration = select_integration(a.chunks, a.optimizer, use_main_grad)
+        params = integration.display_params(params, cfg)
+        integration.tp_group = a.tp_group  # TP-sharded params merge over it (Integration.tp_view)
+        return CollectorContext(config=cfg, chunks=a.chunks, params=params, matcher=matcher,
+                                engine=StatsEngine(cfg.ops, cfg.eps), clock=clock, optimizer=a.optimizer,
+                                use_main_grad=use_main_grad, distributed=_dist.world_size(a.dp_group) > 1,
+                                dp_group=a.dp_group, tp_group=a.tp_group, integration=integration,
+                                run_dir=self.run_dir, rank=self.rank)
+
+    def _records_here(self, cfg: MonitorConfig, integration: Any) -> bool:
+        """Ranks outside ``module_ranks`` do no work at all, unless the stack's stats need every
+        rank's shard (then they compute and merge, but do not write)."""
+        ranks = cfg.module_ranks
+        return not ranks or self.rank in ranks or integration.needs_all_ranks
+
+    def _make_sink(self, cfg: MonitorConfig) -> Sink:
+        if cfg.module_ranks and self.rank not in cfg.module_ranks:
+            return NullSink()
+        path = rank_dir(self.run_dir, self.rank) if self.run_dir is not None else None
+        if path is None:
+            return NullSink()
+        options = SinkOptions(rank_dir=path, rank=self.rank, ndigits=cfg.ndigits,
+                              step_count_per_record=cfg.step_count_per_record)
+        return create_sink(cfg.format, options, extra_sinks=_alert_sinks(cfg, options))
+
+
+def _alert_sinks(cfg: MonitorConfig, options: SinkOptions) -> list[Sink]:
+    if not cfg.alert.rules:
+        return []
+    from trainmon.sinks.alerts import AlertSettings, AlertSink
+
+    return [AlertSink(options, AlertSettings.from_alert_config(cfg.alert))]

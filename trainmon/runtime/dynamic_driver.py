@@ -1,0 +1,246 @@
+"""Dynamic mode, part 2: switching monitoring on and off at step boundaries, on every rank alike.
+
+``TrainerMon`` in dynamic mode (``DYNAMIC_MONITOR=true``) hands the step boundary to a
+``DynamicDriver``, which keeps one step-boundary wrapper for
+its whole life and owns no hook besides it while idle.  At each boundary:
+
+1. the ``Session`` that is collecting (if any) finishes its step;
+2. if that session reached ``collect_times`` it is closed (all its hooks go);
+3. rank 0 of the monitor's group shares the staged version number (and its step number) with
+   the other ranks: one broadcast of two int64 on a dedicated gloo group.  Only when the version
+   differs from the applied one does rank 0 send the decision itself (``broadcast_object_list``);
+4. a new version is applied by every rank at this same boundary: "off" closes the session; a
+   config builds a new session from the next step, every rank votes that it could (one
+   all-reduce), and only then is the old session replaced.  A failure anywhere leaves every
+   rank as it was.
+
+The group has its own timeout: if a peer never reaches the boundary, the collective fails after
+``TRAINMON_DYNAMIC_TIMEOUT`` seconds and dynamic mode switches itself off on that rank instead of
+blocking the training forever.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from trainmon.core import dist as _dist
+from trainmon.config import MonitorConfig
+from trainmon.dynamic import ConfigStager, ConfigWatcher, Decision, WatchSettings
+from trainmon.errors import ConfigError
+from trainmon.runtime.builder import SessionBuilder
+from trainmon.core.hooks import Handle, wrap_optimizer_step
+from trainmon.runtime.session import Session
+
+__all__ = ["Agreement", "DynamicDriver", "describe"]
+
+log = logging.getLogger(__name__)
+
+
+class Agreement:
+    """Rank 0's values on every rank of ``group``; a no-op in a single process."""
+
+    def __init__(self, group: Any = None, timeout_s: float = 1800.0):
+        self.local = not _dist.initialized() or _dist.world_size(group) == 1
+        self.group = None
+        self.is_source = True
+        if self.local:
+            return
+        kwargs: dict[str, Any] = {"backend": "gloo", "timeout": timedelta(seconds=timeout_s)}
+        if group is not None:
+            # Only the members build it, so a job whose other ranks never monitor still works.
+            kwargs.update(ranks=dist.get_process_group_ranks(group), use_local_synchronization=True)
+        # A CPU (gloo) group of its own: no device sync at the boundary, and a timeout of its own.
+        self.group = dist.new_group(**kwargs)
+        self.src = dist.get_global_rank(self.group, 0)
+        self.is_source = dist.get_rank(self.group) == 0
+        self._pair = torch.zeros(2, dtype=torch.int64)
+        self._flag = torch.zeros(1, dtype=torch.int64)
+
+    def version(self, version: int, step: int) -> tuple[int, int]:
+        """Rank 0's (version, step)."""
+        if self.local:
+            return version, step
+        if self.is_source:
+            self._pair[0], self._pair[1] = version, step
+        dist.broadcast(self._pair, src=self.src, group=self.group)
+        v, s = self._pair.tolist()
+        return v, s
+
+    def value(self, value: Any) -> Any:
+        """Rank 0's ``value`` (any picklable object)."""
+        if self.local:
+            return value
+        box = [value if self.is_source else None]
+        dist.broadcast_object_list(box, src=self.src, group=self.group)
+        return box[0]
+
+    def all_true(self, ok: bool) -> bool:
+        if self.local:
+            return ok
+        self._flag[0] = int(bool(ok))
+        dist.all_reduce(self._flag, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(self._flag.item())
+
+    def close(self) -> None:
+        if self.group is not None:
+            group, self.group = self.group, None
+            try:
+                dist.destroy_process_group(group)
+            except Exception:  # noqa: BLE001 - the default group may already be gone at exit
+                pass
+
+
+def describe(cfg: MonitorConfig) -> str:
+    """What a config collects, in one log line."""
+    kinds = [k for k, on in (("weight grads", cfg.wg_distribution), ("optimizer moments", cfg.mv_distribution),
+                             ("params", cfg.param_distribution), ("update ratio", cfg.ur_distribution))
+             if on]
+    times = "until switched off" if cfg.collect_times is None else f"{cfg.collect_times} time(s)"
+    every = f"every {cfg.step_interval} steps" if cfg.step_interval > 1 else "every step"
+    targets = ", ".join(cfg.targets) if cfg.targets else "all"
+    return (f"{', '.join(kinds) or 'nothing'}; ops {', '.join(cfg.ops)}; targets {targets}; "
+            f"from step {cfg.start_step} {every}, {times}; format {', '.join(cfg.format)}")
+
+
+class DynamicDriver:
+    """Owns the step boundary of a dynamic-mode ``TrainerMon`` and the session of each period.
+
+    ``initial`` is the config as loaded at start (used if the file cannot be read at once).
+    """
+
+    def __init__(self, builder: SessionBuilder, initial: MonitorConfig, settings: WatchSettings,
+                 start_iteration: int = 0):
+        self.builder = builder
+        self.config_file: Path = builder.config_file
+        self.step = start_iteration            # the step that runs next
+        self.agreement = Agreement(builder.process_group, settings.timeout_s)
+        self.stager: ConfigStager | None = None
+        self.watcher: ConfigWatcher | None = None
+        self.session: Session | None = None
+        self.config: MonitorConfig | None = None
+        self.applied = 0                       # version of the decision in force
+        self.broken = False
+        self._warned_steps = False
+        if self.agreement.is_source:
+            self.stager = ConfigStager(self.config_file, builder.validate_file, settings.settle_s)
+            if settings.watch:  # started before the first read, so no edit falls between the two
+                self.watcher = ConfigWatcher(self.stager, settings).start()
+            self.stager.stage_now(fallback=initial)
+            self._log("watching %s (%s observer); a saved change applies at the next step boundary",
+                      self.config_file, self.watcher.kind if self.watcher else "no")
+        optimizer = builder.attachment.optimizer
+        self._handle: Handle | None = None
+        if optimizer is not None:
+            self._handle = wrap_optimizer_step(optimizer, self.before_step, self.after_step)
+        self._decide()
+
+    # -- the step boundary ----------------------------------------------------------------------
+    def before_step(self) -> None:
+        if self.session is not None:
+            self.session.before_step()
+
+    def after_step(self) -> None:
+        session = self.session
+        if session is not None:
+            session.after_step()
+        self.step += 1
+        if session is not None and session.clock.finished:
+            self._stop(f"collect_times ({session.ctx.config.collect_times}) reached")
+        self._decide()
+
+    def _decide(self) -> None:
+        if self.broken:
+            return
+        staged = self.stager.decision if self.stager is not None else None
+        try:
+            version, source_step = self.agreement.version(staged.version if staged else 0, self.step)
+            if source_step != self.step and not self._warned_steps:
+                self._warned_steps = True
+                log.warning("trainmon: dynamic: this rank is at step %d but rank 0 is at step %d; "
+                            "switching follows rank 0's boundaries", self.step, source_step)
+            if version == self.applied:
+                return
+            decision: Decision = self.agreement.value(staged)
+            self._apply(decision)
+        except Exception as exc:  # noqa: BLE001 - the monitor must never take the run down
+            self._give_up(exc)
+
+    # -- switching --------------------------------------------------------------------------------
+    def _apply(self, decision: Decision) -> None:
+        self.applied = decision.version
+        if not decision.on:
+            if self.session is not None:
+                self._stop(f"config version {decision.version} sets dynamic_on false")
+            else:
+                self._log("step %d: config version %d has dynamic_on false: staying off",
+                          self.step, decision.version)
+            return
+        cfg = decision.config
+        # collect_times counts from this switch; a start_step already passed means "from now".
+        cfg = dataclasses.replace(cfg, start_step=max(cfg.start_step, self.step))
+        new = self._build(cfg)
+        if not self.agreement.all_true(new is not None):
+            if new is not None:
+                new.close()
+            self._log("config version %d is NOT applied: it failed on some rank (see that rank's "
+                      "log); monitoring continues as it was", decision.version)
+            return
+        if self.session is not None:
+            self.session.close()
+        self.session, self.config = new, cfg
+        self._log("step %d: collecting with config version %d of %s: %s; into %s", self.step,
+                  decision.version, cfg.source or self.config_file, describe(cfg),
+                  self.builder.run_dir)
+        if new.clock.finished:
+            self._stop("nothing to collect")
+
+    def _build(self, cfg: MonitorConfig) -> Session | None:
+        try:
+            return self.builder.build(cfg, first_step=self.step)
+        except ConfigError as exc:
+            log.error("trainmon: dynamic: config not applied on this rank: %s", exc)
+        except Exception:  # noqa: BLE001
+            log.exception("trainmon: dynamic: starting monitoring failed on this rank")
+        return None
+
+    def _stop(self, reason: str) -> None:
+        session, self.session = self.session, None
+        if session is None:
+            return
+        collected = session.clock.collected
+        session.close()
+        self._log("step %d: monitoring stopped (%s) after %d collected step(s); idle until the "
+                  "config file changes", self.step, reason, collected)
+
+    def _give_up(self, exc: BaseException) -> None:
+        self.broken = True
+        log.error("trainmon: dynamic: agreeing with the other ranks failed at step %d (%s: %s); "
+                  "dynamic monitoring is switched off on this rank, training continues",
+                  self.step, type(exc).__name__, exc)
+        self._stop("dynamic mode failed")
+        self._stop_watching()
+
+    def _log(self, msg: str, *args: Any) -> None:
+        if self.agreement.is_source:
+            log.info("trainmon: dynamic: " + msg, *args)
+
+    def _stop_watching(self) -> None:
+        if self.watcher is not None:
+            watcher, self.watcher = self.watcher, None
+            watcher.stop()
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        self._stop_watching()
+        session, self.session = self.session, None
+        if session is not None:
+            session.close()
+        self.agreement.close()

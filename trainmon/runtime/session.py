@@ -1,0 +1,88 @@
+"""One monitoring session: the collectors, clock, engine and sink of one ``set_monitor`` call.
+
+Step flow (collected steps only; other steps cost a flag check):
+optimizer step entry -> collectors' ``on_step_begin`` -> the real step -> ``on_step_end`` ->
+``engine.finish_step`` (one device->host copy) -> ``sink.write`` (returns at once: a writer
+thread does the I/O) -> clock advances.  When ``collect_times`` is reached every hook goes.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from trainmon.collectors import Collector, CollectorContext, collector_classes
+from trainmon.collectors.base import Guard
+from trainmon.core.hooks import Handle, wrap_optimizer_step
+from trainmon.sinks.base import Sink
+
+__all__ = ["Session"]
+
+log = logging.getLogger(__name__)
+
+
+class Session:
+    def __init__(self, ctx: CollectorContext, sink: Sink, optimizer: Any, collect: bool = True):
+        self.ctx = ctx
+        self.sink = sink
+        ctx.guard = Guard(self._drop_collector)
+        self.collectors: list[Collector] = [cls(ctx) for cls in collector_classes()
+                                            if collect and cls.enabled(ctx.config)]
+        self._step_handle: Handle | None = None
+        for c in list(self.collectors):
+            ctx.guard.run(c, c.attach)
+        if optimizer is not None:
+            self._step_handle = wrap_optimizer_step(optimizer, self.before_step, self.after_step)
+        if ctx.clock.finished:
+            self.go_idle()
+
+    @property
+    def clock(self):
+        return self.ctx.clock
+
+    def before_step(self) -> None:
+        if self.clock.collecting:
+            for c in list(self.collectors):
+                self.ctx.guard.run(c, c.on_step_begin)
+
+    def after_step(self) -> None:
+        if self.clock.collecting:
+            for c in list(self.collectors):
+                self.ctx.guard.run(c, c.on_step_end)
+            self._emit(self.clock.step)
+        self.clock.advance()
+        if self.clock.finished and self.collectors:
+            self.go_idle()
+
+    def _emit(self, step: int) -> None:
+        try:
+            rows = self.ctx.engine.finish_step(step)
+        except Exception:  # noqa: BLE001
+            log.exception("trainmon: computing the stats of step %d failed; that step is not recorded", step)
+            self.ctx.engine.discard()
+            return
+        self.sink.write(rows, step)
+
+    def _drop_collector(self, collector: Collector) -> None:
+        collector.detach()
+        if collector in self.collectors:
+            self.collectors.remove(collector)
+
+    def go_idle(self) -> None:
+        """Remove every hook (``collect_times`` reached); the files stay open for flushing."""
+        for c in self.collectors:
+            c.detach()
+        self.collectors.clear()
+        if self._step_handle is not None:
+            self._step_handle.remove()
+            self._step_handle = None
+        self.sink.flush()
+
+    def close(self) -> None:
+        self.go_idle()
+        # Rows captured after the last optimizer step (comm calls at the end of a run) are
+        # written; sharded rows of a step that never reached the optimizer are not, since their
+        # merge is a collective and the other ranks may not be closing at the same point.
+        self.ctx.engine.discard_sharded()
+        if self.ctx.engine.has_pending():
+            self._emit(self.clock.step)
+        self.sink.close()

@@ -1,0 +1,1 @@
+"""Helpers for tests, demos and benchmarks: a tiny GPT model."""
