@@ -24,6 +24,7 @@ from trainmon.cli.csv2tb import CONVERTED_NAME, convert_rank
 from trainmon.sinks import SinkOptions, create_sink
 from trainmon.sinks.csv import CsvSink
 from tests._support.runs import run_cli
+from trainmon.stats.rows import StepRows
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -48,7 +49,7 @@ def make_run(run_dir: Path, ranks=(0, 1), steps=range(7), formats=("csv",)) -> d
         written[rank] = []
         for step in steps:
             rows = rank_rows(step, rank)
-            sink.write(rows, step)
+            sink.write(StepRows.of(rows), step)
             written[rank].extend(rows)
         sink.close()
     return written
@@ -88,7 +89,7 @@ def test_rerunning_replaces_instead_of_duplicating(tmp_path):
     sink = CsvSink(SinkOptions(rank_dir=run / "rank0", step_count_per_record=3))
     for step in (4, 5):
         rows = rank_rows(step, 0)
-        sink.write(rows, step)
+        sink.write(StepRows.of(rows), step)
         written[0].extend(rows)
     sink.close()
     assert csv2tb(run) == 0
@@ -143,12 +144,12 @@ def test_unreadable_csv_is_reported_and_the_rest_converted(tmp_path, capsys):
 
 
 def test_cells_that_are_not_numbers_convert_as_the_native_sink_writes_them(tmp_path):
-    from trainmon.stats.rows import StatRow
+    from trainmon.stats.rows import StatRow, StepRows
 
     run = tmp_path / "run1"
     sink = create_sink(["csv", "tensorboard"], SinkOptions(rank_dir=run / "rank0"))
     for step in range(2):
-        sink.write([StatRow("grad_reduced", "w", step, {"norm": None, "max": "n/a", "min": 1.5 + step})], step)
+        sink.write(StepRows.of([StatRow("grad_reduced", "w", step, {"norm": None, "max": "n/a", "min": 1.5 + step})]), step)
     sink.close()
     with open(run / "rank0" / "grad_reduced_1-1.csv", "a") as fh:
         fh.write('0,w,,7.0,7.0,7.0,"[]",\n')                # a row without a step: skipped

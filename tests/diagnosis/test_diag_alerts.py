@@ -22,10 +22,11 @@ from trainmon.diagnosis.escalation import Escalation
 from trainmon.diagnosis.reader import load_run
 from trainmon.diagnosis.rules import COUNT_OPS, Anomaly, Rules, SpikeRule
 from trainmon.diagnosis.scan import read_alert_files, scan
-from trainmon.stats.rows import StatRow
+from trainmon.stats.rows import StatRow, StepRows
 from trainmon.sinks.alerts import ALERTS_FILE, AlertSettings, AlertSink
 from trainmon.sinks.async_writer import AsyncSink
 from trainmon.sinks.base import SinkOptions
+from trainmon.stats.rows import StepRows
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -55,7 +56,7 @@ def test_sink_behind_the_writer_thread_finds_what_the_scan_finds(tmp_path, name)
     for rank in table.ranks:
         sink = AsyncSink(AlertSink(SinkOptions(rank_dir=tmp_path / f"rank{rank}", rank=rank)))
         for step, rows in _steps_of(table, rank):
-            sink.write(rows, step)
+            sink.write(StepRows.of(rows), step)
         sink.close()
     online = read_alert_files(tmp_path)
     offline = scan(table)
@@ -75,7 +76,7 @@ def test_healthy_rows_write_no_file(tmp_path):
     table = load_run(named_run("healthy"))
     sink = AlertSink(SinkOptions(rank_dir=tmp_path / "rank0"))
     for step, rows in _steps_of(table, 0):
-        sink.write(rows, step)
+        sink.write(StepRows.of(rows), step)
     sink.close()
     assert sink.count == 0 and not (tmp_path / "rank0" / ALERTS_FILE).exists()
 
@@ -89,7 +90,7 @@ def test_logs_once_per_name_and_rule_then_counts(tmp_path, caplog):
     caplog.set_level(logging.WARNING, logger="trainmon.sinks.alerts")
     sink = AlertSink(SinkOptions(rank_dir=tmp_path, rank=3))
     for step in range(12):
-        sink.write(_nan_rows(step), step)
+        sink.write(StepRows.of(_nan_rows(step)), step)
     sink.close()
     messages = [r.getMessage() for r in caplog.records]
     firsts = [m for m in messages if m.startswith("trainmon alert: rank 3 step")]
@@ -106,14 +107,14 @@ def test_killed_writer_leaves_whole_lines(tmp_path):
     script = textwrap.dedent(f"""
         import math, sys
         from pathlib import Path
-        from trainmon.stats.rows import StatRow
+        from trainmon.stats.rows import StatRow, StepRows
         from trainmon.sinks.alerts import AlertSink
         from trainmon.sinks.base import SinkOptions
         sink = AlertSink(SinkOptions(rank_dir=Path({str(tmp_path)!r})))
         step = 0
         while True:
-            sink.write([StatRow("grad_reduced", "layer.%d.weight" % i, step, {{"norm": math.nan, "nans": 1}},
-                                (2,), "torch.float32") for i in range(200)], step)
+            sink.write(StepRows.of([StatRow("grad_reduced", "layer.%d.weight" % i, step, {{"norm": math.nan, "nans": 1}},
+                                (2,), "torch.float32") for i in range(200)]), step)
             if step == 20:
                 print("ready", flush=True)
             step += 1
@@ -163,7 +164,7 @@ def test_escalation_latch_across_threads(tmp_path):
     assert not esc.request(20) and esc.poll(21) is None             # once per run by default
     # the sink asks on its first alert, from the writer thread
     sink = AsyncSink(AlertSink(SinkOptions(rank_dir=tmp_path), AlertSettings(escalate_steps=2)))
-    sink.write(_nan_rows(5, n=1), 5)
+    sink.write(StepRows.of(_nan_rows(5, n=1)), 5)
     sink.flush()
     alert_sink = sink.inner
     assert alert_sink.escalation.requested_at == 5 and alert_sink.escalation.poll(6) == "start"

@@ -14,10 +14,11 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from trainmon.stats.rows import StatRow
+from trainmon.stats.rows import StatRow, StepRows
 from trainmon.sinks import NullSink, Sink, SinkOptions, available_formats, create_sink
 from trainmon.sinks.async_writer import AsyncSink, FanoutSink
 from trainmon.sinks.csv import CsvSink
+from trainmon.stats.rows import StepRows
 
 REPO = Path(__file__).resolve().parents[2]
 LOGGER = "trainmon.sinks.async_writer"
@@ -69,7 +70,7 @@ def test_order_preserved_and_off_thread():
     inner = ListSink(delay=0.001)
     sink = AsyncSink(inner, max_pending_steps=4)
     for step in range(50):
-        sink.write(_rows(step), step)
+        sink.write(StepRows.of(_rows(step)), step)
     sink.close()
     assert inner.steps() == list(range(50))
     assert inner.events[1][2] == ["p0", "p1", "p2"]
@@ -81,7 +82,7 @@ def test_write_returns_while_inner_is_stuck():
     gate = threading.Event()
     inner = ListSink(gate=gate)
     sink = AsyncSink(inner, max_pending_steps=16)
-    producer = _in_thread(lambda: [sink.write(_rows(s), s) for s in range(10)])
+    producer = _in_thread(lambda: [sink.write(StepRows.of(_rows(s)), s) for s in range(10)])
     producer.join(timeout=5)
     assert not producer.is_alive()  # all ten writes returned although inner has written none
     assert inner.steps() == []
@@ -96,7 +97,7 @@ def test_backpressure_blocks_instead_of_dropping(caplog):
     inner = ListSink(gate=gate)
     sink = AsyncSink(inner, max_pending_steps=2)
     with caplog.at_level(logging.WARNING, logger=LOGGER):
-        producer = _in_thread(lambda: [sink.write(_rows(s), s) for s in range(10)])
+        producer = _in_thread(lambda: [sink.write(StepRows.of(_rows(s)), s) for s in range(10)])
         assert inner.entered.acquire(timeout=5)  # the writer holds step 0
         producer.join(timeout=0.3)
         assert producer.is_alive()  # queue of 2 is full: write() waits
@@ -114,10 +115,10 @@ def test_flush_waits_for_queued_writes_then_flushes_inner():
     inner = ListSink(delay=0.02)
     sink = AsyncSink(inner)
     for step in range(5):
-        sink.write(_rows(step), step)
+        sink.write(StepRows.of(_rows(step)), step)
     sink.flush()
     assert [e[0] for e in inner.events] == ["write"] * 5 + ["flush"]
-    sink.write(_rows(5), 5)
+    sink.write(StepRows.of(_rows(5)), 5)
     sink.flush()
     assert inner.steps() == list(range(6)) and inner.events[-1] == ("flush",)
     sink.close()
@@ -126,7 +127,7 @@ def test_flush_waits_for_queued_writes_then_flushes_inner():
 def test_flush_interval_flushes_when_idle():
     inner = ListSink()
     sink = AsyncSink(inner, flush_interval_s=0.02)
-    sink.write(_rows(0), 0)
+    sink.write(StepRows.of(_rows(0)), 0)
     deadline = time.monotonic() + 5
     while ("flush",) not in inner.events and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -141,7 +142,7 @@ def test_inner_exception_logged_once_and_writing_goes_on(caplog):
     sink = AsyncSink(inner)
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         for step in range(8):
-            sink.write(_rows(step), step)
+            sink.write(StepRows.of(_rows(step)), step)
         sink.flush()
         errors = [r for r in caplog.records if r.levelno == logging.ERROR]
         assert len(errors) == 1 and errors[0].exc_info is not None
@@ -154,12 +155,12 @@ def test_inner_exception_logged_once_and_writing_goes_on(caplog):
 def test_close_idempotent_and_write_after_close():
     inner = ListSink()
     sink = AsyncSink(inner)
-    sink.write(_rows(0), 0)
+    sink.write(StepRows.of(_rows(0)), 0)
     sink.close()
     sink.close()
     assert inner.events.count(("close",)) == 1
     assert not sink._thread.is_alive()
-    sink.write(_rows(1), 1)  # late rows are written directly, not lost
+    sink.write(StepRows.of(_rows(1)), 1)  # late rows are written directly, not lost
     assert inner.steps() == [0, 1]
 
 
@@ -172,7 +173,7 @@ def test_fanout_isolates_failing_sink(caplog):
     fan = FanoutSink([bad, good])
     with caplog.at_level(logging.ERROR, logger=LOGGER):
         for step in range(3):
-            fan.write(_rows(step), step)
+            fan.write(StepRows.of(_rows(step)), step)
         fan.flush()
         fan.close()
     assert good.steps() == [0, 1, 2] and good.events[-2:] == [("flush",), ("close",)]
@@ -187,7 +188,7 @@ def test_create_sink_writes_csv(tmp_path):
     assert isinstance(sink, AsyncSink) and isinstance(sink.inner, FanoutSink)
     assert isinstance(sink.inner.sinks[0], CsvSink)
     for step in range(4):
-        sink.write(_rows(step), step)
+        sink.write(StepRows.of(_rows(step)), step)
     sink.close()
     df = pd.concat([pd.read_csv(tmp_path / "rank0" / f) for f in ("grad_reduced_0-1.csv", "grad_reduced_2-3.csv")])
     assert df["norm"].tolist() == [float(s * 10 + i) for s in range(4) for i in range(3)]
@@ -216,12 +217,12 @@ def test_available_formats_only_lists_importable():
 def test_forked_child_never_waits_on_parent_writer():
     inner = ListSink()
     sink = AsyncSink(inner)
-    sink.write(_rows(0), 0)
+    sink.write(StepRows.of(_rows(0)), 0)
     pid = os.fork()
     if pid == 0:  # child: close must return at once (no writer thread here)
         try:
             sink.close()
-            sink.write(_rows(9), 9)
+            sink.write(StepRows.of(_rows(9)), 9)
             os._exit(0 if inner.steps()[-1:] == [9] else 3)
         finally:
             os._exit(4)
@@ -243,13 +244,13 @@ def test_forked_child_never_waits_on_parent_writer():
 _EXIT_SCRIPT = textwrap.dedent("""
     import sys
     from pathlib import Path
-    from trainmon.stats.rows import StatRow
+    from trainmon.stats.rows import StatRow, StepRows
     from trainmon.sinks import SinkOptions, create_sink
 
     sink = create_sink(["csv"], SinkOptions(rank_dir=Path(sys.argv[1]), step_count_per_record=1000))
     for step in range(300):
-        sink.write([StatRow("actv", f"m{i}.output", step, {"norm": step + i / 7}, (2, 2),
-                            "torch.float32", micro_step=0) for i in range(50)], step)
+        sink.write(StepRows.of([StatRow("actv", f"m{i}.output", step, {"norm": step + i / 7}, (2, 2),
+                            "torch.float32", micro_step=0) for i in range(50)]), step)
     # no close(): the atexit hook must still write everything queued
 """)
 
@@ -266,7 +267,7 @@ def test_atexit_writes_everything_queued(tmp_path):
 _KILL_SCRIPT = textwrap.dedent("""
     import sys
     from pathlib import Path
-    from trainmon.stats.rows import StatRow
+    from trainmon.stats.rows import StatRow, StepRows
     from trainmon.sinks import SinkOptions
     from trainmon.sinks.async_writer import AsyncSink
     from trainmon.sinks.csv import CsvSink
@@ -279,7 +280,7 @@ _KILL_SCRIPT = textwrap.dedent("""
         rows = [StatRow(f, f"decoder.layers.{i}.mlp.weight", step, {"norm": step / 3 + i, "max": 1e-30 * i},
                         (i + 1, 64), "torch.bfloat16", micro_step=0 if f == "actv" else None)
                 for f in families for i in range(150)]
-        sink.write(rows, step)
+        sink.write(StepRows.of(rows), step)
         if step % 10 == 0:
             print(step, flush=True)
         step += 1

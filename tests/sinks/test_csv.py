@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from trainmon.stats.rows import StatRow
+from trainmon.stats.rows import StatRow, StepRows
 from trainmon.sinks import SinkOptions
 from trainmon.sinks.csv import CsvSink
 
@@ -43,11 +43,11 @@ def _csv_files(d: Path) -> list[str]:
 
 def test_columns_order_micro_step_and_extra(tmp_path):
     sink = _sink(tmp_path)
-    sink.write([
+    sink.write(StepRows.of([
         _row("actv", "block.0.output", 5, {"norm": 2.0, "max": 3.0, "nans": 0}, micro_step=1,
              vpp_stage=1, extra={"rank": 3, "tag": "fwd"}),
         _row("grad_reduced", "w", 5, {"min": -1.0, "norm": 0.5}, shape=(64, 32)),
-    ], step=5)
+    ]), step=5)
     sink.close()
 
     actv = pd.read_csv(tmp_path / "actv_5-5.csv")
@@ -66,7 +66,7 @@ def test_columns_order_micro_step_and_extra(tmp_path):
 def test_scalar_shape_and_names_needing_quotes(tmp_path):
     sink = _sink(tmp_path)
     names = ['plain', 'with,comma', 'with "quote"', 'multi\nline']
-    sink.write([_row(name=n, shape=()) for n in names], step=0)
+    sink.write(StepRows.of([_row(name=n, shape=()) for n in names]), step=0)
     sink.close()
     df = pd.read_csv(tmp_path / "grad_reduced_0-0.csv")
     assert df["name"].tolist() == names
@@ -77,7 +77,7 @@ def test_scalar_shape_and_names_needing_quotes(tmp_path):
 def test_step_windows(tmp_path, n):
     sink = _sink(tmp_path, step_count_per_record=n)
     for step in range(8):
-        sink.write([_row("param_origin", "a", step), _row("param_origin", "b", step)], step)
+        sink.write(StepRows.of([_row("param_origin", "a", step), _row("param_origin", "b", step)]), step)
     sink.close()
 
     expected = {}
@@ -101,7 +101,7 @@ def test_full_precision_round_trip(tmp_path):
     stats["np_float"] = np.float64(2.0) / 3
     stats["np_int"] = np.int64(12)
     sink = _sink(tmp_path)
-    sink.write([_row(stats=stats)], step=0)
+    sink.write(StepRows.of([_row(stats=stats)]), step=0)
     sink.close()
 
     path = tmp_path / "grad_reduced_0-0.csv"
@@ -123,7 +123,7 @@ def test_ndigits_significant_digits(tmp_path):
     values = {"norm": 123456.789, "mean": 1.23456789e-9, "min": -0.000987654, "max": float("nan"),
               "std": 2.0, "nans": 3}
     sink = _sink(tmp_path, ndigits=3)
-    sink.write([_row("exp_avg_sq", stats=values)], step=0)
+    sink.write(StepRows.of([_row("exp_avg_sq", stats=values)]), step=0)
     sink.close()
     df = pd.read_csv(tmp_path / "exp_avg_sq_0-0.csv")
     for key, v in values.items():
@@ -141,10 +141,10 @@ def test_ndigits_significant_digits(tmp_path):
 
 def test_header_change_goes_to_new_file(tmp_path):
     sink = _sink(tmp_path, step_count_per_record=10)
-    sink.write([_row(step=0, stats={"norm": 1.0, "mean": 2.0})], 0)
-    sink.write([_row(step=1, stats={"norm": 3.0, "max": 4.0, "std": 5.0})], 1)  # ops reloaded
-    sink.write([_row(step=2, stats={"norm": 6.0, "mean": 7.0})], 2)  # and back again
-    sink.write([_row(step=3, stats={"norm": 8.0})], 3)
+    sink.write(StepRows.of([_row(step=0, stats={"norm": 1.0, "mean": 2.0})]), 0)
+    sink.write(StepRows.of([_row(step=1, stats={"norm": 3.0, "max": 4.0, "std": 5.0})]), 1)  # ops reloaded
+    sink.write(StepRows.of([_row(step=2, stats={"norm": 6.0, "mean": 7.0})]), 2)  # and back again
+    sink.write(StepRows.of([_row(step=3, stats={"norm": 8.0})]), 3)
     sink.close()
 
     assert _csv_files(tmp_path) == ["grad_reduced_0-9.1.csv", "grad_reduced_0-9.2.csv", "grad_reduced_0-9.csv"]
@@ -162,12 +162,12 @@ def test_existing_files_are_continued_or_sidestepped(tmp_path):
     # A restarted process writing into the same rank dir: same header -> append without a
     # second header; a different header on disk -> never append under it.
     first = _sink(tmp_path, step_count_per_record=10)
-    first.write([_row(step=0)], 0)
+    first.write(StepRows.of([_row(step=0)]), 0)
     first.close()
     (tmp_path / "actv_0-9.csv").write_text("vpp_stage,name,step,micro_step,norm,shape,dtype\n")
 
     second = _sink(tmp_path, step_count_per_record=10)
-    second.write([_row(step=1), _row("actv", step=1, micro_step=0)], 1)
+    second.write(StepRows.of([_row(step=1), _row("actv", step=1, micro_step=0)]), 1)
     second.close()
     raw = (tmp_path / "grad_reduced_0-9.csv").read_text().splitlines()
     assert len(raw) == 3 and raw[0].startswith("vpp_stage") and raw[2].startswith("0,layer.weight,1,")
@@ -182,7 +182,7 @@ def test_many_files_with_bounded_fd_cache(tmp_path):
     sink = _sink(tmp_path, step_count_per_record=100, max_open_files=4)
     families = [f"fam{i}" for i in range(12)]
     for step in range(5):
-        sink.write([_row(f, step=step, stats={"norm": float(step)}) for f in families], step)
+        sink.write(StepRows.of([_row(f, step=step, stats={"norm": float(step)}) for f in families]), step)
         assert len(os.listdir(fd_dir)) - before <= 4
     sink.close()
     assert len(os.listdir(fd_dir)) == before
@@ -195,9 +195,9 @@ def test_many_files_with_bounded_fd_cache(tmp_path):
 def test_creates_rank_dir_and_recreates_removed_files(tmp_path):
     rank_dir = tmp_path / "out" / "run" / "rank0"
     sink = _sink(rank_dir, step_count_per_record=10, max_open_files=1)
-    sink.write([_row("a", step=0), _row("b", step=0)], 0)  # "a" evicted from the fd cache
+    sink.write(StepRows.of([_row("a", step=0), _row("b", step=0)]), 0)  # "a" evicted from the fd cache
     (rank_dir / "a_0-9.csv").unlink()
-    sink.write([_row("a", step=1)], 1)
+    sink.write(StepRows.of([_row("a", step=1)]), 1)
     sink.close()
     df = pd.read_csv(rank_dir / "a_0-9.csv")
     assert df["step"].tolist() == [1]
@@ -209,7 +209,7 @@ def test_unwritable_directory_warns_once(tmp_path, caplog):
     sink = _sink(rank_dir)
     with caplog.at_level(logging.WARNING, logger="trainmon.sinks.csv"):
         for step in range(5):
-            sink.write([_row("a", step=step), _row("b", step=step)], step)
+            sink.write(StepRows.of([_row("a", step=step), _row("b", step=step)]), step)
         warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
         assert len(warnings) == 1
         assert str(rank_dir) in warnings[0].getMessage()
@@ -228,7 +228,7 @@ def test_disk_full_keeps_other_files_going(tmp_path, caplog):
     sink = _sink(tmp_path, step_count_per_record=10)
     with caplog.at_level(logging.WARNING, logger="trainmon.sinks.csv"):
         for step in range(3):
-            sink.write([_row("grad_reduced", step=step), _row("actv", step=step, micro_step=0)], step)
+            sink.write(StepRows.of([_row("grad_reduced", step=step), _row("actv", step=step, micro_step=0)]), step)
         sink.close()
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 2  # the first failure, then the total at close
@@ -240,7 +240,7 @@ def test_disk_full_keeps_other_files_going(tmp_path, caplog):
 _FSIZE_SCRIPT = textwrap.dedent("""
     import logging, resource, signal, sys
     from pathlib import Path
-    from trainmon.stats.rows import StatRow
+    from trainmon.stats.rows import StatRow, StepRows
     from trainmon.sinks import SinkOptions
     from trainmon.sinks.csv import CsvSink
 
@@ -249,8 +249,8 @@ _FSIZE_SCRIPT = textwrap.dedent("""
     resource.setrlimit(resource.RLIMIT_FSIZE, (5000, 5000))
     sink = CsvSink(SinkOptions(rank_dir=Path(sys.argv[1]), step_count_per_record=1000))
     for step in range(40):
-        sink.write([StatRow("grad_reduced", f"w{i}", step, {"norm": step + i / 3}, (3, 3), "torch.float32")
-                    for i in range(6)], step)
+        sink.write(StepRows.of([StatRow("grad_reduced", f"w{i}", step, {"norm": step + i / 3}, (3, 3), "torch.float32")
+                    for i in range(6)]), step)
     sink.close()
     print(sink.lost_rows)
 """)
@@ -277,7 +277,7 @@ def test_write_cut_short_is_rolled_back(tmp_path):
 _KILL_SCRIPT = textwrap.dedent("""
     import sys
     from pathlib import Path
-    from trainmon.stats.rows import StatRow
+    from trainmon.stats.rows import StatRow, StepRows
     from trainmon.sinks import SinkOptions
     from trainmon.sinks.csv import CsvSink
 
@@ -287,7 +287,7 @@ _KILL_SCRIPT = textwrap.dedent("""
     while True:
         rows = [StatRow(f, f"layer.{i}.weight", step, {"norm": step + i / 3, "mean": 0.1 * i},
                         (i + 1, 3), "torch.float32") for f in families for i in range(200)]
-        sink.write(rows, step)
+        sink.write(StepRows.of(rows), step)
         print(step, flush=True)   # write() returned: this step must survive the kill
         step += 1
 """)
@@ -325,9 +325,9 @@ def test_sigkill_keeps_every_returned_step(tmp_path):
 
 
 def test_engine_blocks_and_plain_rows_give_the_same_bytes(tmp_path):
-    """The CSV sink formats the engine's columnar blocks without building rows; the text must be
-    exactly what the row-by-row path writes (quoting, micro steps, extra columns, ints, nan/inf)."""
-    from trainmon.stats.rows import LazyRows, RowBlock
+    """The CSV sink formats the engine's columnar blocks without building rows; rows built by hand
+    (``StepRows.of``) give exactly the same text (quoting, micro steps, extra columns, ints, nan/inf)."""
+    from trainmon.stats.rows import StepRows, RowBlock
     from trainmon.sinks.base import SinkOptions
     from trainmon.sinks.csv import CsvSink
 
@@ -344,8 +344,8 @@ def test_engine_blocks_and_plain_rows_give_the_same_bytes(tmp_path):
         for how in ("blocks", "rows"):
             sink = CsvSink(SinkOptions(rank_dir=tmp_path / f"{how}{ndigits}", ndigits=ndigits,
                                        step_count_per_record=5))
-            lazy = LazyRows(lambda: blocks)
-            sink.write(lazy if how == "blocks" else list(lazy), 7)
+            lazy = StepRows(lambda: blocks)
+            sink.write(lazy if how == "blocks" else StepRows.of(list(lazy)), 7)
             sink.close()
             out[how] = {p.name: p.read_bytes() for p in sorted((tmp_path / f"{how}{ndigits}").iterdir())}
         assert out["blocks"] == out["rows"] and len(out["rows"]) == 3, out

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from trainmon.stats.rows import StatRow
+from trainmon.stats.rows import StatRow, StepRows
 from trainmon.sinks import SinkOptions, create_sink
 from trainmon.sinks.csv import CsvSink
 from trainmon.sinks.tensorboard import (TensorBoardSink, crc32c, encode_event, f32_bytes, frame_record,
@@ -141,7 +141,7 @@ def write_rows(sink, steps: int, **kw) -> list[StatRow]:
     written = []
     for step in range(steps):
         rows = family_rows(step, **kw)
-        sink.write(rows, step)
+        sink.write(StepRows.of(rows), step)
         written.extend(rows)
     return written
 
@@ -236,7 +236,7 @@ def test_rows_that_change_between_steps_keep_their_own_tags(tmp_path):
         rows = [dataclasses.replace(r, step=r.step if r.step == 9 else step,
                                     stats={k: (v + step if isinstance(v, float) else v) for k, v in r.stats.items()})
                 for r in rows]
-        sink.write(rows, step)
+        sink.write(StepRows.of(rows), step)
         written.extend(rows)
     sink.close()
     # something that is not a number is written as NaN
@@ -252,7 +252,7 @@ def test_ndigits_gives_the_rounded_csv_value(tmp_path):
     csv_sink, tb_sink = CsvSink(options), TensorBoardSink(options)
     rows = [StatRow("grad_reduced", "w", 0, {"norm": 0.123456789, "max": 98765.4321, "nans": 7, "min": math.nan})]
     for sink in (csv_sink, tb_sink):
-        sink.write(rows, 0)
+        sink.write(StepRows.of(rows), 0)
         sink.close()
     cells = pd.read_csv(run / "rank0" / "grad_reduced_0-0.csv").iloc[0]
     assert cells["norm"] == 0.123 and cells["max"] == 98800.0
@@ -267,11 +267,11 @@ def test_each_step_is_readable_as_soon_as_write_returns(tmp_path):
     run = tmp_path / "run"
     sink = TensorBoardSink(SinkOptions(rank_dir=run / "rank0"))
     for step in range(3):
-        sink.write([StatRow("grad_reduced", "w", step, {"norm": float(step)})], step)
+        sink.write(StepRows.of([StatRow("grad_reduced", "w", step, {"norm": float(step)})]), step)
         assert load_scalars(tb_dir(run))["grad_reduced.norm/vp0:w"][-1] == (step, float(step))
     sink.close()
     sink.close()                                                    # idempotent
-    sink.write([StatRow("grad_reduced", "w", 9, {"norm": 9.0})], 9)  # after close: ignored, no error
+    sink.write(StepRows.of([StatRow("grad_reduced", "w", 9, {"norm": 9.0})]), 9)  # after close: ignored, no error
     assert [s for s, _ in load_scalars(tb_dir(run))["grad_reduced.norm/vp0:w"]] == [0, 1, 2]
 
 
@@ -292,10 +292,11 @@ _CHILD = textwrap.dedent("""
     from trainmon.sinks import SinkOptions
     from trainmon.sinks.tensorboard import TensorBoardSink
     from tests.sinks.test_tensorboard import family_rows
+    from trainmon.stats.rows import StepRows
     sink = TensorBoardSink(SinkOptions(rank_dir=Path({rank_dir!r})))
     step = 0
     while True:
-        sink.write(family_rows(step, n_params=40), step)
+        sink.write(StepRows.of(family_rows(step, n_params=40)), step)
         print(step, flush=True)
         step += 1
 """)
@@ -331,7 +332,7 @@ def test_unwritable_directory_warns_once_and_never_raises(tmp_path, caplog):
     sink = TensorBoardSink(SinkOptions(rank_dir=blocker / "run" / "rank0"))
     with caplog.at_level(logging.WARNING, logger="trainmon.sinks.tensorboard"):
         for step in range(5):
-            sink.write([StatRow("grad_reduced", "w", step, {"norm": 1.0})], step)
+            sink.write(StepRows.of([StatRow("grad_reduced", "w", step, {"norm": 1.0})]), step)
         sink.close()
     messages = [r.getMessage() for r in caplog.records]
     assert len([m for m in messages if "cannot write TensorBoard events" in m]) == 1

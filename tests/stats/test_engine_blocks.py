@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests._support.runs import reference_stats
-from trainmon.stats.rows import LazyRows
+from trainmon.stats.rows import StepRows
 from trainmon.stats.engine import StatsEngine, Tracked
 
 OPS = ["norm", "mean", "min", "max"]
@@ -42,7 +42,7 @@ def test_consecutive_captures_with_one_layout_are_one_block(engine):
     engine.capture_tensors("actv", 0, ["m.input"], [a], engine.partials([a]), micro_step=1)
     engine.capture("grad_reduced", [Tracked("w", b)])
     lazy = engine.finish_step(7)
-    assert isinstance(lazy, LazyRows) and "unbuilt" in repr(lazy)
+    assert isinstance(lazy, StepRows) and "unbuilt" in repr(lazy)
     blocks = lazy.blocks()
     assert [(bl.family, bl.micro_step, bl.names) for bl in blocks] == [
         ("actv", 0, ["m.input", "m.output", "n.output"]), ("actv", 1, ["m.input"]), ("grad_reduced", None, ["w"])]

@@ -26,7 +26,7 @@ from typing import Mapping, Sequence
 from trainmon.diagnosis.escalation import Escalation
 from trainmon.diagnosis.rules import (ALERTS_FILE, RATIO_FAMILIES, Anomaly, Rules, SpikeRule, SpikeTracker,
                                       nonfinite_op)
-from trainmon.stats.rows import StatRow, paced
+from trainmon.stats.rows import StatRow, StepRows, paced
 from trainmon.sinks.base import Sink, SinkOptions
 
 __all__ = ["AlertSettings", "AlertSink", "ALERTS_FILE"]
@@ -157,7 +157,7 @@ class AlertSink(Sink):
 
     # ------------------------------------------------------------------ sink
 
-    def write(self, rows: Sequence[StatRow], step: int) -> None:
+    def write(self, rows: StepRows, step: int) -> None:
         found = self.check(rows, step)
         if not found:
             return

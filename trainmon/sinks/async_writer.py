@@ -15,7 +15,7 @@ import threading
 from pathlib import Path
 from typing import Callable, Sequence
 
-from trainmon.stats.rows import LazyRows, StatRow
+from trainmon.stats.rows import StepRows
 from trainmon.sinks.base import Sink, SinkOptions
 
 __all__ = ["AsyncSink", "FanoutSink"]
@@ -81,10 +81,9 @@ class AsyncSink(Sink):
 
     # -- caller side ----------------------------------------------------------------------
 
-    def write(self, rows: Sequence[StatRow], step: int) -> None:
-        # A copy (the caller may reuse its list); the engine's LazyRows are immutable and are
-        # built on the writer thread.
-        item = (_WRITE, rows if isinstance(rows, LazyRows) else list(rows), step)
+    def write(self, rows: StepRows, step: int) -> None:
+        # StepRows are immutable and are built on the writer thread.
+        item = (_WRITE, rows, step)
         with self._lock:
             if self._closed or os.getpid() != self._owner_pid:
                 self._errors.run(self.inner.write, item[1], step)
@@ -185,7 +184,7 @@ class FanoutSink(Sink):
         super().__init__(options)
         self._errors = [_ErrorLog(f"monitor output ({type(s).__name__})") for s in self.sinks]
 
-    def write(self, rows: Sequence[StatRow], step: int) -> None:
+    def write(self, rows: StepRows, step: int) -> None:
         for sink, errors in zip(self.sinks, self._errors):
             errors.run(sink.write, rows, step)
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from trainmon.stats.rows import StatRow
+from trainmon.stats.rows import StatRow, StepRows
 
 __all__ = ["Sink", "NullSink", "SinkOptions", "register_sink", "sink_class", "registered_sinks"]
 
@@ -28,7 +28,7 @@ class Sink(ABC):
         self.options = options
 
     @abstractmethod
-    def write(self, rows: Sequence[StatRow], step: int) -> None: ...
+    def write(self, rows: StepRows, step: int) -> None: ...
 
     def flush(self) -> None:
         pass
@@ -43,7 +43,7 @@ class NullSink(Sink):
     def __init__(self, options: SinkOptions | None = None):
         super().__init__(options or SinkOptions(rank_dir=Path(".")))
 
-    def write(self, rows: Sequence[StatRow], step: int) -> None:
+    def write(self, rows: StepRows, step: int) -> None:
         pass
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Sequence
 
 from trainmon.output.layout import family_file_name, window_bounds
-from trainmon.stats.rows import LazyRows, RowBlock, StatRow, paced
+from trainmon.stats.rows import RowBlock, StepRows, paced
 from trainmon.sinks.base import Sink, SinkOptions, register_sink
 
 __all__ = ["CsvSink"]
@@ -195,9 +195,9 @@ class CsvSink(Sink):
 
     # -- Sink interface -------------------------------------------------------------------
 
-    def write(self, rows: Sequence[StatRow], step: int) -> None:
+    def write(self, rows: StepRows, step: int) -> None:
         with self._lock:
-            grouped = self._group_blocks(rows.blocks()) if isinstance(rows, LazyRows) else self._group(rows)
+            grouped = self._group_blocks(rows.blocks())
             for (family, a, columns), lines in grouped.items():
                 self._append(family, a, columns, lines)
 
@@ -222,13 +222,9 @@ class CsvSink(Sink):
 
     # -- rendering ------------------------------------------------------------------------
 
-    def _group(self, rows: Sequence[StatRow]) -> dict[_FileKey, list[str]]:
-        return self._by_file((self._layout(r.family, r.step, r.micro_step, r.extra, tuple(r.stats)),
-                              [self._line(r)]) for r in paced(rows))
-
     def _group_blocks(self, blocks: Sequence[RowBlock]) -> dict[_FileKey, list[str]]:
-        """``_group`` for the engine's columnar blocks: the same text, without a ``StatRow`` per
-        row (this runs on the writer thread, which shares the GIL with training)."""
+        """Lines per file, formatted from the columnar blocks without a ``StatRow`` per row (this
+        runs on the writer thread, which shares the GIL with training)."""
         return self._by_file((self._layout(b.family, b.step, b.micro_step, b.extra, b.stats),
                               self._block_lines(b)) for b in paced(blocks, 4))
 
@@ -250,8 +246,8 @@ class CsvSink(Sink):
                 for (family, a, *layout), lines in by_layout.items()}
 
     def _block_lines(self, b: RowBlock) -> list[str]:
-        # Values are Python floats and ints (engine-derived): repr is the full-precision cell.
-        number = repr if self._fmt.full_precision else self._fmt.number
+        # Engine-derived values are Python floats and ints: repr is the full-precision cell.
+        number = repr if self._fmt.full_precision and b.plain else self._fmt.number
         lead = str(int(b.step))
         if b.micro_step is not None:
             lead += "," + str(int(b.micro_step))
@@ -267,23 +263,6 @@ class CsvSink(Sink):
                 tail = self._remember(tails, (shape, dtype), f",{_shape_cell(shape)},{_quote(str(dtype))}\n")
             out.append(",".join([head + lead, *map(number, vals)]) + tail)
         return out
-
-    def _line(self, row: StatRow) -> str:
-        number = self._fmt.number
-        head = self._heads.get((row.vpp_stage, row.name))
-        if head is None:
-            head = self._remember(self._heads, (row.vpp_stage, row.name),
-                                  f"{int(row.vpp_stage)},{_quote(str(row.name))},")
-        tail = self._tails.get((row.shape, row.dtype))
-        if tail is None:
-            tail = self._remember(self._tails, (row.shape, row.dtype),
-                                  f",{_shape_cell(row.shape)},{_quote(str(row.dtype))}\n")
-        lead = head + str(int(row.step))
-        if row.micro_step is not None:
-            lead += "," + str(int(row.micro_step))
-        if row.extra:
-            lead += "".join(["," + self._fmt.cell(v) for v in row.extra.values()])
-        return ",".join([lead, *map(number, row.stats.values())]) + tail
 
     @staticmethod
     def _remember(cache: dict, key: tuple, text: str) -> str:

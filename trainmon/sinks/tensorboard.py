@@ -37,7 +37,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from trainmon.stats.rows import StatRow, paced
+from trainmon.stats.rows import StatRow, StepRows, paced
 from trainmon.sinks.base import Sink, SinkOptions, register_sink
 from trainmon.output.tb_tags import event_dir, scalar_tag, series_name
 
@@ -362,7 +362,7 @@ class TensorBoardSink(Sink):
         self._lost_steps = 0
         self._closed = False
 
-    def write(self, rows: Sequence[StatRow], step: int) -> None:
+    def write(self, rows: StepRows, step: int) -> None:
         if not rows:
             return
         with self._lock:

@@ -5,7 +5,7 @@ later in the step: grads get reduced, params updated) and keeps only those small
 device for accelerator tensors, in one reused host buffer (``HostRows``) for CPU tensors.
 ``finish_step`` moves everything of the step to the host in one copy per device and merges
 sharded rows over their process group; it is the only place that reads device values on the
-host.  It returns ``LazyRows``: the statistics are derived from the partials (a block at a time,
+host.  It returns ``StepRows``: the statistics are derived from the partials (a block at a time,
 ``stats.derive``) when a sink first reads them, which for the threaded sink is on its writer
 thread.
 """
@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 import torch
 
-from trainmon.stats.rows import LazyRows, RowBlock, paced
+from trainmon.stats.rows import StepRows, RowBlock, paced
 from trainmon.stats.host_rows import HostRows
 from trainmon.stats.partials import compute_partials, device_columns, fused_columns, write_cpu_rows
 from trainmon.stats.derive import derive_block
@@ -143,14 +143,14 @@ class StatsEngine:
         self._pending.clear()
         self._host.clear()
 
-    def finish_step(self, step: int) -> LazyRows:
+    def finish_step(self, step: int) -> StepRows:
         """All rows captured since the last call, in capture order.  The device values reach
         the host here; the rows themselves (stats derived from partials) are built when first
         read, which for a threaded sink is on its writer thread."""
         pending, self._pending = self._pending, []
         self._merge_sharded(pending)
         values = _to_host(pending, self._host.take())
-        return LazyRows(functools.partial(_build_blocks, pending, values, step, self.ops))
+        return StepRows(functools.partial(_build_blocks, pending, values, step, self.ops))
 
     def has_pending(self) -> bool:
         return bool(self._pending)

@@ -1,11 +1,16 @@
-"""The value type that flows from the stats engine to the sinks."""
+"""The one value type that flows from the stats engine to the sinks: :class:`StepRows`.
+
+A step's rows are columnar :class:`RowBlock` s (what the engine produces and the CSV sink
+formats); :class:`StatRow` is the per-row view of them that row-wise sinks iterate.
+"""
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Sequence, TypeVar, overload
 
-__all__ = ["StatRow", "RowBlock", "LazyRows", "paced"]
+__all__ = ["StatRow", "RowBlock", "StepRows", "paced"]
 
 T = TypeVar("T")
 PACE = 32
@@ -60,6 +65,9 @@ class RowBlock:
     shapes: list[tuple[int, ...]]
     dtypes: list[str]
     values: list[list[float | int]]
+    # True when every value is a Python float or int (the engine's blocks): sinks may format
+    # them with repr; hand-built rows (``StepRows.of``) may hold other scalars or text.
+    plain: bool = True
 
     def rows(self) -> list[StatRow]:
         family, step, micro, stats, extra = self.family, self.step, self.micro_step, self.stats, self.extra
@@ -69,10 +77,13 @@ class RowBlock:
                                                          self.dtypes, self.values)]
 
 
-class LazyRows(Sequence[StatRow]):
-    """One step's rows, built on first use.  The engine hands these to the sink so that turning
-    partials into rows happens on the sink's writer thread, not in the training step; a sink that
-    can format ``blocks()`` never builds the per-row objects at all."""
+class StepRows(Sequence[StatRow]):
+    """One step's rows, built on first use: what every sink's ``write`` receives.
+
+    The engine hands these to the sink so that turning partials into rows happens on the sink's
+    writer thread, not in the training step; a sink that formats ``blocks()`` never builds the
+    per-row objects at all.  ``StepRows.of(rows)`` wraps rows built by hand (tests, converters).
+    """
 
     __slots__ = ("_build", "_blocks", "_rows")
 
@@ -80,6 +91,12 @@ class LazyRows(Sequence[StatRow]):
         self._build: Callable[[], list[RowBlock]] | None = build
         self._blocks: list[RowBlock] | None = None
         self._rows: list[StatRow] | None = None
+
+    @classmethod
+    def of(cls, rows: Iterable[StatRow]) -> "StepRows":
+        """Rows built by hand, as blocks (consecutive rows with one layout share a block)."""
+        rows = list(rows)
+        return cls(lambda: _blocks_of(rows))
 
     def blocks(self) -> list[RowBlock]:
         if self._blocks is None:
@@ -107,11 +124,32 @@ class LazyRows(Sequence[StatRow]):
         return self._all()[i]
 
     def __eq__(self, other: object) -> bool:
-        if isinstance(other, (list, tuple, LazyRows)):
+        if isinstance(other, (list, tuple, StepRows)):
             return self._all() == list(other)
         return NotImplemented
 
     __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
-        return f"LazyRows({'unbuilt' if self._blocks is None else len(self)})"
+        return f"StepRows({'unbuilt' if self._blocks is None else len(self)})"
+
+
+def _blocks_of(rows: Sequence[StatRow]) -> list[RowBlock]:
+    blocks: list[RowBlock] = []
+    key = None
+    for r in rows:
+        k = (r.family, r.step, r.micro_step, tuple(r.extra.items()) if r.extra else (), tuple(r.stats))
+        if k != key:
+            blocks.append(RowBlock(r.family, r.step, r.micro_step, dict(r.extra) if r.extra else None,
+                                   tuple(r.stats), [], [], [], [], [], plain=True))
+            key = k
+        b = blocks[-1]
+        b.names.append(r.name)
+        b.vpp_stages.append(r.vpp_stage)
+        b.shapes.append(tuple(r.shape))
+        b.dtypes.append(r.dtype)
+        vals = list(r.stats.values())
+        if b.plain and not all(type(v) in (float, int) for v in vals):
+            blocks[-1] = b = dataclasses.replace(b, plain=False)
+        b.values.append(vals)
+    return blocks
