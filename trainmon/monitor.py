@@ -86,7 +86,7 @@ class TrainerMon:
         read once per step) says how many backward passes make one step.
         """
         self.close()
-        chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+        chunks: list[nn.Module] = list(model) if isinstance(model, (list, tuple)) else [model]  # type: ignore[list-item]
         builder = SessionBuilder(Attachment(chunks, grad_acc_steps, optimizer, dp_group, tp_group),
                                  self.config_file_path, self.process_group, self.params_have_main_grad)
         if not self.dynamic:

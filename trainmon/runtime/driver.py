@@ -14,7 +14,9 @@ __all__ = ["StepDriver", "StaticDriver"]
 
 
 class StepDriver(Protocol):
-    session: Session | None  # the session collecting now, if any
+    @property
+    def session(self) -> Session | None:
+        """The session collecting now, if any."""
 
     @property
     def step(self) -> int | None:
@@ -31,17 +33,21 @@ class StaticDriver:
     """One session for the whole job; the session wraps the optimizer's step itself."""
 
     def __init__(self, session: Session):
-        self.session = session
+        self._session = session
+
+    @property
+    def session(self) -> Session:
+        return self._session
 
     @property
     def step(self) -> int | None:
-        return self.session.clock.step
+        return self._session.clock.step
 
     def before_step(self) -> None:
-        self.session.before_step()
+        self._session.before_step()
 
     def after_step(self) -> None:
-        self.session.after_step()
+        self._session.after_step()
 
     def close(self) -> None:
-        self.session.close()
+        self._session.close()
