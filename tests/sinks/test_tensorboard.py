@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pytest
 
 from trainmon.stats.rows import StatRow, StepRows
 from trainmon.sinks import SinkOptions, create_sink
@@ -302,6 +303,7 @@ _CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a child process killed mid-run
 def test_sigkilled_writer_leaves_every_written_step_readable(tmp_path):
     run = tmp_path / "run"
     code = _CHILD.format(rank_dir=str(run / "rank0"))
