@@ -3,6 +3,7 @@
 Each one is loaded with the strict loader and then drives 2 steps of TinyGPT (2 micro-batches
 each); the files written are checked against what the config asks for and against the model itself.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests._support.runs import REPO, only_run_dir, read_family, reference_stats
+from tests._support.runs import REPO, read_family, reference_stats
 from trainmon import TrainerMon, load_config, seed_all
 from trainmon.config import MonitorConfig, parse_config
 from trainmon.families import FAMILIES, Family
@@ -56,8 +57,15 @@ def run(path: Path) -> tuple[TinyGPT, Path]:
 
 def test_every_example_is_there():
     names = {p.name for p in CONFIGS}
-    assert {"weight_grads.json", "all_on.json", "activations.json", "dynamic.json", "tensorboard.json",
-            "alerts.json", "monitor_config.json"} <= names
+    assert {
+        "weight_grads.json",
+        "all_on.json",
+        "activations.json",
+        "dynamic.json",
+        "tensorboard.json",
+        "alerts.json",
+        "monitor_config.json",
+    } <= names
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=_id)
@@ -75,7 +83,7 @@ def test_config_loads_strictly_and_says_what_its_file_says(path):
 def test_two_steps_of_tiny_gpt_write_what_the_config_asks_for(path, output_root, monkeypatch):
     cfg = load_config(path)
     if cfg.dynamic_on:
-        monkeypatch.setenv("DYNAMIC_MONITOR", "true")   # the file is watched; "dynamic_on": true starts at once
+        monkeypatch.setenv("DYNAMIC_MONITOR", "true")  # the file is watched; "dynamic_on": true starts at once
     original_all_reduce = dist.all_reduce
     model, run_dir = run(path)
     rank0 = run_dir / "rank0"
@@ -83,9 +91,9 @@ def test_two_steps_of_tiny_gpt_write_what_the_config_asks_for(path, output_root,
 
     expected = expected_families(cfg)
     assert written_families(rank0) == expected
-    params = {n: p for n, p in model.named_parameters()}
+    params = dict(model.named_parameters())
     collected = [s for s in range(STEPS) if s >= cfg.start_step and (s - cfg.start_step) % cfg.step_interval == 0]
-    collected = collected[:cfg.collect_times] if cfg.collect_times else collected
+    collected = collected[: cfg.collect_times] if cfg.collect_times else collected
     for family in expected:
         df = read_family(rank0, family)
         stats = ["update_ratio"] if family == "update_ratio" else list(cfg.ops)
