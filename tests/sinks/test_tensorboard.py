@@ -2,7 +2,7 @@
 
 The expected values are computed here from the rows handed to the sink: the tag from the
 documented layout, the value as ``numpy.float32`` of the row's value (TensorBoard scalars
-are float32; see README.md).
+are float32; see docs/tensorboard.md).
 """
 from __future__ import annotations
 
