@@ -15,7 +15,7 @@ Zero-edit launcher (wraps ``setup_model_and_optimizer``, then runs the script as
 
 The config comes from ``config_path``, else ``$TRAINMON_CONFIG``, else ``./monitor_config.json``.
 Megatron-LM itself needs CUDA: on a CPU machine only the hook points can be exercised (see
-README.md).
+docs/megatron.md).
 """
 from __future__ import annotations
 

@@ -9,6 +9,8 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 from tests._support.runs import only_run_dir, read_family
 
 REPO = Path(__file__).resolve().parents[1]   # the checkout under test, not an installed copy
@@ -29,6 +31,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a child process killed mid-run
 def test_sigkill_mid_run_leaves_parseable_contiguous_csvs(tmp_path, output_root, make_config):
     cfg = make_config(wg_distribution=True, mv_distribution=True, param_distribution=True,
                       ur_distribution=True, step_count_per_record=7, ops=["norm", "mean", "max"])

@@ -6,14 +6,23 @@
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
+from trainmon._version import __version__
 from trainmon.errors import ConfigError, TrainmonError
+
+if TYPE_CHECKING:  # type checkers see the real objects; at run time they load on first use
+    from trainmon.collectors import register_collector
+    from trainmon.config import load_config
+    from trainmon.monitor import TrainerMon
+    from trainmon.runtime.seed import seed_all
+    from trainmon.sinks.base import register_sink
 
 __all__ = ["TrainerMon", "ConfigError", "TrainmonError", "seed_all", "load_config",
            "register_collector", "register_sink", "__version__"]
-__version__ = "0.1.0"
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     # Lazy: `import trainmon` (e.g. for the CLI) must not import torch.
     if name == "TrainerMon":
         from trainmon.monitor import TrainerMon

@@ -65,7 +65,7 @@ def dynamic_requested(env: Mapping[str, str] | None = None) -> bool:
 
 @dataclass(frozen=True)
 class WatchSettings:
-    """How the config file is watched (environment variables, documented in README.md).
+    """How the config file is watched (environment variables, documented in docs/dynamic.md).
 
     ``TRAINMON_WATCH_POLLING``: poll the folder instead of inotify (cluster file systems, where
     edits made on another host send no inotify event).  ``TRAINMON_WATCH_INTERVAL``: seconds

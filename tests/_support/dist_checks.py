@@ -36,7 +36,7 @@ def expected_step(ref, step, world, acc, rank, no_sync):
     local = {n: sum(per[rank][k][n] for k in range(acc)) for n in names}
     if not no_sync:
         # DDP all-reduces every micro-batch: the last one's hook sees the mean of the earlier
-        # micro-batches plus this rank's own last micro-batch (documented in README.md).
+        # micro-batches plus this rank's own last micro-batch (documented in docs/distributed.md).
         local = {n: sum(sum(per[r][k][n] for r in range(world)) / world for k in range(acc - 1))
                  + per[rank][acc - 1][n] for n in names}
     full = grads(ref, x, y, 1.0)    # one process, the whole global batch

@@ -33,6 +33,7 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path):
     assert out.stderr.strip() == f"trainmon demo: error: config file not found: {tmp_path / 'missing.json'}"
 
 
+@pytest.mark.slow  # the demo, in a child process
 def test_demo_trains_and_writes_real_output(tmp_path):
     out = run_cli("demo", "--steps", "12", "--output", str(tmp_path / "out"), cwd=tmp_path)
     assert out.returncode == 0, out.stderr

@@ -341,6 +341,7 @@ def test_print_struct_writes_the_tree_and_training_continues(output_root, make_c
     assert "  mlp.1 (ReLU)  in: float32[4, 8, 32]  out: float32[4, 8, 32]" in caplog.text
 
 
+@pytest.mark.slow  # torch.compile
 def test_compiled_model_records_the_uncompiled_boundaries(tmp_path, monkeypatch, make_config, caplog):
     """torch.compile: hooks run eagerly at every selected module (graph breaks), so the rows are
     those of the eager model.  aot_eager exercises dynamo and AOT autograd without a C compiler."""

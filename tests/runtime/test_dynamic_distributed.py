@@ -20,6 +20,8 @@ from tests._support.distributed import run_distributed
 from tests.runtime.test_dynamic_e2e import write_by_replace, write_in_place
 from trainmon.testing.tiny_gpt import GPTConfig, TinyGPT, synthetic_batches
 
+pytestmark = pytest.mark.slow   # real multi-process gloo jobs
+
 TINY = GPTConfig(vocab=16, seq=4, dim=8, heads=2, layers=1)
 
 # edit after the boundary of step k -> applied at the boundary after k+1 -> collected from k+2

@@ -20,6 +20,8 @@ import pytest
 
 from tests._support.runs import only_run_dir, read_family
 
+pytestmark = pytest.mark.slow   # a training child process and a real watchdog observer
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = textwrap.dedent("""
     import logging, sys, torch

@@ -2,7 +2,7 @@
 
 The expected values are computed here from the rows handed to the sink: the tag from the
 documented layout, the value as ``numpy.float32`` of the row's value (TensorBoard scalars
-are float32; see README.md).
+are float32; see docs/tensorboard.md).
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pytest
 
 from trainmon.stats.rows import StatRow, StepRows
 from trainmon.sinks import SinkOptions, create_sink
@@ -302,6 +303,7 @@ _CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a child process killed mid-run
 def test_sigkilled_writer_leaves_every_written_step_readable(tmp_path):
     run = tmp_path / "run"
     code = _CHILD.format(rank_dir=str(run / "rank0"))

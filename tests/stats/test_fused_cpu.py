@@ -101,6 +101,7 @@ def test_compute_partials_uses_it_only_for_lean_columns(fused):
     assert row[0] == 3 and math.isnan(row[1]) and row[2:] == [1.0, 0.0, 1.0]
 
 
+@pytest.mark.slow  # child processes that compile the kernel
 def test_build_failure_warns_once_and_falls_back(tmp_path):
     # A real failed build: no such compiler, in a fresh extensions dir.
     script = ("import torch, trainmon.stats.partials as p\n"
@@ -127,6 +128,7 @@ def _enabled_in_subprocess(env_extra: dict, tmp_path: Path) -> subprocess.Comple
                           timeout=120)
 
 
+@pytest.mark.slow  # child processes that compile the kernel
 def test_on_by_default_and_a_missing_compiler_is_quiet(tmp_path):
     built = _enabled_in_subprocess({"TRAINMON_CACHE_DIR": str(tmp_path / "c1")}, tmp_path)
     if built.stdout.strip() != "True":
@@ -145,6 +147,7 @@ def test_on_by_default_and_a_missing_compiler_is_quiet(tmp_path):
     assert off.stdout.strip() == "False" and not (tmp_path / "c3").exists(), "off: nothing is built"
 
 
+@pytest.mark.slow  # child processes that compile the kernel
 def test_unwritable_cache_uses_a_private_temp_folder_and_never_a_shared_one(tmp_path):
     unwritable = "/proc/trainmon-no-such-dir/cache"
     (tmp_path / "t1").mkdir()

@@ -19,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     default = SpikeRule()
     parser.add_argument("run_dir", metavar="RUN_DIR",
                         help="run directory (or its output dir, or one rank dir)")
-    parser.add_argument("--json", action="store_true", help="machine-readable output (README.md)")
+    parser.add_argument("--json", action="store_true", help="machine-readable output (fields: docs/diagnosis.md)")
     parser.add_argument("--rules", default="nonfinite,spike",
                         help=f"comma list of {', '.join(_RULES)} (default: nonfinite,spike; "
                              "--threshold adds threshold)")

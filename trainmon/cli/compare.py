@@ -22,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ranks", default=None, help="comma list of ranks (default: all)")
     parser.add_argument("--top", type=int, default=5,
                         help="largest differences listed per family (default 5)")
-    parser.add_argument("--json", action="store_true", help="machine-readable output (README.md)")
+    parser.add_argument("--json", action="store_true", help="machine-readable output (fields: docs/diagnosis.md)")
 
 
 def _load(path: str, kinds, ranks):

@@ -15,7 +15,7 @@ _TEXT_LIMIT = 30
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", metavar="RUN_DIR", help="run directory (or its output dir)")
-    parser.add_argument("--json", action="store_true", help="machine-readable output (README.md)")
+    parser.add_argument("--json", action="store_true", help="machine-readable output (fields: docs/diagnosis.md)")
     parser.add_argument("--rtol", type=float, default=1e-5,
                         help="relative tolerance of 'identical' and 'average' (default 1e-5, "
                              "raised to 4 eps of the dtype)")

@@ -1,7 +1,7 @@
 """Which modules activations are recorded for, what their tensors are called, and hook plumbing
 shared by the activation collector and ``print_struct``.
 
-Naming (documented for users in README.md): the tensors of a module call are its
+Naming (documented for users in docs/activations.md): the tensors of a module call are its
 positional args (containers walked depth-first), then its keyword args in call order, keeping
 tensors only.  One tensor -> ``<module>.input``; several -> ``<module>.input.<i>`` with ``i`` the
 index among those tensors.  Outputs likewise (``<module>.output[.<i>]``).

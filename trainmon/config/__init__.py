@@ -61,7 +61,7 @@ class AlertConfig:
 
 @dataclass(frozen=True)
 class MonitorConfig:
-    """A validated monitor config.  README.md ("Configuration file") lists every key."""
+    """A validated monitor config.  docs/configuration.md lists every key."""
 
     targets: tuple[str, ...] = ()
     start_step: int = 0

@@ -12,5 +12,5 @@ Modules (each usable on its own; none imports torch):
 * ``escalation`` -- "record more for K steps after the first alert"
 
 The ``trainmon anomalies | compare | ranks | plot`` commands are thin layers over these;
-README.md documents their output fields.
+docs/diagnosis.md documents their output fields.
 """

@@ -1,6 +1,6 @@
 """Megatron-core: grads live in ``param.main_grad`` views of DDP's flat grad buffers.
 
-Where each family is read (see README.md):
+Where each family is read (see docs/megatron.md):
 
 * ``grad_unreduced``: each bucket group's ``start_grad_sync`` is wrapped on the instance (dense
   and expert groups); right before it scales and reduces the bucket, the bucket's params'

@@ -1,6 +1,6 @@
 """Finding and reading trainmon output: output dir -> run dirs -> rank dirs -> CSV families.
 
-Layout (see README.md, "Output files")::
+Layout (see docs/output_files.md)::
 
     <output_dir>/<run_id>/rank<R>/<family>_<a>-<b>[.<k>].csv   (names: ``trainmon.output.layout``)
 

@@ -4,7 +4,7 @@ It receives each step's ``StatRow``s like any sink (off the training thread, beh
 writer), judges them with ``trainmon.diagnosis.rules`` and
 
 * appends one JSON object per anomaly to ``<rank_dir>/anomalies.jsonl`` (fields in
-  README.md): one ``os.write`` of whole lines per step on an ``O_APPEND`` fd, so a killed
+  docs/diagnosis.md): one ``os.write`` of whole lines per step on an ``O_APPEND`` fd, so a killed
   run leaves only whole lines and every alert of a finished ``write`` is on disk;
 * logs each (name, rule) once at WARNING, then only counts: at 10, 100, 1000 ... alerts of the
   same pair, and a summary at ``close``; at most ``max_log_lines`` first messages per step;

@@ -1,6 +1,6 @@
 """The default sink: msprobe-compatible CSV files, one per (family, step window).
 
-Layout and format are described for users in README.md ("Output files").  The implementation
+Layout and format are described for users in docs/output_files.md.  The implementation
 choices that matter:
 
 * Each ``write()`` renders, per target file, the complete text of that step (plus the
