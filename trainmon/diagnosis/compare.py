@@ -41,6 +41,7 @@ import numpy as np
 import pandas as pd
 
 from trainmon.diagnosis.flow import FLOW_KEYS, phase_of
+from trainmon.diagnosis.model_meta import diff_initial, diff_structure, meta_ranks, read_model_meta
 from trainmon.diagnosis.names import match_names
 from trainmon.diagnosis.reader import EXTRA_PREFIX, RunTable
 from trainmon.diagnosis.rules import json_number
@@ -283,8 +284,6 @@ def _step_stages(aligned: dict[tuple[str, int], int], firsts: dict[tuple[str, in
 
 
 def _static_stages(base: RunTable, target: RunTable, rtol: float, atol: float) -> list[StageResult]:
-    from trainmon.diagnosis.model_meta import diff_initial, diff_structure, meta_ranks, read_model_meta
-
     b_paths, t_paths = meta_ranks(base.path), meta_ranks(target.path)
     out: list[StageResult] = []
     for rank in sorted(set(b_paths) | set(t_paths)):
@@ -297,6 +296,6 @@ def _static_stages(base: RunTable, target: RunTable, rtol: float, atol: float) -
             continue
         structure = diff_structure(b, t, rank)
         out.append(StageResult("metadata", rank, structure is None, structure))
-        initial = diff_initial(b, t, rank, rtol, atol)
+        initial = diff_initial(b, t, rank, rtol, atol, rel_diff)
         out.append(StageResult("initial_params", rank, initial is None, initial))
     return sorted(out, key=lambda r: STAGES.index(r.stage))

@@ -10,7 +10,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from trainmon.diagnosis.reader import ranked_dirs
 from trainmon.output.layout import MODEL_META, rank_dir_name
@@ -108,10 +108,10 @@ def _num(v: Any) -> float:
         return math.nan
 
 
-def diff_initial(base: dict, target: dict, rank: int, rtol: float, atol: float) -> StageDifference | None:
-    """The first param whose initial statistics differ beyond tolerance (``compare``'s rule)."""
-    from trainmon.diagnosis.compare import rel_diff
-
+def diff_initial(base: dict, target: dict, rank: int, rtol: float, atol: float,
+                 rel_diff: Callable[[Any, Any], Any]) -> StageDifference | None:
+    """The first param whose initial statistics differ beyond tolerance (``compare``'s rule,
+    ``rel_diff`` its elementwise relative difference)."""
     t_params = _entries(target, "params")
     for k, e in _entries(base, "params").items():
         other = t_params.get(k)
