@@ -15,8 +15,13 @@ import torch
 from tests._support.probe_runs import train_run
 from tests._support.runs import REPO, read_family
 from trainmon import ConfigError, TrainerMon
-from trainmon.collectors.grad_probe import (DIRECTION_SAMPLES, direction_positions, direction_words,
-                                            interval_counts, interval_labels)
+from trainmon.collectors.grad_probe import (
+    DIRECTION_SAMPLES,
+    direction_positions,
+    direction_words,
+    interval_counts,
+    interval_labels,
+)
 from trainmon.testing.tiny_gpt import TinyGPT
 
 BOUNDS = [-1.0, -0.1, 0.0, 0.25, 3.0]

@@ -49,8 +49,9 @@ def test_runs_that_diverge_at_step_2_drop_first_at_step_2(runs):
     first = result.first_below(1.0)
     assert first["step"] == 2
     # the similarity is the sign agreement of the test's own grads at the sampled positions
-    from trainmon.collectors.grad_probe import direction_positions
     import torch
+
+    from trainmon.collectors.grad_probe import direction_positions
 
     a, b = base.grads[2][first["name"]], late.grads[2][first["name"]]
     pos = torch.from_numpy(direction_positions(first["name"], tuple(a.shape)))

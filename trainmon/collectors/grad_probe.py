@@ -37,9 +37,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from trainmon.families import Family
 from trainmon.collectors.base import Collector, capture_views, register_collector
 from trainmon.core.naming import TargetMatcher, TrackedParam
+from trainmon.families import Family
 from trainmon.stats.engine import Meta
 
 __all__ = ["GradProbeCollector", "DIRECTION_SAMPLES", "DIRECTION_WORDS", "direction_positions",

@@ -27,8 +27,8 @@ from typing import Any, Iterator
 
 import torch
 
-from trainmon.families import Family
 from trainmon.collectors.base import Collector, register_collector
+from trainmon.families import Family
 from trainmon.stats.engine import Meta
 
 __all__ = ["HyperparamsCollector", "group_settings", "optimizer_settings"]

@@ -15,10 +15,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from trainmon.families import Family
 from trainmon.collectors.base import Collector, register_collector
 from trainmon.collectors.module_io import hook_fn, in_backward, uses_compile
 from trainmon.core.hooks import Handle
+from trainmon.families import Family
 
 __all__ = ["ModelInputCollector", "input_tensors"]
 
