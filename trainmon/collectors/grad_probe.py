@@ -102,8 +102,10 @@ def direction_positions(name: str, shape: tuple[int, ...], k: int = DIRECTION_SA
     return np.sort(allp[np.sort(first)[:k]])
 
 
-def _floored_bounds(bounds: Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``bounds`` in ``dtype`` rounded toward -inf, so ``x <= b_dtype`` iff ``x <= b`` for x of dtype."""
+@lru_cache(maxsize=64)
+def _floored_bounds(bounds: tuple[float, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``bounds`` in ``dtype`` rounded toward -inf, so ``x <= b_dtype`` iff ``x <= b`` for x of dtype
+    (cached: the same few tensors serve every param and step)."""
     exact = torch.tensor(list(bounds), dtype=torch.float64)
     if dtype == torch.float64:
         return exact.to(device)
@@ -117,7 +119,7 @@ def interval_counts(grad: torch.Tensor, bounds: Sequence[float]) -> torch.Tensor
     """int64 ``[len(bounds) + 2]`` on the grad's device: elements per interval, then ``=0``."""
     flat = grad.detach().reshape(-1)
     work = torch.float32 if flat.dtype in _HALF or not flat.is_floating_point() else flat.dtype
-    cuts = _floored_bounds(bounds, work, flat.device)
+    cuts = _floored_bounds(tuple(bounds), work, flat.device)
     n = len(bounds) + 1              # intervals
     nan_bin = n                      # NaN: counted apart, reported in no interval
     width = n + 1
@@ -132,14 +134,18 @@ def interval_counts(grad: torch.Tensor, bounds: Sequence[float]) -> torch.Tensor
     return torch.cat([per_interval, counts[width:].sum().reshape(1)])
 
 
+@lru_cache(maxsize=16)
+def _bit_weights(device: torch.device) -> torch.Tensor:
+    return torch.tensor([1 << j for j in range(32)], dtype=torch.int64, device=device)
+
+
 @torch.no_grad()
 def direction_words(grad: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """float64 ``[1 + DIRECTION_WORDS]``: ``n`` then the sign bits (> 0) packed 32 per word."""
     bits = (grad.detach().reshape(-1).index_select(0, positions) > 0).to(torch.int64)
     padded = torch.zeros(DIRECTION_SAMPLES, dtype=torch.int64, device=bits.device)
     padded[:bits.numel()] = bits
-    weights = torch.bitwise_left_shift(torch.ones(32, dtype=torch.int64, device=bits.device),
-                                       torch.arange(32, device=bits.device))
+    weights = _bit_weights(bits.device)
     words = (padded.view(DIRECTION_WORDS, 32) * weights).sum(1)
     n = torch.full((1,), float(bits.numel()), dtype=torch.float64, device=bits.device)
     return torch.cat([n, words.double()])
