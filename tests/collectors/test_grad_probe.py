@@ -179,3 +179,17 @@ def test_a_param_list_name_that_matches_nothing_is_one_config_error(tmp_path, ma
                                   "(selected by targets) of the model (did you mean 'layers.0.mlp'")
     assert problems[1:] == ["grad_probe.param_list[2]: 'nothing' matches no trainable parameter (selected by "
                             "targets) of the model"]
+
+
+@pytest.mark.slow
+def test_tensorboard_gets_the_interval_fractions_but_no_packed_sign_words(tmp_path):
+    from tests.sinks.test_tensorboard import f32, load_scalars, tb_dir
+
+    truth = train_run(tmp_path, {"grad_probe": {"grad_level": "L2"}, "format": ["csv", "tensorboard"]}, steps=2)
+    tags = load_scalars(tb_dir(truth.run_dir))
+    assert tags and not [t for t in tags if t.startswith("grad_direction.")]
+    probe = read_family(truth.run_dir / "rank0", "grad_probe")
+    for label in interval_labels([-1, 0, 1]):
+        for name, rows in probe.groupby("name"):
+            got = tags[f"grad_probe.{label}/vp0:{name}"]
+            assert got == [(int(s), f32(v)) for s, v in zip(rows["step"], rows[label])], (label, name)
