@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-__all__ = ["Family", "FamilyInfo", "FAMILIES", "MOMENTS", "Phase", "PHASES", "family_info"]
+__all__ = ["Family", "FamilyInfo", "FAMILIES", "MOMENTS", "NOT_SCALAR", "Phase", "PHASES", "family_info"]
 
 
 class _StrEnum(str, Enum):
@@ -28,6 +28,7 @@ class _StrEnum(str, Enum):
 class Phase(_StrEnum):
     """Where in a step data is produced, in training-flow order."""
 
+    SETUP = "setup"          # the step's settings (hyperparams), before any data moves
     FORWARD = "forward"
     BACKWARD = "backward"
     PRE_REDUCE = "pre_reduce"
@@ -41,11 +42,16 @@ PHASES: tuple[Phase, ...] = tuple(Phase)
 
 
 class Family(_StrEnum):
+    HYPERPARAMS = "hyperparams"
+    MODEL_INPUT = "model_input"
     ACTV = "actv"
+    LOSS = "loss"
     ACTV_GRAD = "actv_grad"
     GRAD_UNREDUCED = "grad_unreduced"
     COMM = "comm"
     GRAD_REDUCED = "grad_reduced"
+    GRAD_PROBE = "grad_probe"
+    GRAD_DIRECTION = "grad_direction"
     PARAM_ORIGIN = "param_origin"
     EXP_AVG = "exp_avg"
     EXP_AVG_SQ = "exp_avg_sq"
@@ -69,23 +75,32 @@ class FamilyInfo:
     replicated: bool = False
     own_stats: tuple[str, ...] = ()
     moment: bool = False
+    ratio: bool = False
+    scalar: bool = True
 
 
 # In training-flow order: the order is the tie-break between families of one phase.
 FAMILIES: dict[Family, FamilyInfo] = {
+    Family.HYPERPARAMS: FamilyInfo(Phase.SETUP, "loss_alignment", replicated=True, own_stats=("value",)),
+    Family.MODEL_INPUT: FamilyInfo(Phase.FORWARD, "loss_alignment", per_micro_step=True),
     Family.ACTV: FamilyInfo(Phase.FORWARD, "xy_distribution", per_micro_step=True),
+    # Written when the training loop (or a framework callback) calls ``monitor.record_loss``.
+    Family.LOSS: FamilyInfo(Phase.FORWARD, "record_loss", per_micro_step=True, own_stats=("loss",)),
     Family.ACTV_GRAD: FamilyInfo(Phase.BACKWARD, "xy_distribution", per_micro_step=True),
     Family.GRAD_UNREDUCED: FamilyInfo(Phase.PRE_REDUCE, "wg_distribution"),
     Family.COMM: FamilyInfo(Phase.COMM, "cc_distribution"),
     Family.GRAD_REDUCED: FamilyInfo(Phase.POST_REDUCE, "wg_distribution"),
+    Family.GRAD_PROBE: FamilyInfo(Phase.POST_REDUCE, "grad_probe"),
+    Family.GRAD_DIRECTION: FamilyInfo(Phase.POST_REDUCE, "grad_probe", scalar=False),
     Family.PARAM_ORIGIN: FamilyInfo(Phase.OPTIMIZER, "param_distribution", replicated=True),
     Family.EXP_AVG: FamilyInfo(Phase.OPTIMIZER, "mv_distribution", replicated=True, moment=True),
     Family.EXP_AVG_SQ: FamilyInfo(Phase.OPTIMIZER, "mv_distribution", replicated=True, moment=True),
     Family.PARAM_UPDATED: FamilyInfo(Phase.OPTIMIZER, "param_distribution", replicated=True),
     Family.UPDATE_RATIO: FamilyInfo(Phase.OPTIMIZER, "ur_distribution", replicated=True,
-                                    own_stats=("update_ratio",)),
+                                    own_stats=("update_ratio",), ratio=True),
 }
 
+NOT_SCALAR: frozenset[str] = frozenset(str(f) for f, i in FAMILIES.items() if not i.scalar)
 MOMENTS: tuple[Family, ...] = tuple(f for f, i in FAMILIES.items() if i.moment)
 
 

@@ -113,6 +113,15 @@ class TrainerMon:
             self._driver.before_step()
             self._driver.after_step()
 
+    def record_loss(self, loss: Any) -> None:
+        """Record this micro-batch's (or step's) loss: a tensor or a number; no host sync.
+
+        Family ``loss``, one row per call on collected steps (see ``trainmon.collectors.loss``).
+        """
+        session = None if self._driver is None else self._driver.session
+        if session is not None:
+            session.record_loss(loss)
+
     def collector(self, name: str) -> Any:
         """The active collector called ``name`` (``"comm"``, ``"actv"``, ...), else None."""
         session = None if self._driver is None else self._driver.session

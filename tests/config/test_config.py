@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from trainmon.config import (KNOWN_FORMATS, AlertConfig, AlertRule, CommConfig, MonitorConfig,
+from trainmon.config import (KNOWN_FORMATS, AlertConfig, AlertRule, CommConfig, GradProbeConfig, MonitorConfig,
                              load_config, parse_config)
 from trainmon.errors import ConfigError, Problem
 
@@ -21,7 +21,7 @@ STATS = "norm, mean, min, max, zeros, nans, infs, std"
 TOP_KEYS = ("targets, start_step, step_interval, collect_times, format, ops, eps, ndigits, "
             "wg_distribution, mv_distribution, param_distribution, ur_distribution, xy_distribution, "
             "forward_only, backward_only, all_xy, print_struct, squash_name, dynamic_on, global_layer_names, "
-            "module_ranks, step_count_per_record, cc_distribution, alert")
+            "loss_alignment, module_ranks, step_count_per_record, cc_distribution, alert, grad_probe")
 
 
 def problems_of(data: object) -> list[tuple[str, str]]:
@@ -100,6 +100,8 @@ FULL = {
     "module_ranks": [3, 0],
     "step_count_per_record": 4,
     "dynamic_on": True,
+    "grad_probe": {"grad_level": "L2", "param_list": ["model.layers.0"], "bounds": [-1, -0.5, 0, 2.5]},
+    "loss_alignment": True,
     "cc_distribution": {"enable": True, "cc_codeline": [r"layers\.\d+", "^train$"], "cc_pre_hook": True},
     "alert": {"rules": [{"rule_name": "AnomalyTurbulence", "args": {"threshold": 0.5}},
                         {"rule_name": "AnomalyNan", "args": {"threshold": 1}},
@@ -120,6 +122,7 @@ def test_full_config_round_trip(tmp_path):
         xy_distribution=True, forward_only=True, backward_only=False, all_xy=True, print_struct=True,
         squash_name=True, global_layer_names=True, module_ranks=(3, 0), step_count_per_record=4,
         dynamic_on=True,
+        grad_probe=GradProbeConfig("L2", ("model.layers.0",), (-1.0, -0.5, 0.0, 2.5)), loss_alignment=True,
         cc_distribution=CommConfig(enable=True, cc_codeline=(r"layers\.\d+", "^train$"), cc_pre_hook=True),
         alert=AlertConfig(rules=(AlertRule("AnomalyTurbulence", {"threshold": 0.5}),
                                  AlertRule("AnomalyNan", {"threshold": 1.0}),
@@ -453,6 +456,7 @@ def test_docs_table_lists_every_key():
     fields = {f.name for f in dataclasses.fields(MonitorConfig)} - {"source"}
     nested = {f"cc_distribution.{f.name}" for f in dataclasses.fields(CommConfig)}
     nested |= {f"alert.{f.name}" for f in dataclasses.fields(AlertConfig)}
+    nested |= {f"grad_probe.{f.name}" for f in dataclasses.fields(GradProbeConfig)}
     assert fields | nested <= documented
     assert documented - {"cc_distribution.cc_log_only"} <= fields | nested
     # every top-level key the docs list is one the loader accepts

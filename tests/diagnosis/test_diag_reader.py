@@ -40,8 +40,8 @@ def test_rows_keep_file_order_within_a_step_and_families_sort_by_phase(tmp_path)
     assert (f[f["family"] == "grad_reduced"]["micro_step"] == -1).all()
     assert list(f.sort_values(list(FLOW_KEYS), kind="mergesort").index) == list(f.index)
     assert set(f["phase"]) == {"forward", "pre_reduce", "post_reduce"}
-    assert [PHASES.index(phase_of(k)) for k in ("actv", "actv_grad", "grad_unreduced", "comm",
-                                                 "grad_reduced", "exp_avg")] == [0, 1, 2, 3, 4, 5]
+    assert [PHASES.index(phase_of(k)) for k in ("hyperparams", "actv", "actv_grad", "grad_unreduced", "comm",
+                                                 "grad_reduced", "exp_avg")] == [0, 1, 2, 3, 4, 5, 6]
 
 
 def test_exact_values_nonfinite_shapes_and_numel(tmp_path):

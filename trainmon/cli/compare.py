@@ -45,15 +45,19 @@ def run(args: argparse.Namespace) -> int:
     print(f"base:   {base.path}\ntarget: {target.path}")
     print(f"aligned rows: {result.aligned_rows} (only in base: {result.only_in_base}, only in target: "
           f"{result.only_in_target}; names matched through wrapper prefixes: {result.renamed})")
-    if not result.aligned_rows:
+    if not result.aligned_rows and result.static_divergence is None:
         print("nothing to compare: the runs share no (family, name, step, rank) rows")
+        _print_stages(result)
         return 0
-    d = result.first_divergence
-    if d is None:
+    d, static = result.first_divergence, result.static_divergence
+    if static is not None:
+        print(f"first divergence: {static.stage} (r{static.rank}): {static.describe()}")
+    elif d is None:
         print(f"no divergence beyond rtol {args.rtol:g}")
     else:
         micro = "" if d.micro_step is None else f" micro_step {d.micro_step}"
-        print(f"first divergence (rtol {args.rtol:g}): step {d.step}, {d.phase}, {d.kind} {d.name}, "
+        group = "" if d.group is None else f" group {d.group}"
+        print(f"first divergence (rtol {args.rtol:g}): step {d.step}, {d.phase}, {d.kind} {d.name}{group}, "
               f"rank {d.rank}{micro}: {d.op} base {d.base:.6g} target {d.target:.6g} "
               f"(rel_diff {d.rel_diff:.3g}); {result.diverged_rows} rows diverge")
     rows = [(f, x.step, x.name, x.rank, x.op, x.base, x.target, x.rel_diff)
@@ -61,4 +65,21 @@ def run(args: argparse.Namespace) -> int:
     if rows:
         print("largest differences per family:")
         table(["kind", "step", "name", "rank", "op", "base", "target", "rel_diff"], rows)
+    _print_stages(result)
     return 0
+
+
+def _print_stages(result) -> None:
+    """msprobe's staged summary: ``<stage> (r<R>): YES|NO [first difference]``, flow order."""
+    print("stages (training-flow order; YES equal, NO differs, - not recorded in both):")
+    marked = False
+    for r in result.stages:
+        detail = ""
+        if r.match is False:
+            detail = "  " + r.first.describe()
+            if not marked and r.first == result.first_difference:
+                detail += "  <- first divergence"
+                marked = True
+        elif r.note and r.match is None:
+            detail = f"  ({r.note})"
+        print(f"  {r.stage} (r{r.rank}): {r.label}{detail}")

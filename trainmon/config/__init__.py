@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -20,8 +21,8 @@ from trainmon.config.reader import _Reader, _at, _did_you_mean, _join, _json_typ
 from trainmon.errors import ConfigError, Problem
 from trainmon.stats.table import DEFAULT_OPS, STAT_NAMES
 
-__all__ = ["KNOWN_FORMATS", "KNOWN_RULES", "CommConfig", "AlertRule", "AlertConfig",
-           "MonitorConfig", "load_config", "parse_config"]
+__all__ = ["KNOWN_FORMATS", "KNOWN_RULES", "GRAD_LEVELS", "CommConfig", "AlertRule", "AlertConfig",
+           "GradProbeConfig", "MonitorConfig", "load_config", "parse_config"]
 
 KNOWN_FORMATS: tuple[str, ...] = ("csv", "tensorboard")
 
@@ -59,6 +60,26 @@ class AlertConfig:
     dump: bool = False
 
 
+GRAD_LEVELS: tuple[str, ...] = ("L0", "L1", "L2")
+_MAX_BOUNDS = 64  # one CSV column per interval: more than this is a histogram, not a probe
+
+
+@dataclass(frozen=True)
+class GradProbeConfig:
+    """``grad_probe`` (msprobe's gradient probe): L0 statistics, L1 + intervals, L2 + direction.
+
+    ``param_list`` empty = every parameter; ``bounds`` strictly increasing finite cut points.
+    """
+
+    grad_level: str = "L1"
+    param_list: tuple[str, ...] = ()
+    bounds: tuple[float, ...] = (-1.0, 0.0, 1.0)
+
+    @property
+    def level(self) -> int:
+        return GRAD_LEVELS.index(self.grad_level)
+
+
 @dataclass(frozen=True)
 class MonitorConfig:
     """A validated monitor config.  docs/configuration.md lists every key."""
@@ -87,6 +108,8 @@ class MonitorConfig:
     dynamic_on: bool = False
     cc_distribution: CommConfig = CommConfig()
     alert: AlertConfig = AlertConfig()
+    grad_probe: GradProbeConfig | None = None   # None: off
+    loss_alignment: bool = False       # model metadata, hyperparams and model_input families
     source: str = field(default="", compare=False)
 
     def to_dict(self) -> dict[str, object]:
@@ -212,6 +235,63 @@ def _parse_comm(r: _Reader, key: str, value: object, default: CommConfig) -> Com
     )
 
 
+def _js(value: object) -> str:
+    """A value as the JSON file spells it (true, null, "L1"), for messages."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        return _show(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _parse_bounds(r: _Reader, key: str, value: object, default: tuple) -> tuple[float, ...]:
+    expect = f"non-empty list of at most {_MAX_BOUNDS} finite numbers in increasing order"
+    items = r.array(key, value, expect, nonempty=True)
+    if items is None:
+        return default
+    if len(items) > _MAX_BOUNDS:
+        r.bad(key, f"{len(items)} cut points are too many ({expect})")
+        return default
+    out: list[float] = []
+    for i, v in enumerate(items):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            r.bad(_at(key, i), f"{_js(v)} is not a finite number ({expect})")
+            continue
+        got = float(v)
+        if out and got <= out[-1]:
+            r.bad(_at(key, i), f"{_js(v)} is not greater than the cut point before it ({expect})")
+            continue
+        out.append(got)
+    return tuple(out) if len(out) == len(items) else default
+
+
+def _parse_grad_probe(r: _Reader, key: str, value: object, default: GradProbeConfig | None
+                      ) -> GradProbeConfig | None:
+    if value is None:
+        return None
+    obj = r.obj(key, value, ("grad_level", "param_list", "bounds"))
+    if obj is None:
+        return default
+    base = GradProbeConfig()
+    level = obj.get("grad_level", base.grad_level)
+    if level not in GRAD_LEVELS:
+        hint = ""
+        if isinstance(level, str):
+            hint = (f"did you mean {level.upper()!r}? " if level.upper() in GRAD_LEVELS
+                    else _did_you_mean(level, GRAD_LEVELS))
+        r.bad(_join(key, "grad_level"), f"{_js(level)} is not a grad level ({hint}allowed: "
+                                         f"{', '.join(GRAD_LEVELS)})")
+        level = base.grad_level
+    names_key = _join(key, "param_list")
+    items = r.array(names_key, obj.get("param_list", []), "list of parameter or module names; [] = all")
+    seen: dict = {}
+    names = tuple(v for i, v in enumerate(items or ())
+                  if r.string(_at(names_key, i), v, "non-empty parameter or module name") is not None
+                  and r.distinct(names_key, items, seen, i))
+    bounds = _parse_bounds(r, _join(key, "bounds"), obj.get("bounds", list(base.bounds)), base.bounds)
+    return GradProbeConfig(grad_level=level, param_list=names, bounds=bounds)
+
+
 # ----------------------------------------------------------------------------- alert rules
 
 @dataclass(frozen=True)
@@ -304,7 +384,7 @@ def _parse_alert(r: _Reader, key: str, value: object, default: AlertConfig) -> A
 
 _BOOLS = ("wg_distribution", "mv_distribution", "param_distribution", "ur_distribution",
           "xy_distribution", "forward_only", "backward_only", "all_xy", "print_struct",
-          "squash_name", "dynamic_on", "global_layer_names")
+          "squash_name", "dynamic_on", "global_layer_names", "loss_alignment")
 
 _SECTIONS: dict[str, Callable] = {
     "targets": _parse_targets,
@@ -320,6 +400,7 @@ _SECTIONS: dict[str, Callable] = {
     "step_count_per_record": _int(1),
     "cc_distribution": _parse_comm,
     "alert": _parse_alert,
+    "grad_probe": _parse_grad_probe,
 }
 
 _DEFAULTS = MonitorConfig()

@@ -117,7 +117,8 @@ class TargetMatcher:
         """True when a target is this very name (modules for activations: no subtree)."""
         return any(t == name and (v is None or v == vpp_stage) for v, t in self._parsed)
 
-    def check_all_used(self, names: Sequence[tuple[int, str]], source: str) -> None:
+    def check_all_used(self, names: Sequence[tuple[int, str]], source: str, key: str = "targets",
+                       what: str = "module or parameter") -> None:
         """ConfigError naming close matches for every target that selects nothing."""
         problems = []
         plain = sorted({n for _, n in names})
@@ -125,7 +126,7 @@ class TargetMatcher:
             if not any(self._hit(parsed, n, v) for v, n in names):
                 close = difflib.get_close_matches(parsed[1], plain, n=3, cutoff=0.6)
                 hint = f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
-                problems.append(Problem(f"targets[{self.raw.index(raw)}]",
-                                        f"{raw!r} matches no module or parameter of the model{hint}"))
+                problems.append(Problem(f"{key}[{self.raw.index(raw)}]",
+                                        f"{raw!r} matches no {what} of the model{hint}"))
         if problems:
             raise ConfigError(source, problems)

@@ -10,6 +10,27 @@ and a shape): means and extremes near zero are judged against the tensor's magni
 against themselves.  Two NaNs, or two infinities of one sign, are equal; a non-finite value
 against anything else differs by ``inf``.  A stat diverges when ``rel_diff > rtol`` and
 ``|target - base| > atol``.
+
+Stages (loss alignment): the families fall into the stages of one training step, checked in
+this order after the two stages that have no step (``model_meta.json``, see ``model_meta``):
+
+================ =================================================================
+stage            what is compared
+================ =================================================================
+metadata         module names and types, param names, shapes, dtypes, requires_grad
+initial_params   each param's norm/mean/min/max when monitoring began
+hyperparams      family ``hyperparams`` (lr, betas, eps, weight_decay, ..., per group)
+sample_data      family ``model_input`` (the batch the model was fed)
+forward          ``actv``
+loss             ``loss`` (``monitor.record_loss``)
+backward         ``actv_grad``, ``grad_unreduced``, ``comm``, ``grad_reduced``, ``grad_probe``, ...
+optimizer        ``param_origin``, ``exp_avg``, ``exp_avg_sq``, ``param_updated``, ``update_ratio``
+================ =================================================================
+
+Each (stage, rank) is YES (compared, equal within tolerance), NO (differs) or not recorded in
+both runs.  ``first_divergence`` is the first difference in this order: a structural difference
+or one in the initial params before any step, else the first in training-flow order (within a
+step hyperparams come first, then per micro-batch the input, forward and loss).
 """
 from __future__ import annotations
 
@@ -19,12 +40,27 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
-from trainmon.diagnosis.flow import FLOW_KEYS
+from trainmon.diagnosis.flow import FLOW_KEYS, phase_of
+from trainmon.diagnosis.model_meta import diff_initial, diff_structure, meta_ranks, read_model_meta
 from trainmon.diagnosis.names import match_names
-from trainmon.diagnosis.reader import RunTable
+from trainmon.diagnosis.reader import EXTRA_PREFIX, RunTable
 from trainmon.diagnosis.rules import json_number
+from trainmon.families import NOT_SCALAR, Family, Phase
 
-__all__ = ["Difference", "Comparison", "compare_runs", "rel_diff"]
+__all__ = ["Difference", "Comparison", "StageResult", "STAGES", "stage_of", "compare_runs", "rel_diff"]
+
+STAGES: tuple[str, ...] = ("metadata", "initial_params", "hyperparams", "sample_data", "forward", "loss",
+                           "backward", "optimizer")
+_STAGE_OF_FAMILY = {str(Family.HYPERPARAMS): "hyperparams", str(Family.MODEL_INPUT): "sample_data",
+                    str(Family.LOSS): "loss"}
+_STAGE_OF_PHASE = {str(Phase.SETUP): "hyperparams", str(Phase.FORWARD): "forward",
+                   str(Phase.OPTIMIZER): "optimizer", str(Phase.OTHER): "other"}
+
+
+def stage_of(family: str) -> str:
+    """The loss-alignment stage of a family (``backward`` for every phase from backward to the
+    reduced grad; ``other`` for families trainmon does not know)."""
+    return _STAGE_OF_FAMILY.get(family) or _STAGE_OF_PHASE.get(phase_of(family), "backward")
 
 _ALIGN = ["vpp_stage", "name", "step", "rank", "micro_step", "occurrence"]
 
@@ -43,13 +79,47 @@ class Difference:
     micro_step: int | None = None
     vpp_stage: int = 0
     target_name: str = ""
+    group: int | None = None      # the optimizer param group of a hyperparams row (-1: optimizer-wide)
+
+    @property
+    def stage(self) -> str:
+        return stage_of(self.kind)
+
+    def describe(self) -> str:
+        parts = [f"step {self.step}" + ("" if self.micro_step is None else f" micro_step {self.micro_step}")]
+        if self.group is not None:
+            parts.append(f"group {self.group}")
+        parts.append(f"{self.kind} {self.name}: {self.op} base {self.base:.6g} target {self.target:.6g}")
+        return ", ".join(parts)
 
     def to_json(self) -> dict[str, object]:
-        return {"step": self.step, "phase": self.phase, "kind": self.kind, "name": self.name,
-                "rank": self.rank, "op": self.op, "base": json_number(self.base),
-                "target": json_number(self.target), "rel_diff": json_number(self.rel_diff),
-                "micro_step": self.micro_step, "vpp_stage": self.vpp_stage,
-                "target_name": self.target_name or self.name}
+        doc = {"step": self.step, "phase": self.phase, "kind": self.kind, "name": self.name,
+               "rank": self.rank, "op": self.op, "base": json_number(self.base),
+               "target": json_number(self.target), "rel_diff": json_number(self.rel_diff),
+               "micro_step": self.micro_step, "vpp_stage": self.vpp_stage,
+               "target_name": self.target_name or self.name, "stage": self.stage}
+        if self.group is not None:
+            doc["group"] = self.group
+        return doc
+
+
+@dataclass(frozen=True)
+class StageResult:
+    """One (stage, rank): ``match`` True (YES), False (NO), None (not recorded in both runs)."""
+
+    stage: str
+    rank: int
+    match: bool | None
+    first: object = None          # Difference or model_meta.StageDifference when match is False
+    note: str = ""                # why a stage could not be compared
+
+    @property
+    def label(self) -> str:
+        return {True: "YES", False: "NO", None: "-"}[self.match]
+
+    def to_json(self) -> dict[str, object]:
+        return {"stage": self.stage, "rank": self.rank, "match": self.match,
+                "first": self.first.to_json() if self.first is not None else None, "note": self.note}
 
 
 @dataclass
@@ -64,15 +134,23 @@ class Comparison:
     only_in_target: int = 0
     renamed: int = 0
     families: tuple[str, ...] = ()
+    stages: list[StageResult] = field(default_factory=list)
+    static_divergence: object = None   # model_meta.StageDifference: metadata / initial_params
+
+    @property
+    def first_difference(self) -> object:
+        """The first difference in stage order: a static one (no step) before any step's."""
+        return self.static_divergence or self.first_divergence
 
     def to_json(self) -> dict[str, object]:
         return {
             "rtol": self.rtol, "atol": self.atol,
-            "first_divergence": self.first_divergence.to_json() if self.first_divergence else None,
+            "first_divergence": self.first_difference.to_json() if self.first_difference else None,
             "largest_by_family": {f: [d.to_json() for d in ds] for f, ds in self.largest_by_family.items()},
             "aligned_rows": self.aligned_rows, "diverged_rows": self.diverged_rows,
             "only_in_base": self.only_in_base, "only_in_target": self.only_in_target,
             "renamed": self.renamed, "families": list(self.families),
+            "stages": [r.to_json() for r in self.stages],
         }
 
 
@@ -100,7 +178,8 @@ def _rename_target(base: pd.DataFrame, target: pd.DataFrame) -> tuple[pd.DataFra
 def _family_diffs(family: str, base: pd.DataFrame, target: pd.DataFrame, ops: Sequence[str],
                   rtol: float, atol: float) -> tuple[pd.DataFrame, int, int, int]:
     target, renamed = _rename_target(base, target)
-    keep_b = [*_ALIGN, *(c for c in FLOW_KEYS if c not in _ALIGN), "phase", "numel", *ops]
+    extras = [c for c in (EXTRA_PREFIX + "group",) if c in base.columns and base[c].notna().any()]
+    keep_b = [*_ALIGN, *(c for c in FLOW_KEYS if c not in _ALIGN), "phase", "numel", *extras, *ops]
     merged = base[keep_b].merge(target[[*_ALIGN, "target_name", *ops]], on=_ALIGN, how="inner",
                                 suffixes=("", "@t"))
     only_b, only_t = len(base) - len(merged), len(target) - len(merged)
@@ -125,6 +204,7 @@ def _family_diffs(family: str, base: pd.DataFrame, target: pd.DataFrame, ops: Se
     merged["rel_diff"] = rel[rows, pick]
     merged["diverged"] = over.any(axis=1)
     merged["kind"] = family
+    merged["group"] = merged[extras[0]].fillna(-1).astype(int) if extras else -2
     return merged, only_b, only_t, renamed
 
 
@@ -133,15 +213,19 @@ def _difference(r) -> Difference:
                       op=str(r.op), base=float(r.base), target=float(r.target),
                       rel_diff=float(r.rel_diff),
                       micro_step=None if int(r.micro_step) < 0 else int(r.micro_step),
-                      vpp_stage=int(r.vpp_stage), target_name=str(r.target_name))
+                      vpp_stage=int(r.vpp_stage), target_name=str(r.target_name),
+                      group=None if int(r.group) == -2 else int(r.group))
 
 
 def compare_runs(base: RunTable, target: RunTable, *, rtol: float = 1e-3, atol: float = 0.0,
                  ops: Sequence[str] | None = None, top: int = 5) -> Comparison:
-    """Align two runs and find the first divergence in training-flow order."""
+    """Align two runs and find the first divergence in training-flow order (stages: module doc)."""
     result = Comparison(rtol=rtol, atol=atol)
     diverged, families = [], []
+    aligned: dict[tuple[str, int], int] = {}
     for family, base_stats in base.family_stats.items():
+        if family in NOT_SCALAR:   # packed sign bits: ``trainmon similarity`` compares those
+            continue
         target_stats = target.family_stats.get(family)
         if target_stats is None:
             result.only_in_base += len(base.family(family))
@@ -158,18 +242,60 @@ def compare_runs(base: RunTable, target: RunTable, *, rtol: float = 1e-3, atol: 
         result.aligned_rows += len(merged)
         if merged.empty:
             continue
+        for rank, n in merged.groupby("rank").size().items():
+            key = (stage_of(family), int(rank))
+            aligned[key] = aligned.get(key, 0) + int(n)
         largest = merged.sort_values("rel_diff", ascending=False, kind="mergesort").head(top)
         result.largest_by_family[family] = [_difference(r) for r in largest.itertuples(index=False)
                                             if r.rel_diff > 0]
         hit = merged[merged["diverged"]]
         result.diverged_rows += len(hit)
         if not hit.empty:
-            diverged.append(hit.sort_values(list(FLOW_KEYS), kind="mergesort").head(1))
+            diverged.append(hit.sort_values(list(FLOW_KEYS), kind="mergesort").groupby("rank", sort=False).head(1))
     for family in target.family_stats:
-        if family not in base.family_stats:
+        if family not in base.family_stats and family not in NOT_SCALAR:
             result.only_in_target += len(target.family(family))
     result.families = tuple(families)
+    firsts: dict[tuple[str, int], Difference] = {}
     if diverged:
         first = pd.concat(diverged, ignore_index=True).sort_values(list(FLOW_KEYS), kind="mergesort")
         result.first_divergence = _difference(next(first.itertuples(index=False)))
+        for r in first.itertuples(index=False):
+            firsts.setdefault((stage_of(r.kind), int(r.rank)), _difference(r))
+    result.stages = _static_stages(base, target, rtol, atol) + _step_stages(aligned, firsts)
+    result.static_divergence = next((r.first for r in result.stages
+                                     if r.stage in STAGES[:2] and r.match is False), None)
     return result
+
+
+def _step_stages(aligned: dict[tuple[str, int], int], firsts: dict[tuple[str, int], Difference]
+                 ) -> list[StageResult]:
+    ranks = sorted({rank for _, rank in aligned})
+    out = []
+    for stage in (*STAGES[2:], "other"):
+        for rank in ranks:
+            if (stage, rank) in firsts:
+                out.append(StageResult(stage, rank, False, firsts[(stage, rank)]))
+            elif aligned.get((stage, rank)):
+                out.append(StageResult(stage, rank, True))
+            elif stage != "other":
+                out.append(StageResult(stage, rank, None, note="not recorded in both runs"))
+    return out
+
+
+def _static_stages(base: RunTable, target: RunTable, rtol: float, atol: float) -> list[StageResult]:
+    b_paths, t_paths = meta_ranks(base.path), meta_ranks(target.path)
+    out: list[StageResult] = []
+    for rank in sorted(set(b_paths) | set(t_paths)):
+        b, b_why = read_model_meta(b_paths[rank]) if rank in b_paths else (None, "")
+        t, t_why = read_model_meta(t_paths[rank]) if rank in t_paths else (None, "")
+        if b is None or t is None:
+            note = b_why or t_why or ("model_meta.json in neither run" if b is None and t is None else
+                                      f"model_meta.json only in {'target' if b is None else 'base'}")
+            out += [StageResult(stage, rank, None, note=note) for stage in STAGES[:2]]
+            continue
+        structure = diff_structure(b, t, rank)
+        out.append(StageResult("metadata", rank, structure is None, structure))
+        initial = diff_initial(b, t, rank, rtol, atol, rel_diff)
+        out.append(StageResult("initial_params", rank, initial is None, initial))
+    return sorted(out, key=lambda r: STAGES.index(r.stage))

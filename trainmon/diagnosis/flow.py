@@ -5,11 +5,14 @@ Within one step the data a monitor records is produced in this order (the phases
 ============= ================================================ ==========================
 phase         families                                         order inside the phase
 ============= ================================================ ==========================
-forward       ``actv``                                         micro-step, module call order
+setup         ``hyperparams``                                  param group, setting order
+forward       ``model_input``, ``actv``, ``loss``              micro-step, then family (this
+                                                               order), module call order
 backward      ``actv_grad``                                    micro-step, backward order
 pre_reduce    ``grad_unreduced``                               backward (grad-ready) order
 comm          ``comm``                                         call order
-post_reduce   ``grad_reduced``                                 model parameter order
+post_reduce   ``grad_reduced``, ``grad_probe``,                family, then model parameter
+              ``grad_direction``                               order
 optimizer     ``param_origin``, ``exp_avg``, ``exp_avg_sq``,    family (this order), then
               ``param_updated``, ``update_ratio``               model parameter order
 other         any family trainmon does not know                family name, row order

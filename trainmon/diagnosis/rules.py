@@ -38,7 +38,7 @@ COUNT_OPS: tuple[str, ...] = ("nans", "infs")
 # Families whose value is a ratio of two norms: inf (x/0) and nan (0/0) are its definition for
 # params at zero or not updated, not a sign of NaN in a tensor (those show in the param and
 # grad families), so the nonfinite rule skips them.
-RATIO_FAMILIES: frozenset[str] = frozenset(str(f) for f, info in FAMILIES.items() if info.own_stats)
+RATIO_FAMILIES: frozenset[str] = frozenset(str(f) for f, info in FAMILIES.items() if info.ratio)
 
 
 @dataclass(frozen=True)

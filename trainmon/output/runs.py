@@ -147,7 +147,9 @@ def _read_same_header(paths: Sequence[Path], header: Sequence[str]) -> "pd.DataF
         body = path.read_text(encoding="utf-8").split("\n", 1)
         if len(body) == 2 and body[1]:
             parts.append(body[1] if body[1].endswith("\n") else body[1] + "\n")
-    return _parse(io.StringIO(",".join(header) + "\n" + "".join(parts)), header)
+    head = io.StringIO()
+    csv.writer(head, lineterminator="\n").writerow(header)   # labels such as "(-inf, -1]" hold commas
+    return _parse(io.StringIO(head.getvalue() + "".join(parts)), header)
 
 
 def read_family(rank_dir: str | Path, family: str) -> "pd.DataFrame":

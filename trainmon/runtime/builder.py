@@ -65,6 +65,12 @@ class SessionBuilder:
         matcher = TargetMatcher(cfg.targets)
         if not matcher.selects_all:
             matcher.check_all_used(self._names, source)
+        if cfg.grad_probe is not None and cfg.grad_probe.param_list:
+            params = {(p.vpp_stage, ".".join(p.name.split(".")[:k])) for p in tracked_params(self.attachment.chunks)
+                      if matcher.matches(p.name, p.vpp_stage) for k in range(1, p.name.count(".") + 2)}
+            params = sorted(params)   # names and their module prefixes: did-you-mean offers both
+            TargetMatcher(cfg.grad_probe.param_list).check_all_used(
+                params, source, key="grad_probe.param_list", what="trainable parameter (selected by targets)")
         return matcher
 
     def validate_file(self, path: Path) -> MonitorConfig:

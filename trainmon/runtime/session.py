@@ -53,6 +53,16 @@ class Session:
         if self.clock.finished and self.collectors:
             self.go_idle()
 
+    def record_loss(self, loss: Any) -> None:
+        """Hand ``loss`` to the loss collector; a call after the step's rows went out is written
+        on its own (``collectors.loss``)."""
+        collector = next((c for c in self.collectors if c.name == "loss"), None)
+        if collector is None:
+            return
+        late = self.ctx.guard.run(collector, collector.record, loss)
+        if late is not None:
+            self.sink.write(*late)
+
     def _emit(self, step: int) -> None:
         try:
             rows = self.ctx.engine.finish_step(step)

@@ -37,6 +37,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from trainmon.families import NOT_SCALAR
 from trainmon.stats.rows import StatRow, StepRows, paced
 from trainmon.sinks.base import Sink, SinkOptions, register_sink
 from trainmon.output.tb_tags import event_dir, scalar_tag, series_name
@@ -363,6 +364,8 @@ class TensorBoardSink(Sink):
         self._closed = False
 
     def write(self, rows: StepRows, step: int) -> None:
+        if any(b.family in NOT_SCALAR for b in rows.blocks()):  # packed bits are no scalar series
+            rows = StepRows.of(r for r in rows if r.family not in NOT_SCALAR)
         if not rows:
             return
         with self._lock:

@@ -1,0 +1,103 @@
+"""The loss, as the training loop hands it over: ``monitor.record_loss(loss)`` -> family ``loss``.
+
+One row per call on a collected step: ``vpp_stage,name,step,micro_step,loss,shape,dtype`` with
+name ``loss`` and ``micro_step`` the n-th call in that step (call it once per micro-batch, or
+once per step).  The value is the mean of the tensor (a scalar loss: itself) in float64; a
+Python number is taken as is.
+
+No host sync: the tensor is kept and reaches the host with the step's other rows.  The step a
+call belongs to is the one whose forward ran last: a call after ``optimizer.step()`` (before the
+next forward) still belongs to the step just finished, whose rows were already handed to the
+sink, so its row is written on its own and its value read on the writer thread.  To know which
+forward ran last, a forward pre-hook on the first model chunk counts forward calls (a counter
+increment per forward; no tensor is touched).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import numbers
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from trainmon.collectors.base import Collector, register_collector
+from trainmon.collectors.module_io import hook_fn, in_backward, uses_compile
+from trainmon.core.hooks import Handle
+from trainmon.families import Family
+from trainmon.stats.engine import Meta
+from trainmon.stats.rows import RowBlock, StepRows
+
+__all__ = ["LossCollector"]
+
+_COLUMNS = ("loss",)
+
+log = logging.getLogger(__name__)
+
+
+def _as_tensor(loss: Any) -> torch.Tensor | None:
+    if isinstance(loss, torch.Tensor) and loss.numel() and not loss.is_complex():
+        return loss.detach().double().mean().reshape(1)   # a new tensor: later in-place ops cannot reach it
+    if isinstance(loss, numbers.Real) and not isinstance(loss, bool):
+        return torch.tensor([float(loss)], dtype=torch.float64)
+    return None
+
+
+@register_collector
+class LossCollector(Collector):
+    name = "loss"
+    priority = 25
+
+    @staticmethod
+    def enabled(config) -> bool:
+        return True   # costs one counter per forward; rows only when record_loss is called
+
+    def attach(self) -> None:
+        self._forward_step = None        # step of the last forward
+        self._calls: dict[int, int] = {}  # step -> record_loss calls so far
+        self._collected: int | None = None
+        self._warned = False
+        chunk = self.ctx.chunks[0] if self.ctx.chunks else None
+        if isinstance(chunk, nn.Module):
+            hook = hook_fn(self.ctx.guard.wrap(self, self._on_forward), uses_compile([chunk]))
+            self.handles.append(Handle(chunk.register_forward_pre_hook(hook).remove))
+
+    def _on_forward(self, _module: nn.Module, _args: Any) -> None:
+        if not in_backward():
+            self._forward_step = self.ctx.clock.step
+
+    def on_step_end(self) -> None:
+        self._collected = self.ctx.clock.step
+
+    def record(self, loss: Any) -> tuple[StepRows, int] | None:
+        """Capture ``loss`` for its step; rows to write at once (a late call), else None."""
+        clock = self.ctx.clock
+        value = _as_tensor(loss)
+        if value is None:
+            if not self._warned:
+                self._warned = True
+                log.warning("trainmon: record_loss takes a non-empty real tensor or a number, got %s; "
+                            "not recorded", type(loss).__name__)
+            return None
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else ()
+        dtype = str(loss.dtype) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        late = self._forward_step is not None and self._forward_step < clock.step
+        step = clock.step - 1 if late else clock.step
+        micro = self._calls.get(step, 0)
+        self._calls = {step: micro + 1}
+        if not late:
+            if clock.collecting:
+                meta = Meta(Family.LOSS, "loss", 0, shape, dtype, micro_step=micro)
+                self.ctx.engine.capture_values(Family.LOSS, [meta], [value], _COLUMNS)
+            return None
+        if self._collected != step:
+            return None
+        build = functools.partial(_late_block, step, micro, shape, dtype, value)
+        return StepRows(build), step
+
+
+def _late_block(step: int, micro: int, shape: tuple, dtype: str, value: torch.Tensor) -> list[RowBlock]:
+    """Runs on the sink's writer thread: the one place this value is read on the host."""
+    return [RowBlock(Family.LOSS, step, micro, None, _COLUMNS, ["loss"], [0], [shape], [dtype],
+                     [[float(value.item())]])]
