@@ -63,14 +63,15 @@ class Family(_StrEnum):
 class FamilyInfo:
     """What one family is.
 
-    ``config_flag``: the config key that switches it on; ``per_micro_step``: one row per
+    ``config_flag``: the config key that switches it on (None: an API call writes it, such as
+    ``record_loss``); ``per_micro_step``: one row per
     micro-batch (a ``micro_step`` column); ``replicated``: equal on every data-parallel rank
     under plain DDP (rank checks compare them); ``own_stats``: value columns of its own instead
     of the ``ops``; ``moment``: an optimizer state tensor.
     """
 
     phase: Phase
-    config_flag: str
+    config_flag: str | None
     per_micro_step: bool = False
     replicated: bool = False
     own_stats: tuple[str, ...] = ()
@@ -85,7 +86,7 @@ FAMILIES: dict[Family, FamilyInfo] = {
     Family.MODEL_INPUT: FamilyInfo(Phase.FORWARD, "loss_alignment", per_micro_step=True),
     Family.ACTV: FamilyInfo(Phase.FORWARD, "xy_distribution", per_micro_step=True),
     # Written when the training loop (or a framework callback) calls ``monitor.record_loss``.
-    Family.LOSS: FamilyInfo(Phase.FORWARD, "record_loss", per_micro_step=True, own_stats=("loss",)),
+    Family.LOSS: FamilyInfo(Phase.FORWARD, None, per_micro_step=True, own_stats=("loss",)),
     Family.ACTV_GRAD: FamilyInfo(Phase.BACKWARD, "xy_distribution", per_micro_step=True),
     Family.GRAD_UNREDUCED: FamilyInfo(Phase.PRE_REDUCE, "wg_distribution"),
     Family.COMM: FamilyInfo(Phase.COMM, "cc_distribution"),

@@ -32,6 +32,8 @@ def expected_families(cfg: MonitorConfig) -> set[str]:
     """The families a single-process run of ``cfg`` writes (no collectives run, so no ``comm``)."""
     on = set()
     for family, info in FAMILIES.items():
+        if info.config_flag is None:  # written when the loop calls the API (record_loss)
+            continue
         flag = getattr(cfg, info.config_flag)
         if family is Family.COMM or not (flag.enable if info.config_flag == "cc_distribution" else flag):
             continue
