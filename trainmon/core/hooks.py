@@ -6,7 +6,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["Handle", "wrap_optimizer_step", "post_accumulate_grad_hook"]
+__all__ = ["Handle", "step_optimizer", "wrap_optimizer_step", "post_accumulate_grad_hook"]
 
 
 class Handle:
@@ -21,25 +21,80 @@ class Handle:
             undo()
 
 
+def step_optimizer(optimizer: Any) -> Any:
+    """The object whose ``step()`` is the step boundary.
+
+    Facades that pass as a torch optimizer (``isinstance`` is true) but keep no step-hook
+    registry of their own and hold the real one are unwrapped: accelerate's
+    ``AcceleratedOptimizer`` (its ``step()`` runs on every micro-batch and only steps the inner
+    optimizer when gradients are synced) and Lightning's ``LightningOptimizer``.  Anything else
+    (torch optimizers, DeepSpeed's and Megatron's optimizers, a duck-typed ``step()``) is its own
+    boundary.  ``TypeError`` (one line) if the result has no ``step()``.
+    """
+    seen: set[int] = set()
+    while _is_facade(optimizer) and id(optimizer) not in seen:
+        seen.add(id(optimizer))
+        optimizer = _inner_optimizer(optimizer)
+    if not callable(getattr(optimizer, "step", None)):
+        raise TypeError(f"trainmon: set_monitor(optimizer=...) got a {type(optimizer).__name__}, which has no "
+                        "step() method; pass the optimizer whose step() applies the update, or pass none "
+                        "and call monitor.step() after each optimizer step")
+    return optimizer
+
+
+def _inner_optimizer(obj: Any) -> Any:
+    own = vars(obj) if hasattr(obj, "__dict__") else {}
+    for attr in ("optimizer", "_optimizer"):
+        inner = own.get(attr)
+        if inner is not None and inner is not obj and callable(getattr(inner, "step", None)):
+            return inner
+    return None
+
+
+def _is_facade(obj: Any) -> bool:
+    return (isinstance(obj, torch.optim.Optimizer) and not _has_hook_registry(obj)
+            and _inner_optimizer(obj) is not None)
+
+
+def _has_hook_registry(obj: Any) -> bool:
+    return isinstance(vars(obj).get("_optimizer_step_pre_hooks"), dict)
+
+
 def wrap_optimizer_step(optimizer: Any, before: Callable[[], None], after: Callable[[], None]) -> Handle:
     """Call ``before``/``after`` around every ``optimizer.step()``.
 
-    torch optimizers get the official step pre/post hooks (so LR schedulers, which re-wrap
-    ``optimizer.step``, keep working); wrapper objects such as Megatron's get their ``step``
-    replaced on the instance only, restored on ``remove``.
+    ``before`` runs when the grads the update uses are final: at step entry, or, when ``step`` is
+    given a closure (Lightning's automatic optimization, LBFGS, SAM-like optimizers), right after
+    the closure's first call returns (its backward has run; no param was updated yet).  Optimizers
+    that call the closure again (LBFGS re-evaluates during its line search) run more backward
+    passes in the same step; those are not captured again.
+
+    ``optimizer`` may be a facade (see :func:`step_optimizer`).  torch optimizers get the
+    official step pre/post hooks (so LR schedulers, which re-wrap ``optimizer.step``, keep
+    working); other objects with a ``step()`` (Megatron's, DeepSpeed's optimizers) get their
+    ``step`` replaced on the instance only, restored on ``remove``.
     """
-    if isinstance(optimizer, torch.optim.Optimizer):
-        pre = optimizer.register_step_pre_hook(lambda *_: before())
-        post = optimizer.register_step_post_hook(lambda *_: after())
+    target = step_optimizer(optimizer)
+    boundary = _Boundary(before, after)
+    if isinstance(target, torch.optim.Optimizer) and _has_hook_registry(target):
+        # args[0] is the optimizer itself; a pre-hook may return replacement (args, kwargs).
+        pre = target.register_step_pre_hook(lambda _opt, args, kwargs: boundary.enter(args, kwargs, 1))
+        post = target.register_step_post_hook(lambda *_: boundary.exit())
         return Handle(lambda: (pre.remove(), post.remove()))
+    return _wrap_instance_step(target, boundary)
+
+
+def _wrap_instance_step(optimizer: Any, boundary: "_Boundary") -> Handle:
     had_own = "step" in vars(optimizer)
     original = vars(optimizer).get("step")
     inner = optimizer.step
 
     def step(self, *args, **kwargs):
-        before()
+        replaced = boundary.enter(args, kwargs, 0)
+        if replaced is not None:
+            args, kwargs = replaced
         result = inner(*args, **kwargs)
-        after()
+        boundary.exit()
         return result
 
     optimizer.step = types.MethodType(step, optimizer)
@@ -51,6 +106,44 @@ def wrap_optimizer_step(optimizer: Any, before: Callable[[], None], after: Calla
             del optimizer.step
 
     return Handle(undo)
+
+
+class _Boundary:
+    """``before`` at the right moment of one ``step()`` call, ``after`` at its end."""
+
+    def __init__(self, before: Callable[[], None], after: Callable[[], None]):
+        self._before = before
+        self._after = after
+        self._pending = False   # a closure was given and has not returned yet
+
+    def enter(self, args: tuple, kwargs: dict, first: int) -> tuple[tuple, dict] | None:
+        """At step entry; ``args[first]`` is where a positional closure sits.  Returns the
+        (args, kwargs) to call ``step`` with when the closure had to be wrapped."""
+        if callable(kwargs.get("closure")):
+            self._pending = True
+            return args, {**kwargs, "closure": self._wrap(kwargs["closure"])}
+        if "closure" not in kwargs and len(args) > first and callable(args[first]):
+            self._pending = True
+            return (*args[:first], self._wrap(args[first]), *args[first + 1:]), kwargs
+        self._pending = False
+        self._before()
+        return None
+
+    def _wrap(self, closure: Callable[..., Any]) -> Callable[..., Any]:
+        def closure_then_capture(*args: Any, **kwargs: Any) -> Any:
+            result = closure(*args, **kwargs)
+            if self._pending:
+                self._pending = False
+                with torch.no_grad():   # optimizers call closures under enable_grad()
+                    self._before()
+            return result
+        return closure_then_capture
+
+    def exit(self) -> None:
+        if self._pending:   # the optimizer never called its closure: capture now, late but once
+            self._pending = False
+            self._before()
+        self._after()
 
 
 def post_accumulate_grad_hook(param: torch.Tensor, fn: Callable[[torch.Tensor], None]) -> Handle:

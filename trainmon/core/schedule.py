@@ -47,6 +47,7 @@ class StepClock:
         self.acc_steps = self._read_acc()
         self._in_backward = False
         self._backward_end_callbacks: list[Callable[[], None]] = []
+        self._warned_passes = False
 
     def _read_acc(self) -> int:
         value = self._grad_acc() if callable(self._grad_acc) else self._grad_acc
@@ -77,9 +78,12 @@ class StepClock:
         """Step boundary: the step just finished; decide whether the next one is collected."""
         if self.collecting:
             self.collected += 1
-            if self.backward_index > self.acc_steps:
+            if self.backward_index > self.acc_steps and not self._warned_passes:
+                self._warned_passes = True
                 log.warning("trainmon: step %d ran %d backward passes but grad_acc_steps is %d; "
-                            "grad_unreduced holds the grad after pass %d", self.step,
+                            "grad_unreduced holds the grad after pass %d (fix grad_acc_steps; an optimizer "
+                            "that calls its closure several times, e.g. LBFGS, runs one pass per call: "
+                            "then this is expected). Warned once", self.step,
                             self.backward_index, self.acc_steps, self.acc_steps)
         self.step += 1
         self.backward_index = 0
