@@ -14,7 +14,7 @@ from typing import Any, Callable, ClassVar, Sequence
 import torch.nn as nn
 
 from trainmon.config import MonitorConfig
-from trainmon.core.hooks import Handle
+from trainmon.core.hooks import Handle, outside_compiled_graphs
 from trainmon.core.naming import TargetMatcher, TrackedParam
 from trainmon.core.schedule import StepClock
 from trainmon.stats.engine import StatsEngine, Tracked
@@ -133,7 +133,7 @@ class Guard:
                 except Exception:  # noqa: BLE001 - the monitor must never take the run down
                     self._fail(collector)
 
-        return hook
+        return outside_compiled_graphs(hook)
 
     def _fail(self, collector: Collector) -> None:
         self.failed.add(collector.name)
@@ -142,9 +142,10 @@ class Guard:
         self._on_failure(collector)
 
     def wrap(self, collector: Collector, fn: Callable[..., Any]) -> Callable[..., None]:
-        """A hook body that goes through ``run`` (hooks must return None: never alter grads)."""
+        """A hook body that goes through ``run`` (hooks must return None: never alter grads);
+        ``torch.compile`` runs it eagerly instead of tracing it (``outside_compiled_graphs``)."""
 
         def hook(*args: Any) -> None:
             self.run(collector, fn, *args)
 
-        return hook
+        return outside_compiled_graphs(hook)

@@ -1,12 +1,17 @@
 """Thin wrappers that install hooks and give back handles.  No math, no I/O here."""
 from __future__ import annotations
 
+import functools
+import logging
 import types
 from typing import Any, Callable
 
 import torch
 
-__all__ = ["Handle", "step_optimizer", "wrap_optimizer_step", "post_accumulate_grad_hook"]
+__all__ = ["Handle", "outside_compiled_graphs", "step_optimizer", "wrap_optimizer_step", "post_accumulate_grad_hook"]
+
+
+log = logging.getLogger(__name__)
 
 
 class Handle:
@@ -149,3 +154,59 @@ class _Boundary:
 def post_accumulate_grad_hook(param: torch.Tensor, fn: Callable[[torch.Tensor], None]) -> Handle:
     h = param.register_post_accumulate_grad_hook(fn)
     return Handle(h.remove)
+
+
+_compile_hint_given = False
+
+
+def _hint_compiled() -> None:
+    global _compile_hint_given
+    if not _compile_hint_given:
+        _compile_hint_given = True
+        log.warning("trainmon: the model runs under torch.compile; trainmon's module hooks run outside the "
+                    "compiled graphs (a graph break at each monitored module, values unchanged). For full "
+                    "compiled speed record activations only while investigating, or narrow 'targets'; "
+                    "weight grads, params and moments add no graph break")
+
+
+def _compile_probes() -> tuple[Callable[[], Any], Callable[[Any], None]]:
+    """(is Dynamo's frame callback set now, mark a code object never-compiled); no-ops if this
+    torch lacks them (then hooks are traced as before, which is slower but right)."""
+    try:
+        from torch._C._dynamo.eval_frame import get_eval_frame_callback
+        from torch._dynamo.eval_frame import skip_code
+    except ImportError:  # pragma: no cover - other torch versions
+        return (lambda: None), (lambda code: None)
+    return get_eval_frame_callback, skip_code
+
+
+_dynamo_callback, _skip_code = _compile_probes()
+# True while Dynamo traces (its own constant there), a plain False otherwise: tracing never reaches
+# the callback probe, which Dynamo cannot trace.
+_is_dynamo_compiling = getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling)
+
+
+def outside_compiled_graphs(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` as a module hook that ``torch.compile`` runs as it is instead of tracing it.
+
+    Traced, a monitor hook would put its bookkeeping into the graph and guard on its state (the
+    module's name, whether this step is collected): Dynamo recompiles for every monitored module and
+    every switch of that state, then gives up with pages of warnings pointing into trainmon.  So
+    the hook's own frame is never compiled, and while a compiled model runs (Dynamo's frame
+    callback is set) the body runs with Dynamo off, nested calls included: one graph break per
+    hook, values as in eager mode, and one hint of ours.  Eager training pays two calls (~40 ns).
+    """
+    def eager(*args: Any) -> Any:
+        _hint_compiled()
+        return fn(*args)
+
+    eager_only = torch.compiler.disable(eager, recursive=True)
+
+    @functools.wraps(fn)
+    def hook(*args: Any) -> Any:
+        if _is_dynamo_compiling() or _dynamo_callback() is not None:
+            return eager_only(*args)
+        return fn(*args)
+
+    _skip_code(hook.__code__)
+    return hook
