@@ -111,3 +111,23 @@ def test_the_callback_leaves_no_hook_behind_and_training_unchanged(output_root, 
 
     for a, b in zip(final_params(False), final_params(True)):
         assert torch.equal(a, b)
+
+
+def test_a_lightning_optimizer_given_to_set_monitor_is_unwrapped_to_the_torch_optimizer(output_root, make_config):
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    from trainmon import TrainerMon
+    from trainmon.core.hooks import step_optimizer
+
+    model = LitGPT().net
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    wrapped = LightningOptimizer(inner)
+    assert isinstance(wrapped, torch.optim.Optimizer) and step_optimizer(wrapped) is inner
+    monitor = TrainerMon(make_config(**CFG)).set_monitor(model, optimizer=wrapped)
+    applied = AppliedRecorder(inner, model)
+    for batch in synthetic_batches(SMALL, 4, 2, seed=1):
+        model.loss(batch).backward()
+        inner.step()
+        inner.zero_grad()
+    monitor.close()
+    assert_recorded_as_applied(output_root, applied, 2)
