@@ -11,7 +11,8 @@ update_ratio   after the step       ``||theta_after - theta_before|| / ||theta_b
                                     (column ``update_ratio``; inf when theta_before is 0)
 ============== =================== ===============================================
 
-Config: ``{"param_distribution": true, "ur_distribution": true}``.
+Config: ``{"param_distribution": true, "ur_distribution": true}``.  With ``step(closure)``, step
+entry is right after the closure's first call, before any update (``core.hooks``).
 
 ``update_ratio`` needs theta_before after the step, so it copies the selected params into one
 preallocated buffer per (device, dtype) at step entry on collected steps: it is the one family

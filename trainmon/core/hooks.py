@@ -62,7 +62,7 @@ def _is_facade(obj: Any) -> bool:
 
 
 def _has_hook_registry(obj: Any) -> bool:
-    return isinstance(vars(obj).get("_optimizer_step_pre_hooks"), dict)
+    return isinstance(getattr(obj, "__dict__", {}).get("_optimizer_step_pre_hooks"), dict)
 
 
 def wrap_optimizer_step(optimizer: Any, before: Callable[[], None], after: Callable[[], None]) -> Handle:
