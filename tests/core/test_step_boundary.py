@@ -231,3 +231,53 @@ def test_a_closure_changes_nothing_in_training(output_root, make_config):
 
     for a, b in zip(train(False), train(True)):
         assert torch.equal(a, b)
+
+
+class SAM(torch.optim.Optimizer):
+    """Sharpness-aware minimization, as usually written: the closure runs at perturbed params."""
+
+    def __init__(self, params, lr=0.05, rho=0.5):
+        super().__init__(params, {"lr": lr, "rho": rho})
+
+    @torch.no_grad()
+    def step(self, closure):
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
+        moves = [p.grad * (self.param_groups[0]["rho"] / norm) for p in params]
+        for p, e in zip(params, moves):
+            p.add_(e)                          # to the perturbed point
+        with torch.enable_grad():
+            loss = closure()                   # grads there: what the update applies
+        for p, e in zip(params, moves):
+            p.sub_(e)                          # back, then the update
+            p.add_(p.grad, alpha=-self.param_groups[0]["lr"])
+        return loss
+
+
+def test_an_optimizer_that_moves_params_before_its_closure_records_the_origin_and_the_applied_grad(
+        output_root, make_config):
+    model = tiny_model()
+    opt = SAM(model.parameters())
+    monitor = TrainerMon(make_config(**CFG)).set_monitor(model, grad_acc_steps=2, optimizer=opt)
+    recorder = AppliedRecorder(opt, model)
+    names = {p: n for n, p in model.named_parameters()}
+    origin = []
+    for batch in batches(3):
+        opt.zero_grad()
+        loss_of(model, batch).backward()       # first pass, at the params themselves
+        origin.append({n: p.detach().double().norm().item() for p, n in names.items()})
+
+        def closure(batch=batch):
+            opt.zero_grad()
+            loss = loss_of(model, batch)
+            loss.backward()
+            return loss
+        opt.step(closure)
+    monitor.close()
+    got_origin = recorded_norms(rank0(output_root), "param_origin")
+    got_grad = recorded_norms(rank0(output_root), "grad_reduced")
+    for step in range(3):
+        keys = sorted(origin[step])
+        np.testing.assert_allclose([got_origin[step][k] for k in keys], [origin[step][k] for k in keys], rtol=1e-6)
+        np.testing.assert_allclose([got_grad[step][k] for k in keys], [recorder.grad[step][k] for k in keys],
+                                   rtol=1e-6)

@@ -1,8 +1,10 @@
 """Collector base, registry, and the context collectors are built from.
 
 A collector turns one kind of training data into ``engine.capture`` calls.  It never writes.
-Surface: ``attach`` (install hooks), ``on_step_begin`` / ``on_step_end`` (optimizer step entry /
-exit, collected steps only), ``detach`` (remove everything it installed).
+Surface: ``attach`` (install hooks), ``on_step_entry`` (``optimizer.step()`` entered, params
+not yet touched), ``on_step_begin`` (the update's grads are final: at entry too, or after a
+closure's backward) / ``on_step_end`` (step exit), on collected steps only, ``detach`` (remove
+everything it installed).
 """
 from __future__ import annotations
 
@@ -75,6 +77,9 @@ class Collector(ABC):
         raise NotImplementedError
 
     def attach(self) -> None:
+        pass
+
+    def on_step_entry(self) -> None:
         pass
 
     def on_step_begin(self) -> None:

@@ -65,14 +65,17 @@ def _has_hook_registry(obj: Any) -> bool:
     return isinstance(getattr(obj, "__dict__", {}).get("_optimizer_step_pre_hooks"), dict)
 
 
-def wrap_optimizer_step(optimizer: Any, before: Callable[[], None], after: Callable[[], None]) -> Handle:
-    """Call ``before``/``after`` around every ``optimizer.step()``.
+def wrap_optimizer_step(optimizer: Any, before: Callable[[], None], after: Callable[[], None], *,
+                        entry: Callable[[], None] | None = None) -> Handle:
+    """Call ``before``/``after`` around every ``optimizer.step()`` (and ``entry`` first, at entry).
 
     ``before`` runs when the grads the update uses are final: at step entry, or, when ``step`` is
     given a closure (Lightning's automatic optimization, LBFGS, SAM-like optimizers), right after
     the closure's first call returns (its backward has run; no param was updated yet).  Optimizers
     that call the closure again (LBFGS re-evaluates during its line search) run more backward
-    passes in the same step; those are not captured again.
+    passes in the same step; those are not captured again.  ``entry`` runs at step entry in every
+    case: the params are still those before the step there, even for optimizers that move them
+    before calling the closure (SAM evaluates its closure at perturbed params).
 
     ``optimizer`` may be a facade (see :func:`step_optimizer`).  torch optimizers get the
     official step pre/post hooks (so LR schedulers, which re-wrap ``optimizer.step``, keep
@@ -80,7 +83,7 @@ def wrap_optimizer_step(optimizer: Any, before: Callable[[], None], after: Calla
     ``step`` replaced on the instance only, restored on ``remove``.
     """
     target = step_optimizer(optimizer)
-    boundary = _Boundary(before, after)
+    boundary = _Boundary(before, after, entry)
     if isinstance(target, torch.optim.Optimizer) and _has_hook_registry(target):
         # args[0] is the optimizer itself; a pre-hook may return replacement (args, kwargs).
         pre = target.register_step_pre_hook(lambda _opt, args, kwargs: boundary.enter(args, kwargs, 1))
@@ -116,14 +119,18 @@ def _wrap_instance_step(optimizer: Any, boundary: "_Boundary") -> Handle:
 class _Boundary:
     """``before`` at the right moment of one ``step()`` call, ``after`` at its end."""
 
-    def __init__(self, before: Callable[[], None], after: Callable[[], None]):
+    def __init__(self, before: Callable[[], None], after: Callable[[], None],
+                 entry: Callable[[], None] | None = None):
         self._before = before
         self._after = after
+        self._entry = entry
         self._pending = False   # a closure was given and has not returned yet
 
     def enter(self, args: tuple, kwargs: dict, first: int) -> tuple[tuple, dict] | None:
         """At step entry; ``args[first]`` is where a positional closure sits.  Returns the
         (args, kwargs) to call ``step`` with when the closure had to be wrapped."""
+        if self._entry is not None:
+            self._entry()
         if callable(kwargs.get("closure")):
             self._pending = True
             return args, {**kwargs, "closure": self._wrap(kwargs["closure"])}
