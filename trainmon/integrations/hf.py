@@ -10,10 +10,12 @@ boundary: it steps once per ``gradient_accumulation_steps`` micro-batches, after
 ``max_grad_norm`` clipping, so ``grad_reduced`` is the clipped grad the update uses and
 ``grad_unreduced`` the accumulated grad before clipping).  Steps are the Trainer's
 ``global_step`` numbers (also when resuming); an epoch's shorter last step is counted right.
-``on_train_end`` flushes and removes every hook.
+``on_train_end`` flushes and removes every hook.  A Trainer running DeepSpeed does not give
+callbacks the engine that owns ZeRO's partitions: the callback then records nothing and says so
+(attach ``TrainerMon`` to the engine instead).
 
-transformers is not a dependency of trainmon: this module imports it when a callback is made
-(``pip install "trainmon[hf]"``).
+transformers is not a dependency of trainmon; this module needs it (``pip install "trainmon[hf]"``)
+and without it fails to import with one line saying so.
 """
 from __future__ import annotations
 
@@ -76,7 +78,7 @@ def _batches_per_epoch(dataloader: Any) -> int | None:
 
 def _runs_deepspeed(optimizer: Any) -> bool:
     inner = getattr(optimizer, "optimizer", None)
-    if not type(inner).__module__.startswith("deepspeed"):
+    if type(optimizer).__name__ != "DeepSpeedOptimizerWrapper" and not type(inner).__module__.startswith("deepspeed"):
         return False
     log.warning("trainmon: this Trainer runs DeepSpeed and callbacks are not given its engine, without which "
                 "ZeRO's sharded grads and moments cannot be read right; nothing is monitored. Attach "
