@@ -71,7 +71,14 @@ def graph(by_layer: bool) -> dict[str, set[str]]:
     return edges
 
 
+# Front ends that live next to the stack they serve but sit above ``trainmon.monitor`` (they build a
+# ``TrainerMon``): a layer of their own.  Nothing inside trainmon may import them (a cycle would show).
+FRONT_ENDS = ("trainmon.integrations.hf", "trainmon.integrations.lightning")
+
+
 def _layer(module: str) -> str:
+    if module in FRONT_ENDS:
+        return module
     return ".".join(module.split(".")[:2])
 
 

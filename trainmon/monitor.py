@@ -22,6 +22,7 @@ from trainmon.config import MonitorConfig, load_config
 from trainmon.dynamic import WatchSettings, dynamic_requested
 from trainmon.errors import ConfigError
 from trainmon.core import dist as _dist
+from trainmon.core.hooks import step_optimizer
 from trainmon.runtime.builder import Attachment, SessionBuilder
 from trainmon.runtime.driver import StaticDriver, StepDriver
 from trainmon.runtime.dynamic_driver import DynamicDriver
@@ -82,10 +83,14 @@ class TrainerMon:
                     start_iteration: int = 0) -> "TrainerMon":
         """Attach to a model (or list of virtual-pipeline chunks) and its optimizer.
 
-        The optimizer's ``step()`` is the step boundary; ``grad_acc_steps`` (an int, or a callable
+        The optimizer's ``step()`` is the step boundary (any object with a ``step()``: torch
+        optimizers, accelerate's and Lightning's wrappers, DeepSpeed's and Megatron's optimizers;
+        with a closure, grads are read after the closure's backward); ``grad_acc_steps`` (an int, or a callable
         read once per step) says how many backward passes make one step.
         """
         self.close()
+        if optimizer is not None:
+            optimizer = step_optimizer(optimizer)  # accelerate's / Lightning's facades -> the torch optimizer
         chunks: list[nn.Module] = list(model) if isinstance(model, (list, tuple)) else [model]  # type: ignore[list-item]
         builder = SessionBuilder(Attachment(chunks, grad_acc_steps, optimizer, dp_group, tp_group),
                                  self.config_file_path, self.process_group, self.params_have_main_grad)

@@ -212,29 +212,29 @@ BAD = [
     ({"ops": ["norm", "mean", "norm"]}, "ops[2]", "duplicate 'norm' (already at ops[0])"),
     ({"ops": [1]}, "ops[0]", f"1 is not a string (stat name: {STATS})"),
     ({"ops": ["shape", "dtype"]}, "ops",
-     "['shape', 'dtype'] names no statistic ('shape' and 'dtype' are always written)"),
+     "[\"shape\", \"dtype\"] names no statistic ('shape' and 'dtype' are always written)"),
     ({"start_step": -1}, "start_step", "-1 is out of range (integer >= 0)"),
-    ({"start_step": True}, "start_step", "True is not an integer (integer >= 0)"),
+    ({"start_step": True}, "start_step", "true is not an integer (integer >= 0)"),
     ({"step_interval": 0}, "step_interval", "0 is out of range (integer >= 1)"),
     ({"step_interval": 2.0}, "step_interval", "2.0 is not an integer (integer >= 1)"),
     ({"collect_times": 0}, "collect_times", "0 is out of range (integer >= 1 or null)"),
     ({"step_count_per_record": "10"}, "step_count_per_record", "'10' is not an integer (integer >= 1)"),
-    ({"step_count_per_record": None}, "step_count_per_record", "None is not an integer (integer >= 1)"),
+    ({"step_count_per_record": None}, "step_count_per_record", "null is not an integer (integer >= 1)"),
     ({"ndigits": 0}, "ndigits", "0 is out of range (integer 1..17 or null)"),
     ({"ndigits": 18}, "ndigits", "18 is out of range (integer 1..17 or null)"),
     ({"eps": 0}, "eps", "0 is out of range (finite number > 0)"),
     ({"eps": -1e-8}, "eps", "-1e-08 is out of range (finite number > 0)"),
-    ({"eps": float("inf")}, "eps", "inf is out of range (finite number > 0)"),
+    ({"eps": float("inf")}, "eps", "Infinity is out of range (finite number > 0)"),
     ({"eps": "1e-8"}, "eps", "'1e-8' is not a number (finite number > 0)"),
-    ({"eps": False}, "eps", "False is not a number (finite number > 0)"),
+    ({"eps": False}, "eps", "false is not a number (finite number > 0)"),
     ({"wg_distribution": 1}, "wg_distribution", "1 is not a boolean (true or false)"),
     ({"dynamic_on": "true"}, "dynamic_on", "'true' is not a boolean (true or false)"),
     ({"forward_only": True, "backward_only": True}, "backward_only",
-     "True together with forward_only: True records nothing (set at most one of them)"),
+     "true together with forward_only: true records nothing (set at most one of them)"),
     ({"xy_distribution": True}, "xy_distribution",
-     "True needs targets (the modules to record) or all_xy: True (every module)"),
+     "true needs targets (the modules to record) or all_xy: true (every module)"),
     ({"xy_distribution": True, "targets": [], "all_xy": False}, "xy_distribution",
-     "True needs targets (the modules to record) or all_xy: True (every module)"),
+     "true needs targets (the modules to record) or all_xy: true (every module)"),
     ({"format": "parquet"}, "format", "unknown format 'parquet' (allowed: csv, tensorboard)"),
     ({"format": ["csv", "tensorbord"]}, "format[1]",
      "unknown format 'tensorbord' (did you mean 'tensorboard'? allowed: csv, tensorboard)"),
@@ -248,16 +248,16 @@ BAD = [
     ({"targets": [3]}, "targets[0]", "3 is not a string (non-empty module or parameter name)"),
     ({"targets": ["a", "b", "a"]}, "targets[2]", "duplicate 'a' (already at targets[0])"),
     ({"targets": {"layers.0": {"input": "tuple[2]:0"}}}, 'targets["layers.0"]',
-     "per-target specs are not supported ({'input': 'tuple[2]:0'}); use an empty object {}"),
+     "per-target specs are not supported ({\"input\": \"tuple[2]:0\"}); use an empty object {}"),
     ({"targets": {"layers.0": True}}, 'targets["layers.0"]',
-     "True is not an object (use an empty object {})"),
+     "true is not an object (use an empty object {})"),
     ({"module_ranks": 0}, "module_ranks",
      "0 is not a list (list of distinct ranks, integers >= 0; [] = all ranks)"),
     ({"module_ranks": [0, 1, 0]}, "module_ranks[2]", "duplicate 0 (already at module_ranks[0])"),
-    ({"module_ranks": [True]}, "module_ranks[0]", "True is not an integer (integer >= 0)"),
+    ({"module_ranks": [True]}, "module_ranks[0]", "true is not an integer (integer >= 0)"),
     ({"module_ranks": [-2]}, "module_ranks[0]", "-2 is out of range (integer >= 0)"),
     ({"cc_distribution": True}, "cc_distribution",
-     "True is not an object (keys: enable, cc_codeline, cc_pre_hook)"),
+     "true is not an object (keys: enable, cc_codeline, cc_pre_hook)"),
     ({"cc_distribution": {"enabel": True}}, "cc_distribution.enabel",
      "unknown key (did you mean 'enable'?)"),
     ({"cc_distribution": {"cc_codeline": ["ok", "("]}}, "cc_distribution.cc_codeline[1]",
@@ -265,7 +265,7 @@ BAD = [
     ({"cc_distribution": {"cc_codeline": "x"}}, "cc_distribution.cc_codeline",
      "'x' is not a list (list of regular expressions)"),
     ({"cc_distribution": {"cc_log_only": True}}, "cc_distribution.cc_log_only",
-     "True is an msprobe option trainmon does not support (only false is accepted)"),
+     "true is an msprobe option trainmon does not support (only false is accepted)"),
     ({"cc_distribution": {"cc_pre_hook": 0}}, "cc_distribution.cc_pre_hook",
      "0 is not a boolean (true or false)"),
     ({"alert": []}, "alert", "[] is not an object (keys: rules, dump)"),
@@ -296,14 +296,14 @@ BAD = [
     ({"alert": {"rules": ["AnomalyNan"]}}, "alert.rules[0]",
      "'AnomalyNan' is not an object (keys: rule_name, args)"),
     ({"stack_info": True}, "stack_info",
-     "True is an msprobe option trainmon does not support (remove it or set it to false)"),
+     "true is an msprobe option trainmon does not support (remove it or set it to false)"),
     ({"append_output": ["Dec03_10-00-00", "Dec03_11-00-00"]}, "append_output",
-     "['Dec03_10-00-00', 'Dec03_11-00-00'] is an msprobe option trainmon does not support "
+     "[\"Dec03_10-00-00\", \"Dec03_11-00-00\"] is an msprobe option trainmon does not support "
      "(remove it or set it to false)"),
     ({"monitor_mbs_grad": True}, "monitor_mbs_grad",
-     "True is an msprobe option trainmon does not support (remove it or set it to false)"),
+     "true is an msprobe option trainmon does not support (remove it or set it to false)"),
     ({"l2_targets": {"attention_hook": ["0:0.self_attention.core_attention.flash_attention"]}},
-     "l2_targets", "{'attention_hook': ['0:0.self_attention.core_attention.fl..."
+     "l2_targets", "{\"attention_hook\": [\"0:0.self_attention.core_attention.fl..."
      " is an msprobe option trainmon does not support (remove it or set it to false)"),
 ]
 
@@ -341,7 +341,7 @@ def test_every_problem_of_a_file_in_one_error(tmp_path):
         f"  ops[1]: unknown stat 'nrom' (did you mean 'norm'? allowed: {STATS})\n"
         "  step_interval: 0 is out of range (integer >= 1)\n"
         "  alert.rules[0].args.threshold: -1 is out of range (finite number >= 0)\n"
-        "  mg_direction: True is an msprobe option trainmon does not support "
+        "  mg_direction: true is an msprobe option trainmon does not support "
         "(remove it or set it to false)")
 
 
@@ -355,7 +355,7 @@ def test_nested_problems_are_all_reported():
         ("cc_distribution.cc_codeline[0]",
          "'[' is not a valid regular expression: unterminated character set at position 0"),
         ("cc_distribution.cc_codeline[1]", "5 is not a string (regular expression)"),
-        ("alert.rules[0].args.threshold", "None is not a number (finite number >= 0)"),
+        ("alert.rules[0].args.threshold", "null is not a number (finite number >= 0)"),
         ("alert.rules[1].rule_name", "unknown rule 'Nope' (allowed: AnomalyNan, nonfinite, AnomalyTurbulence, spike)"),
         ("alert.dump", "'no' is not a boolean (true or false)"),
     ]

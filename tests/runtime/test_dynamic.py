@@ -246,7 +246,7 @@ def test_config_that_does_not_fit_the_model_keeps_the_state(dynamic, make_config
         job.edit({"dynamic_on": True, "wg_distribution": True, "targets": ["layers.7"]})
         job.edit({"dynamic_on": True, "xy_distribution": True})
     assert "'layers.7' matches no module or parameter of the model" in caplog.records[0].getMessage()
-    assert "xy_distribution: True needs targets (the modules to record) or all_xy: True" in caplog.records[1].getMessage()
+    assert "xy_distribution: true needs targets (the modules to record) or all_xy: true" in caplog.records[1].getMessage()
     job.train(2)
     job.mon.close()
     assert steps_of(dynamic, "param_origin") == [0, 1, 2, 3]

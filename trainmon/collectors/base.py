@@ -1,8 +1,10 @@
 """Collector base, registry, and the context collectors are built from.
 
 A collector turns one kind of training data into ``engine.capture`` calls.  It never writes.
-Surface: ``attach`` (install hooks), ``on_step_begin`` / ``on_step_end`` (optimizer step entry /
-exit, collected steps only), ``detach`` (remove everything it installed).
+Surface: ``attach`` (install hooks), ``on_step_entry`` (``optimizer.step()`` entered, params
+not yet touched), ``on_step_begin`` (the update's grads are final: at entry too, or after a
+closure's backward) / ``on_step_end`` (step exit), on collected steps only, ``detach`` (remove
+everything it installed).
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from typing import Any, Callable, ClassVar, Sequence
 import torch.nn as nn
 
 from trainmon.config import MonitorConfig
-from trainmon.core.hooks import Handle
+from trainmon.core.hooks import Handle, outside_compiled_graphs
 from trainmon.core.naming import TargetMatcher, TrackedParam
 from trainmon.core.schedule import StepClock
 from trainmon.stats.engine import StatsEngine, Tracked
@@ -77,6 +79,9 @@ class Collector(ABC):
     def attach(self) -> None:
         pass
 
+    def on_step_entry(self) -> None:
+        pass
+
     def on_step_begin(self) -> None:
         pass
 
@@ -133,7 +138,7 @@ class Guard:
                 except Exception:  # noqa: BLE001 - the monitor must never take the run down
                     self._fail(collector)
 
-        return hook
+        return outside_compiled_graphs(hook)
 
     def _fail(self, collector: Collector) -> None:
         self.failed.add(collector.name)
@@ -142,9 +147,10 @@ class Guard:
         self._on_failure(collector)
 
     def wrap(self, collector: Collector, fn: Callable[..., Any]) -> Callable[..., None]:
-        """A hook body that goes through ``run`` (hooks must return None: never alter grads)."""
+        """A hook body that goes through ``run`` (hooks must return None: never alter grads);
+        ``torch.compile`` runs it eagerly instead of tracing it (``outside_compiled_graphs``)."""
 
         def hook(*args: Any) -> None:
             self.run(collector, fn, *args)
 
-        return hook
+        return outside_compiled_graphs(hook)

@@ -11,7 +11,9 @@ update_ratio   after the step       ``||theta_after - theta_before|| / ||theta_b
                                     (column ``update_ratio``; inf when theta_before is 0)
 ============== =================== ===============================================
 
-Config: ``{"param_distribution": true, "ur_distribution": true}``.
+Config: ``{"param_distribution": true, "ur_distribution": true}``.  With ``step(closure)``, step
+entry is still step entry (the params before the step), also when an optimizer moves them
+before calling its closure (SAM); ``grad_reduced`` is read after the closure (``core.hooks``).
 
 ``update_ratio`` needs theta_before after the step, so it copies the selected params into one
 preallocated buffer per (device, dtype) at step entry on collected steps: it is the one family
@@ -46,7 +48,8 @@ class ParamCollector(Collector):
         view = self.ctx.integration.param
         capture_views(self.ctx, family, [(tp, view(tp)) for tp in self.ctx.params])
 
-    def on_step_begin(self) -> None:
+    def on_step_entry(self) -> None:
+        # At entry, not after a closure: SAM-like optimizers move the params before calling it.
         if self.ctx.config.param_distribution:
             self._capture(Family.PARAM_ORIGIN)
         if self.ctx.config.ur_distribution:

@@ -10,6 +10,9 @@ grad_unreduced   end of the last micro-batch's backward pass,  this rank's accum
 grad_reduced     optimizer step entry                          the grad the step applies
 ================ ============================================= =========================
 
+"Optimizer step entry" is when the update's grads are final: with ``step(closure)``, right after
+the closure's first call (see ``core.hooks.wrap_optimizer_step``).
+
 Config: ``{"wg_distribution": true}``.  Row order of ``grad_unreduced`` is the order grads became
 ready (backward order); ``grad_reduced`` is model parameter order.
 

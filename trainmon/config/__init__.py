@@ -226,7 +226,7 @@ def _parse_comm(r: _Reader, key: str, value: object, default: CommConfig) -> Com
         return default
     if r.boolean(_join(key, "cc_log_only"), obj.get("cc_log_only", False), False):
         # msprobe ends the job after logging the call sites; trainmon never does that.
-        r.bad(_join(key, "cc_log_only"), "True is an msprobe option trainmon does not support "
+        r.bad(_join(key, "cc_log_only"), "true is an msprobe option trainmon does not support "
                                          "(only false is accepted)")
     return CommConfig(
         enable=r.boolean(_join(key, "enable"), obj.get("enable", default.enable), default.enable),
@@ -408,10 +408,10 @@ _DEFAULTS = MonitorConfig()
 
 def _check_combinations(r: _Reader, values: Mapping[str, object]) -> None:
     if values.get("forward_only") and values.get("backward_only"):
-        r.bad("backward_only", "True together with forward_only: True records nothing "
+        r.bad("backward_only", "true together with forward_only: true records nothing "
                                "(set at most one of them)")
     if values.get("xy_distribution") and not values.get("targets") and not values.get("all_xy"):
-        r.bad("xy_distribution", "True needs targets (the modules to record) or all_xy: True "
+        r.bad("xy_distribution", "true needs targets (the modules to record) or all_xy: true "
                                  "(every module)")
 
 

@@ -5,6 +5,7 @@ Kept apart from ``config.py`` (the schema and the section parsers) so each file 
 from __future__ import annotations
 
 import difflib
+import json
 import math
 from collections import Counter
 from typing import Callable, Mapping, Sequence
@@ -24,7 +25,12 @@ def _pairs_hook(pairs: list[tuple[str, object]]) -> _JSONObject:
 
 
 def _show(value: object) -> str:
-    text = repr(value)
+    """A value in JSON spelling (true, null, [1, "a"], {"k": false}), cut to 60 characters; a
+    top-level string is quoted 'like this', as the names in every message are."""
+    try:
+        text = repr(value) if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
 
@@ -75,7 +81,7 @@ class _Reader:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             self.bad(key, f"{_show(value)} is not a number ({expect})")
         elif not math.isfinite(value) or value < minimum or (value == minimum and not inclusive):
-            self.bad(key, f"{value!r} is out of range ({expect})")
+            self.bad(key, f"{_show(value)} is out of range ({expect})")
         else:
             return float(value)
         return default

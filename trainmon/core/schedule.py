@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["Schedule", "StepClock"]
+__all__ = ["Schedule", "StepClock", "EpochAccumulation"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,7 @@ class StepClock:
         self.acc_steps = self._read_acc()
         self._in_backward = False
         self._backward_end_callbacks: list[Callable[[], None]] = []
+        self._warned_passes = False
 
     def _read_acc(self) -> int:
         value = self._grad_acc() if callable(self._grad_acc) else self._grad_acc
@@ -77,9 +78,12 @@ class StepClock:
         """Step boundary: the step just finished; decide whether the next one is collected."""
         if self.collecting:
             self.collected += 1
-            if self.backward_index > self.acc_steps:
+            if self.backward_index > self.acc_steps and not self._warned_passes:
+                self._warned_passes = True
                 log.warning("trainmon: step %d ran %d backward passes but grad_acc_steps is %d; "
-                            "grad_unreduced holds the grad after pass %d", self.step,
+                            "grad_unreduced holds the grad after pass %d (fix grad_acc_steps; an optimizer "
+                            "that calls its closure several times, e.g. LBFGS, runs one pass per call: "
+                            "then this is expected). Warned once", self.step,
                             self.backward_index, self.acc_steps, self.acc_steps)
         self.step += 1
         self.backward_index = 0
@@ -89,3 +93,32 @@ class StepClock:
     @property
     def finished(self) -> bool:
         return self.schedule.exhausted(self.collected)
+
+
+class EpochAccumulation:
+    """``grad_acc_steps`` of a loop that ends each epoch with a shorter step.
+
+    The transformers ``Trainer`` and Lightning step the optimizer after ``acc`` micro-batches, and
+    also after the last micro-batch of an epoch: with ``batches_per_epoch`` not a multiple of
+    ``acc`` the epoch's last step has the remainder.  A ``StepClock`` reads this callable once per
+    step, after the step number moved on; ``next_step`` says that number (``None``: ``first_step``).
+    Steps are counted from the start of training, so ``step % steps_per_epoch`` is the step's place
+    in its epoch.
+    """
+
+    def __init__(self, acc: int, batches_per_epoch: int | None, next_step: Callable[[], int | None],
+                 first_step: int = 0):
+        self.acc = max(1, int(acc))
+        self.batches = int(batches_per_epoch) if batches_per_epoch else 0
+        self._next_step = next_step
+        self._first_step = first_step
+
+    def __call__(self) -> int:
+        step = self._next_step()
+        step = self._first_step if step is None else step
+        if self.batches <= 0:
+            return self.acc
+        per_epoch = -(-self.batches // self.acc)
+        if step % per_epoch == per_epoch - 1:
+            return self.batches - self.acc * (per_epoch - 1)
+        return self.acc

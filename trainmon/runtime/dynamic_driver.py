@@ -137,10 +137,15 @@ class DynamicDriver:
         optimizer = builder.attachment.optimizer
         self._handle: Handle | None = None
         if optimizer is not None:
-            self._handle = wrap_optimizer_step(optimizer, self.before_step, self.after_step)
+            self._handle = wrap_optimizer_step(optimizer, self.before_step, self.after_step,
+                                               entry=self.step_entry)
         self._decide()
 
     # -- the step boundary ----------------------------------------------------------------------
+    def step_entry(self) -> None:
+        if self.session is not None:
+            self.session.step_entry()
+
     def before_step(self) -> None:
         if self.session is not None:
             self.session.before_step()

@@ -1,7 +1,8 @@
 """One monitoring session: the collectors, clock, engine and sink of one ``set_monitor`` call.
 
 Step flow (collected steps only; other steps cost a flag check):
-optimizer step entry -> collectors' ``on_step_begin`` -> the real step -> ``on_step_end`` ->
+optimizer step entry -> collectors' ``on_step_entry`` -> (``step(closure)``: the closure's first
+call) -> ``on_step_begin`` -> the update -> ``on_step_end`` ->
 ``engine.finish_step`` (one device->host copy) -> ``sink.write`` (returns at once: a writer
 thread does the I/O) -> clock advances.  When ``collect_times`` is reached every hook goes.
 """
@@ -28,10 +29,12 @@ class Session:
         self.collectors: list[Collector] = [cls(ctx) for cls in collector_classes()
                                             if collect and cls.enabled(ctx.config)]
         self._step_handle: Handle | None = None
+        self._entered = False   # on_step_entry ran for the running step
         for c in list(self.collectors):
             ctx.guard.run(c, c.attach)
         if optimizer is not None:
-            self._step_handle = wrap_optimizer_step(optimizer, self.before_step, self.after_step)
+            self._step_handle = wrap_optimizer_step(optimizer, self.before_step, self.after_step,
+                                                    entry=self.step_entry)
         if ctx.clock.finished:
             self.go_idle()
 
@@ -39,12 +42,23 @@ class Session:
     def clock(self):
         return self.ctx.clock
 
+    def step_entry(self) -> None:
+        """``optimizer.step()`` was entered: no param has changed yet."""
+        self._entered = True
+        if self.clock.collecting:
+            for c in list(self.collectors):
+                self.ctx.guard.run(c, c.on_step_entry)
+
     def before_step(self) -> None:
+        """The update's grads are final (after the closure, when ``step`` was given one)."""
+        if not self._entered:   # a boundary without an entry point (monitor.step(), dynamic driver)
+            self.step_entry()
         if self.clock.collecting:
             for c in list(self.collectors):
                 self.ctx.guard.run(c, c.on_step_begin)
 
     def after_step(self) -> None:
+        self._entered = False
         if self.clock.collecting:
             for c in list(self.collectors):
                 self.ctx.guard.run(c, c.on_step_end)

@@ -1,0 +1,99 @@
+"""Lightning: one callback instead of the two lines.
+
+    from trainmon.integrations.lightning import TrainerMonCallback
+    trainer = L.Trainer(..., callbacks=[TrainerMonCallback("monitor.json")])
+
+The callback attaches in ``on_train_start`` (the strategy has set up the optimizers and the train
+data by then) to the ``LightningModule`` and its optimizer.  Both kinds of optimization work:
+
+* automatic: Lightning runs forward and backward *inside* ``optimizer.step(closure)``; trainmon
+  reads ``grad_reduced`` and ``param_origin`` after that closure (after Lightning's
+  ``gradient_clip_val`` clipping, which runs in it), before the update.  ``grad_acc_steps`` is
+  ``accumulate_grad_batches``, with the shorter last step of an epoch counted right.
+* manual (``automatic_optimization = False``): your ``opt.step()`` is the boundary; if you
+  accumulate yourself, say how many backward passes make a step: ``TrainerMonCallback(path,
+  grad_acc_steps=4)``.
+
+Steps are Lightning's ``global_step`` numbers.  ``on_train_end`` (and ``on_exception``) flushes and
+removes every hook.  Lightning is not a dependency of trainmon (``pip install "trainmon[lightning]"``);
+both ``lightning`` and the older ``pytorch_lightning`` package are accepted.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+from typing import Any
+
+from trainmon.core.schedule import EpochAccumulation
+from trainmon.monitor import TrainerMon
+
+try:
+    from lightning.pytorch.callbacks import Callback
+except ImportError:  # pragma: no cover - exercised only without lightning
+    try:
+        from pytorch_lightning.callbacks import Callback
+    except ImportError as exc:
+        raise ImportError("trainmon.integrations.lightning needs lightning: "
+                          "pip install 'trainmon[lightning]'") from exc
+
+__all__ = ["TrainerMonCallback"]
+
+log = logging.getLogger(__name__)
+
+
+class TrainerMonCallback(Callback):
+    """Monitors a Lightning ``Trainer.fit`` with the config at ``config_path``.
+
+    Args:
+        config_path: the JSON config (a bad config raises ``ConfigError`` here, before training).
+        grad_acc_steps: backward passes per optimizer step; ``None`` (default) takes the Trainer's
+            ``accumulate_grad_batches`` (set it yourself with manual optimization and accumulation).
+        optimizer_index: which of ``configure_optimizers``' optimizers is the step boundary.
+        **monitor_kwargs: passed to ``TrainerMon`` (``process_group``, ``params_have_main_grad``).
+    """
+
+    def __init__(self, config_path: str | os.PathLike[str], grad_acc_steps: int | None = None,
+                 optimizer_index: int = 0, **monitor_kwargs: Any):
+        self.monitor = TrainerMon(config_path, **monitor_kwargs)
+        self.grad_acc_steps = grad_acc_steps
+        self.optimizer_index = optimizer_index
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        optimizers = list(trainer.optimizers)
+        if not optimizers:
+            log.warning("trainmon: the LightningModule configured no optimizer; nothing is monitored")
+            return
+        if self.optimizer_index >= len(optimizers):
+            log.warning("trainmon: optimizer_index=%d but configure_optimizers returned %d optimizer(s); "
+                        "nothing is monitored", self.optimizer_index, len(optimizers))
+            return
+        if len(optimizers) > 1:
+            log.warning("trainmon: %d optimizers; the step boundary is optimizer %d (%s) "
+                        "(choose with TrainerMonCallback(..., optimizer_index=))", len(optimizers),
+                        self.optimizer_index, type(optimizers[self.optimizer_index]).__name__)
+        start = int(trainer.global_step)
+        self.monitor.set_monitor(pl_module, grad_acc_steps=self._acc(trainer, pl_module, start),
+                                 optimizer=optimizers[self.optimizer_index], start_iteration=start)
+
+    def _acc(self, trainer: Any, pl_module: Any, start: int) -> Any:
+        if self.grad_acc_steps is not None:
+            return self.grad_acc_steps
+        if not pl_module.automatic_optimization:
+            return 1
+        batches = trainer.num_training_batches
+        batches = int(batches) if isinstance(batches, (int, float)) and math.isfinite(batches) else None
+        return EpochAccumulation(trainer.accumulate_grad_batches, batches,
+                                 lambda: self.monitor.current_step, first_step=start)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        # TODO(record_loss): when TrainerMon gains ``record_loss()``, record this micro-batch's loss
+        # here: ``outputs`` is what ``training_step`` returned (its ``"loss"``), at step
+        # ``trainer.global_step`` (the step this micro-batch belongs to, before the step ran).
+        return None
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self.monitor.close()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self.monitor.close()   # keep what was recorded up to the failure
