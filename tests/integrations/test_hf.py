@@ -11,7 +11,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from tests._support.applied import AppliedRecorder, assert_recorded_as_applied, recorded_norms  # noqa: E402
-from tests._support.runs import only_run_dir  # noqa: E402
+from tests._support.runs import only_run_dir, read_family  # noqa: E402
 from trainmon.integrations.hf import TrainerMonCallback  # noqa: E402
 from trainmon.output.layout import rank_dir_name  # noqa: E402
 
@@ -82,6 +82,11 @@ def test_trainer_records_the_clipped_grad_and_the_moments_its_optimizer_applies(
     for step in range(steps):
         np.testing.assert_allclose(np.sqrt(sum(v ** 2 for v in reduced[step].values())), CLIP, rtol=1e-3)
         assert np.sqrt(sum(v ** 2 for v in unreduced[step].values())) > 2 * CLIP   # before the clip
+    # logging_steps=1: the Trainer logs each step's loss and the callback records it under that step
+    logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    loss = read_family(rank0, "loss")
+    assert list(loss["step"]) == list(range(steps)) and len(logged) == steps
+    np.testing.assert_allclose(loss["loss"].to_numpy(), logged, rtol=1e-12)
     bad = [r.getMessage() for r in caplog.records if r.name.startswith("trainmon") and r.levelno >= logging.WARNING]
     assert not bad, bad
     applied.remove()

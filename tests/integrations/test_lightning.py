@@ -10,7 +10,7 @@ import torch
 L = pytest.importorskip("lightning")
 
 from tests._support.applied import AppliedRecorder, assert_recorded_as_applied, recorded_norms  # noqa: E402
-from tests._support.runs import only_run_dir  # noqa: E402
+from tests._support.runs import only_run_dir, read_family  # noqa: E402
 from trainmon.integrations.lightning import TrainerMonCallback  # noqa: E402
 from trainmon.output.layout import rank_dir_name  # noqa: E402
 from trainmon.testing.tiny_gpt import GPTConfig, TinyGPT, synthetic_batches  # noqa: E402
@@ -29,9 +29,11 @@ class LitGPT(L.LightningModule):
         self.net = TinyGPT(SMALL)
         self.manual_acc = manual_acc
         self.automatic_optimization = manual_acc is None
+        self.losses: list[float] = []
 
     def training_step(self, batch, batch_idx):
         loss = self.net.loss(batch)
+        self.losses.append(loss.item())
         if self.automatic_optimization:
             return loss
         opt = self.optimizers()
@@ -62,6 +64,7 @@ def fit(output_root, make_config, batches, *, acc=1, manual_acc=None, **cb_kwarg
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[TrainerMonCallback(make_config(**CFG), **cb_kwargs), recorder])
     trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=None))
+    trainer.losses = model.losses
     return recorder.applied, trainer
 
 
@@ -84,6 +87,10 @@ def test_automatic_optimization_records_the_clipped_accumulated_grad_and_moments
         before_clip = np.sqrt(sum(v ** 2 for v in unreduced[step].values()))
         np.testing.assert_allclose(clipped, CLIP, rtol=1e-3)   # the clip ran inside the closure
         assert before_clip > 2 * CLIP                          # grad_unreduced: before the clip
+    # the callback hands each micro-batch's loss to record_loss: one row per batch, under its step
+    loss = read_family(rank0, "loss")
+    np.testing.assert_array_equal(loss["loss"].to_numpy(), np.array(trainer.losses))
+    assert list(zip(loss["step"], loss["micro_step"])) == [(b // acc, b % acc) for b in range(batches)]
     assert_no_trainmon_warning(caplog)
 
 

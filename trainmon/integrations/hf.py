@@ -60,10 +60,12 @@ class TrainerMonCallback(TrainerCallback):
         self.monitor.set_monitor(model, grad_acc_steps=acc, optimizer=optimizer, start_iteration=state.global_step)
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
-        # TODO(record_loss): when TrainerMon gains ``record_loss()``, record ``logs["loss"]`` here
-        # (the Trainer's mean loss over the last ``logging_steps`` steps; it hands no per-step loss
-        # to callbacks) with step ``state.global_step - 1``.
-        return None
+        # The Trainer hands callbacks no per-step loss: ``logs["loss"]`` is its mean over the last
+        # ``logging_steps`` steps (per step with ``logging_steps=1``).  on_log runs after the step,
+        # so record_loss files it under the step just finished.
+        loss = (logs or {}).get("loss")
+        if isinstance(loss, (int, float)):
+            self.monitor.record_loss(float(loss))
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.monitor.close()

@@ -86,11 +86,15 @@ class TrainerMonCallback(Callback):
         return EpochAccumulation(trainer.accumulate_grad_batches, batches,
                                  lambda: self.monitor.current_step, first_step=start)
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        # TODO(record_loss): when TrainerMon gains ``record_loss()``, record this micro-batch's loss
-        # here: ``outputs`` is what ``training_step`` returned (its ``"loss"``), at step
-        # ``trainer.global_step`` (the step this micro-batch belongs to, before the step ran).
-        return None
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+        # Before each micro-batch's backward, so inside the step it belongs to (Lightning calls
+        # training_step, not the module's forward, so the loss collector cannot tell by forwards).
+        # Automatic optimization backpropagates training_step's loss divided by the accumulation:
+        # undo that so the row is the loss training_step returned.  Manual optimization: the loss
+        # given to manual_backward, as given.
+        if pl_module.automatic_optimization:
+            loss = loss.detach() * trainer.accumulate_grad_batches
+        self.monitor.record_loss(loss.detach() if hasattr(loss, "detach") else loss)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self.monitor.close()
