@@ -23,6 +23,7 @@ asynchronous device allocation, not a sync.
 """
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass
 from typing import Sequence
@@ -57,6 +58,7 @@ class DeviceRows:
     def __init__(self, device: torch.device, columns: Sequence[str], eps: float, capacity: int = 512):
         self.device = device
         self.eps = eps
+        self._eps_cache: dict[torch.dtype, float] = {}
         self.values, self.counts = _layout(columns)
         self.vcol = {c: j for j, c in enumerate(self.values)}
         self.ccol = {c: j for j, c in enumerate(self.counts)}
@@ -112,7 +114,19 @@ class DeviceRows:
         if "infs" in self.ccol:
             torch.sum(torch.isinf(t), dim=None, out=c[self.ccol["infs"]])
         if "zeros" in self.ccol:
-            torch.sum(t.abs() < self.eps, dim=None, out=c[self.ccol["zeros"]])
+            torch.sum(t.abs() < self._eps_in(t.dtype), dim=None, out=c[self.ccol["zeros"]])
+
+    def _eps_in(self, dtype: torch.dtype) -> float:
+        """``eps`` rounded up to ``dtype``: the comparison runs in the tensor's dtype, where 1e-8
+        would round to 0 in fp16 (no element would count); rounding up keeps |x| < eps exact."""
+        cached = self._eps_cache.get(dtype)
+        if cached is None:
+            exact = torch.tensor(self.eps, dtype=torch.float64)
+            low = exact.to(dtype)
+            if low.double() < exact:
+                low = torch.nextafter(low, torch.tensor(math.inf, dtype=dtype))
+            cached = self._eps_cache[dtype] = float(low)
+        return cached
 
     def _extremes(self, chunk: _Chunk, dtype: torch.dtype) -> torch.Tensor:
         buf = chunk.extremes.get(dtype)

@@ -17,6 +17,7 @@ are first read.  ``stats_paths`` says which path each device type used (recorded
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -29,11 +30,20 @@ from trainmon.stats.host_rows import HostRows
 from trainmon.stats.device_rows import DeviceRows, HostCopy
 from trainmon.stats.partials import device_columns, fused_columns, write_cpu_rows
 from trainmon.stats.derive import derive_block
-from trainmon.stats.table import combine, partials_for
+from trainmon.stats.table import combine, partials_for, unscale
 
 __all__ = ["StatsEngine", "Tracked", "Meta", "SEAM_ENV", "device_path_forced", "merge_rows"]
 
 SEAM_ENV = "TRAINMON_DEVICE_PATH"
+SKIPPED = object()   # the row handle of a tensor seen while a CUDA graph was being captured
+log = logging.getLogger(__name__)
+
+
+def stream_capturing(device: torch.device) -> bool:
+    """True while ``device``'s current stream is capturing a CUDA graph: a hook then must not
+    launch work or copy (its kernels would only be recorded, and a copy can break the capture).
+    A module attribute so tests can fake it."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def device_path_forced() -> bool:
@@ -79,6 +89,7 @@ class _Pending:
     is_values: bool = False
     group: Any = None                      # process group to merge over (sharded tensors)
     slot: Any = None                       # (device, index) of this capture's tensors in the step's copy
+    scale: Any = None                      # divide the partials by this (float, or a device 0-d tensor)
 
 
 class StatsEngine:
@@ -94,18 +105,25 @@ class StatsEngine:
         self.seam = device_path_forced()
         self._devices: dict[torch.device, DeviceRows] = {}
         self.stats_paths: dict[str, str] = {}     # device type -> "cpu-fused" | "cpu-eager" | "device"
+        self._warned_capture = False
 
     def capture(self, family: str, items: Sequence[Tracked], *, micro_step: int | None = None,
-                extra: dict[str, Any] | None = None, group: Any = None) -> None:
+                extra: dict[str, Any] | None = None, group: Any = None, scale: Any = None) -> None:
         """Record the stats of ``items`` as they are now.  No host sync.
 
         ``group``: the tensors are shards of larger tensors split over this process group; the
         rows are merged over it in ``finish_step`` so every rank reports full-tensor stats.
+        ``scale``: the tensors are ``scale`` times the values to report (fp16 loss scale, a 0-d
+        tensor or a number): the partials are divided by it (``Partial.power``) on the host,
+        instead of dividing every tensor into a new one on the device.
         """
         if not items:
             return
+        if scale is not None and "zeros" in self.columns:  # abs(x) < eps is not scale-free
+            items = [Tracked(it.name, it.tensor / scale, it.vpp_stage, it.shape) for it in items]
+            scale = None
         rows = self.partials([it.tensor for it in items])
-        self.capture_rows(family, items, rows, micro_step=micro_step, extra=extra, group=group)
+        self.capture_rows(family, items, rows, micro_step=micro_step, extra=extra, group=group, scale=scale)
 
     def partials(self, tensors: Sequence[torch.Tensor], *, no_sync: bool = False) -> list[Any]:
         """Partials rows of ``tensors`` as they are now, as opaque row handles for
@@ -124,7 +142,10 @@ class StatsEngine:
             by_device.setdefault(tensors[i].device, []).append(i)
         rows: list[Any] = [None] * len(tensors)
         for device, idx in by_device.items():
-            if device.type == "cpu" and not self.seam:
+            if (device.type != "cpu" or self.seam) and stream_capturing(device):
+                self._warn_capturing()
+                got = [SKIPPED] * len(idx)
+            elif device.type == "cpu" and not self.seam:
                 got: list[Any] = list(write_cpu_rows([tensors[i] for i in idx], self.columns, self.eps,
                                                      self._host, self._fused()))
             else:
@@ -132,6 +153,12 @@ class StatsEngine:
             for i, r in zip(idx, got):
                 rows[i] = r
         return [rows[first[id(t)]] for t in tensors]
+
+    def _warn_capturing(self) -> None:
+        if not self._warned_capture:
+            self._warned_capture = True
+            log.warning("trainmon: a CUDA graph is being captured; statistics of tensors seen during "
+                        "the capture are skipped (graph replays run no hooks and are not recorded)")
 
     def _device_rows(self, device: torch.device) -> DeviceRows:
         rows = self._devices.get(device)
@@ -148,19 +175,24 @@ class StatsEngine:
 
     def capture_rows(self, family: str, items: Sequence[Tracked], rows: Sequence[Any], *,
                      micro_step: int | None = None, extra: dict[str, Any] | None = None,
-                     group: Any = None) -> None:
+                     group: Any = None, scale: Any = None) -> None:
         """Record rows from ``partials`` under the names of ``items`` (one row may serve several
-        names: a tensor that is the output of one module and the input of the next)."""
-        if items:
+        names: a tensor that is the output of one module and the input of the next); ``scale``:
+        see ``capture``."""
+        if items and not any(r is SKIPPED for r in rows):
             self._pending.append(_Pending(family, [
                 (it.name, it.vpp_stage, it.shape if it.shape is not None else it.tensor.shape,
-                 it.tensor.dtype) for it in items], list(rows), self.columns, micro_step,
-                dict(extra) if extra else None, group=group))
+                 it.tensor.dtype) for it in items], rows if isinstance(rows, list) else list(rows),
+                self.columns, micro_step, dict(extra) if extra else None, group=group,
+                scale=None if scale is None else scale.detach()
+                if isinstance(scale, torch.Tensor) and (self.seam or not scale.is_cpu) else float(scale)))
 
     def capture_tensors(self, family: str, vpp_stage: int, names: Sequence[str],
                         tensors: Sequence[torch.Tensor], rows: Sequence[Any], *,
                         micro_step: int | None = None, shape: tuple[int, ...] | None = None) -> None:
         """``capture_rows`` without ``Tracked`` objects, for hooks (activations)."""
+        if any(r is SKIPPED for r in rows):
+            return
         self._pending.append(_Pending(family, [
             (n, vpp_stage, t.shape if shape is None else shape, t.dtype) for n, t in zip(names, tensors)],
             list(rows), self.columns, micro_step))
@@ -170,6 +202,9 @@ class StatsEngine:
         """Record values already computed on the device (one ``[len(columns)]`` row per meta;
         the rows share the first meta's ``micro_step`` and ``extra``).  Kept as they are (no fp64
         on the device); they reach the host with the step's one copy."""
+        if metas and values and (self.seam or not values[0].is_cpu) and stream_capturing(values[0].device):
+            self._warn_capturing()
+            return
         if metas:
             self._pending.append(_Pending(family, [(m.name, m.vpp_stage, m.shape, m.dtype) for m in metas],
                                           [v.detach().reshape(-1) for v in values], tuple(columns),
@@ -265,27 +300,38 @@ def _to_host(pending: list[_Pending], host: list[list[float]],
     extras: dict[Any, list[torch.Tensor]] = {}
     out = []
     for p in pending:
-        if p.slot is not None:
-            device, k = p.slot
-            if device not in extras:
-                extras[device] = copies[device].extra()  # type: ignore[union-attr]
-            ex = extras[device]
-            out.append(_merged_rows(ex[k], ex[k + 1], p.columns) if p.group is not None
-                       else ex[k].double().tolist())
-            continue
-        row_values = []
-        for r in p.rows:
-            if isinstance(r, int):
-                row_values.append(host[r])
-            elif isinstance(r, tuple):
-                owner, i = r
-                if owner not in decoded:
-                    decoded[owner] = copies[owner.device].rows(p.columns).tolist()  # type: ignore[union-attr]
-                row_values.append(decoded[owner][i])
-            else:
-                row_values.append(r.double().tolist())
-        out.append(row_values)
+        out.append(_values_of(p, host, copies, decoded, extras))
+        if p.scale is not None:
+            if isinstance(p.scale, tuple):
+                device, k = p.scale
+                if device not in extras:
+                    extras[device] = copies[device].extra()  # type: ignore[union-attr]
+                p.scale = float(extras[device][k][0])
+            out[-1] = unscale(out[-1], p.columns, p.scale)
     return out
+
+
+def _values_of(p: _Pending, host: list[list[float]], copies: dict[Any, HostCopy | None],
+               decoded: dict[Any, list[list[float]]], extras: dict[Any, list[torch.Tensor]]) -> list[list[float]]:
+    """One pending's rows as floats (see ``_to_host``)."""
+    if p.slot is not None:
+        device, k = p.slot
+        if device not in extras:
+            extras[device] = copies[device].extra()  # type: ignore[union-attr]
+        ex = extras[device]
+        return _merged_rows(ex[k], ex[k + 1], p.columns) if p.group is not None else ex[k].double().tolist()
+    row_values = []
+    for r in p.rows:
+        if isinstance(r, int):
+            row_values.append(host[r])
+        elif isinstance(r, tuple):
+            owner, i = r
+            if owner not in decoded:
+                decoded[owner] = copies[owner.device].rows(p.columns).tolist()  # type: ignore[union-attr]
+            row_values.append(decoded[owner][i])
+        else:
+            row_values.append(r.double().tolist())
+    return row_values
 
 
 def _device_extras(pending: list[_Pending], seam: bool) -> dict[torch.device, list[torch.Tensor]]:
@@ -295,6 +341,10 @@ def _device_extras(pending: list[_Pending], seam: bool) -> dict[torch.device, li
     extras: dict[torch.device, list[torch.Tensor]] = {}
     groups: dict[int, list[_Pending]] = {}
     for p in pending:
+        if isinstance(p.scale, torch.Tensor):  # a device loss scale: read with the step's copy
+            slots = extras.setdefault(p.scale.device, [])
+            p.scale, slot = (p.scale.device, len(slots)), p.scale.float().reshape(1)
+            slots.append(slot)
         if not p.rows:
             continue
         if p.is_values and (seam or not p.rows[0].is_cpu):

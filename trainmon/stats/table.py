@@ -26,7 +26,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 __all__ = ["PARTIALS", "PARTIAL", "Partial", "Stat", "STATS", "STAT_NAMES", "DEFAULT_OPS", "partials_for",
-           "derive", "derive_columns", "combine", "merge_partials"]
+           "derive", "derive_columns", "combine", "merge_partials", "unscale"]
 
 Columns = Mapping[str, np.ndarray]   # partial name -> float64 column (one entry per tensor)
 
@@ -37,18 +37,19 @@ class Partial:
     merge: str          # "sum" | "min" | "max" | "m2" (Chan et al., needs count and sum)
     identity: float     # the partial of an empty piece
     doc: str
+    power: int = 0      # the partial of (x / s) is the partial of x / s**power (s > 0); 0: unchanged
 
 
 PARTIAL: dict[str, Partial] = {p.name: p for p in (
     Partial("count", "sum", 0.0, "number of elements"),
-    Partial("sum", "sum", 0.0, "sum of elements (fp32+ accumulation, fp64 combine)"),
-    Partial("sumsq", "sum", 0.0, "sum of squares"),
-    Partial("min", "min", math.inf, "smallest element (NaN if any element is NaN)"),
-    Partial("max", "max", -math.inf, "largest element (NaN if any element is NaN)"),
+    Partial("sum", "sum", 0.0, "sum of elements (fp32+ accumulation, fp64 combine)", 1),
+    Partial("sumsq", "sum", 0.0, "sum of squares", 2),
+    Partial("min", "min", math.inf, "smallest element (NaN if any element is NaN)", 1),
+    Partial("max", "max", -math.inf, "largest element (NaN if any element is NaN)", 1),
     Partial("nans", "sum", 0.0, "number of NaN elements"),
     Partial("infs", "sum", 0.0, "number of +-Inf elements"),
     Partial("zeros", "sum", 0.0, "number of elements with abs(x) < eps"),
-    Partial("m2", "m2", 0.0, "sum of squared deviations from the mean"),
+    Partial("m2", "m2", 0.0, "sum of squared deviations from the mean", 2),
 )}
 PARTIALS: tuple[str, ...] = tuple(PARTIAL)
 
@@ -166,3 +167,10 @@ def merge_partials(parts: list[Mapping[str, float]]) -> dict[str, float]:
     keys = [k for k in PARTIALS if k in set().union(*parts)]
     merged = combine(np.array([[[p[k] for k in keys]] for p in parts], dtype=np.float64), keys)
     return dict(zip(keys, merged[0].tolist()))
+
+
+def unscale(rows: list[list[float]], columns: Sequence[str], scale: float) -> list[list[float]]:
+    """Partials of ``x / scale`` from partials of ``x`` (``Partial.power``): how an fp16 loss
+    scale is taken out without dividing every grad into a new tensor."""
+    factors = [scale ** -PARTIAL[c].power for c in columns]
+    return [[v * f for v, f in zip(row, factors)] for row in rows]
