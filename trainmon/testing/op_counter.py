@@ -24,8 +24,11 @@ class OpCounter(TorchDispatchMode):
     """``with OpCounter() as c: ...`` then ``c.ops`` (non-view aten ops), ``c.syncs``,
     ``c.copies`` (host data entering or a device change), ``c.largest`` (bytes), ``c.names``."""
 
-    def __init__(self) -> None:
+    def __init__(self, buffers: bool = True) -> None:
+        """``buffers=False``: ``empty``/``zeros`` allocations (persistent row buffers) do not count
+        towards ``largest``."""
         super().__init__()
+        self._skip_largest = frozenset() if buffers else frozenset({"empty", "zeros", "empty_strided"})
         self.names: Counter[str] = Counter()
         self.ops = self.syncs = self.copies = self.largest = 0
 
@@ -41,7 +44,7 @@ class OpCounter(TorchDispatchMode):
             self.syncs += 1
         if name in _HOST_DATA or (name in ("_to_copy", "copy_") and _device_change(args, kwargs, out)):
             self.copies += 1
-        if "out" not in kwargs and func._schema.arguments and not _mutates(func):
+        if "out" not in kwargs and not _mutates(func) and name not in self._skip_largest:
             for t in out if isinstance(out, (tuple, list)) else (out,):
                 if isinstance(t, torch.Tensor):
                     self.largest = max(self.largest, t.numel() * t.element_size())
