@@ -31,6 +31,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from trainmon.stats.table import PARTIAL
+
 __all__ = ["DeviceRows", "HostCopy", "VALUE_COLUMNS", "COUNT_COLUMNS", "gathered_partials"]
 
 VALUE_COLUMNS = ("sum", "sumsq", "min", "max", "m2")   # float32 on the device (sumsq held as the norm)
@@ -266,8 +268,6 @@ def gathered_partials(columns: Sequence[str], values: np.ndarray, meta: np.ndarr
 def _partials(columns: Sequence[str], numel: np.ndarray, values: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """The engine's partials columns from the device layout: norms squared and var(correction=0)
     times n in float64 on the host; merge identities for empty tensors (no reduction ran)."""
-    from trainmon.stats.table import PARTIAL
-
     vals, cnts = _layout(columns)
     vcol, ccol = {c: j for j, c in enumerate(vals)}, {c: j for j, c in enumerate(cnts)}
     out = np.empty((len(numel), len(columns)))
