@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -167,7 +167,8 @@ class DeviceRows:
             self.numels, self.kinds = [], []
         if n == 0 and not extra:
             return None
-        parts, layout = [], []
+        parts: list[torch.Tensor] = []
+        layout: list[tuple[Any, ...]] = []   # (chunk or index, key, dtype, width or shape, rows)
         for c, chunk in enumerate(self.chunks[: (n + self.capacity - 1) // self.capacity]):
             rows = min(self.capacity, n - c * self.capacity)
             for key, buf in (("values", chunk.values), ("counts", chunk.counts), *chunk.extremes.items()):

@@ -141,13 +141,14 @@ class StatsEngine:
         for i in first.values():
             by_device.setdefault(tensors[i].device, []).append(i)
         rows: list[Any] = [None] * len(tensors)
+        got: list[Any]
         for device, idx in by_device.items():
             if (device.type != "cpu" or self.seam) and stream_capturing(device):
                 self._warn_capturing()
                 got = [SKIPPED] * len(idx)
             elif device.type == "cpu" and not self.seam:
-                got: list[Any] = list(write_cpu_rows([tensors[i] for i in idx], self.columns, self.eps,
-                                                     self._host, self._fused()))
+                got = list(write_cpu_rows([tensors[i] for i in idx], self.columns, self.eps,
+                                          self._host, self._fused()))
             else:
                 got = self._device_rows(device).write([tensors[i] for i in idx])
             for i, r in zip(idx, got):

@@ -15,20 +15,28 @@ Two tables, and everything else reads them:
 
 Adding a statistic is therefore one ``Stat`` row (and a partial, if it needs a new one: one
 ``Partial`` row plus its reduction in ``stats.partials``).  This module imports no torch: the
-config loader uses it.
+config loader uses it, and no numpy until a statistic is derived or merged (the config and
+output layers stay light).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = ["PARTIALS", "PARTIAL", "Partial", "Stat", "STATS", "STAT_NAMES", "DEFAULT_OPS", "partials_for",
            "derive", "derive_columns", "combine", "merge_partials", "unscale"]
 
-Columns = Mapping[str, np.ndarray]   # partial name -> float64 column (one entry per tensor)
+Columns = Mapping[str, "np.ndarray"]   # partial name -> float64 column (one entry per tensor)
+
+
+def _np() -> Any:
+    import numpy
+
+    return numpy
 
 
 @dataclass(frozen=True)
@@ -67,25 +75,29 @@ class Stat:
 
     def derive(self, partials: Mapping[str, float]) -> float | int:
         """The statistic of one tensor (the same function as the block derive, on one row)."""
+        np = _np()
         value = float(self.vector({k: np.array([partials[k]], dtype=np.float64) for k in self.needs})[0])
         return int(value) if self.integer else value
 
 
 def _ratio(a: np.ndarray, n: np.ndarray) -> np.ndarray:
+    np = _np()
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.where(n != 0, a / np.where(n != 0, n, 1.0), np.nan)
 
 
 def _norm(p: Columns) -> np.ndarray:
+    np = _np()
     with np.errstate(invalid="ignore"):
         return np.sqrt(np.where(p["sumsq"] >= 0, p["sumsq"], np.nan))
 
 
 def _extreme(key: str) -> Callable[[Columns], np.ndarray]:
-    return lambda p: np.where(p["count"] != 0, p[key], np.nan)
+    return lambda p: _np().where(p["count"] != 0, p[key], _np().nan)
 
 
 def _std(p: Columns) -> np.ndarray:
+    np = _np()
     # Unbiased, like torch.std; m2 is kept instead of sum-of-squares because
     # E[x^2]-E[x]^2 loses ~1e-4 relative precision on LayerNorm-like tensors in fp32.
     n, m2 = p["count"], p["m2"]
@@ -125,6 +137,7 @@ def derive(ops: tuple[str, ...] | list[str], partials: Mapping[str, float]) -> d
 
 def derive_columns(ops: Sequence[str], columns: Sequence[str], mat: np.ndarray) -> np.ndarray:
     """``[rows, len(ops)]`` float64 statistics from a ``[rows, len(columns)]`` partials matrix."""
+    np = _np()
     p = {c: mat[:, j] for j, c in enumerate(columns)}
     out = np.empty((mat.shape[0], len(ops)), dtype=np.float64)
     for j, op in enumerate(ops):
@@ -135,6 +148,7 @@ def derive_columns(ops: Sequence[str], columns: Sequence[str], mat: np.ndarray) 
 def combine(mat: np.ndarray, columns: Sequence[str]) -> np.ndarray:
     """Exact merge of ``[pieces, rows, columns]`` float64 partials over the pieces: the one
     implementation of every partial's merge.  min/max propagate NaN (like ``torch.amin``)."""
+    np = _np()
     mat = np.asarray(mat, dtype=np.float64)
     out = np.empty(mat.shape[1:], dtype=np.float64)
     col = {c: j for j, c in enumerate(columns)}
@@ -153,6 +167,7 @@ def combine(mat: np.ndarray, columns: Sequence[str]) -> np.ndarray:
 def _chan_m2(n: np.ndarray, s: np.ndarray, m2: np.ndarray) -> np.ndarray:
     """Chan et al.'s parallel m2: sum of the pieces' m2 plus n_k (mean_k - mean)^2; empty
     pieces contribute nothing."""
+    np = _np()
     mean = s.sum(0) / np.where(n.sum(0) > 0, n.sum(0), 1.0)
     live = n > 0
     piece_mean = np.where(live, s / np.where(live, n, 1.0), 0.0)
@@ -162,6 +177,7 @@ def _chan_m2(n: np.ndarray, s: np.ndarray, m2: np.ndarray) -> np.ndarray:
 
 def merge_partials(parts: list[Mapping[str, float]]) -> dict[str, float]:
     """Exact combination of the partials of disjoint pieces of one tensor (see ``combine``)."""
+    np = _np()
     if not parts:
         return {}
     keys = [k for k in PARTIALS if k in set().union(*parts)]
