@@ -121,8 +121,12 @@ def check_training(root: Path) -> None:
     peak = torch.cuda.max_memory_allocated()
     kernels = kernels_per_micro_batch(model)
     mon.close()
-    rows = sum(len(p.read_text().splitlines()) - 1 for p in (root / "out" / "gpu-check").rglob("actv*_*.csv"))
-    per_mb_rows = max(rows / 16, 1)  # actv + actv_grad rows per micro-batch (8 collected micro-batches)
+    import pandas as pd
+
+    frames = [pd.read_csv(p) for p in (root / "out" / "gpu-check").rglob("actv*_*.csv")]
+    first = pd.concat(frames) if frames else pd.DataFrame({"step": []})
+    first = first[first["step"] == first["step"].min()] if len(first) else first
+    per_mb_rows = max(len(first) / 2, 1)  # actv + actv_grad rows of one micro-batch (2 per step)
     extra = kernels - base_kernels
     report("kernels per micro-batch", extra / per_mb_rows <= 4,
            f"+{extra} kernels ({base_kernels} without the monitor), {extra / per_mb_rows:.2f} per activation row")
