@@ -10,6 +10,7 @@ from tests._support.runs import only_run_dir, read_family
 from trainmon import TrainerMon
 
 
+@pytest.mark.slow   # a monitored run per case
 @pytest.mark.parametrize(("env", "want"), [({"TRAINMON_DEVICE_PATH": "1"}, "device"),
                                            ({"TRAINMON_FUSED_CPU": "0"}, "cpu-eager"),
                                            ({"TRAINMON_FUSED_CPU": "1"}, "cpu-fused")])

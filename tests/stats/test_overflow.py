@@ -16,6 +16,7 @@ from trainmon.cli import main
 OPS = ["norm", "mean", "min", "max", "std", "nans", "infs"]
 
 
+@pytest.mark.slow   # a monitored run per case
 @pytest.mark.parametrize("fused", ["1", "0"])
 def test_huge_finite_params_and_grads_are_recorded_finite_and_not_flagged(output_root, tmp_path, monkeypatch,
                                                                           capsys, fused):
