@@ -197,7 +197,10 @@ def _copy_to_host(flat: torch.Tensor) -> tuple[torch.Tensor, object]:
     event = backend.Event() if backend is not None and hasattr(backend, "Event") else None
     if event is not None:  # on the stream of the rows' device, which may not be the current device
         current = getattr(backend, "current_stream", None)
-        event.record(current(flat.device)) if current is not None else event.record()
+        if current is not None:
+            event.record(current(flat.device))
+        else:
+            event.record()
     return host, event
 
 
