@@ -51,12 +51,13 @@ class CollectorContext:
 def capture_views(ctx: CollectorContext, family: str, pairs: Sequence[tuple[TrackedParam, Any]],
                   micro_step: int | None = None) -> None:
     """Capture ``(param, View)`` pairs; shards of one process group are merged over it."""
-    by_group: dict[int, tuple[Any, list[Tracked]]] = {}
+    by_group: dict[tuple[int, int], tuple[Any, Any, list[Tracked]]] = {}
     for tp, view in pairs:
-        entry = by_group.setdefault(id(view.group), (view.group, []))
-        entry[1].append(Tracked(tp.name, view.tensor, tp.vpp_stage, view.shape))
-    for group, items in by_group.values():
-        ctx.engine.capture(family, items, micro_step=micro_step, group=group)
+        scale = getattr(view, "scale", None)
+        entry = by_group.setdefault((id(view.group), id(scale)), (view.group, scale, []))
+        entry[2].append(Tracked(tp.name, view.tensor, tp.vpp_stage, view.shape))
+    for group, scale, items in by_group.values():
+        ctx.engine.capture(family, items, micro_step=micro_step, group=group, scale=scale)
 
 
 class Collector(ABC):

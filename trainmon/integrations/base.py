@@ -28,6 +28,7 @@ class View:
     tensor: torch.Tensor
     group: Any = None                       # merge partials over this group: tensor is a shard
     shape: tuple[int, ...] | None = None    # full logical shape when tensor is a shard
+    scale: Any = None                       # tensor = scale x the values to report (fp16 loss scale)
 
 
 class Integration:

@@ -81,13 +81,27 @@ class DeepSpeedIntegration(Integration):
         def reduce_bucket(*args: Any, **kwargs: Any) -> Any:
             mine = [tp for p in bucket_params(*args, **kwargs) if (tp := by_id.get(id(p))) is not None]
             if mine:
+                side = self._z3_stream() if self.stage == 3 else None
+                if side is not None:  # the IPG copy ran on DeepSpeed's stream: read after it
+                    torch.cuda.current_stream().wait_stream(side)
                 emit(mine, self._micro_step())
+                if side is not None:  # and DeepSpeed's in-place divide waits for the read
+                    side.wait_stream(torch.cuda.current_stream())
             return inner(*args, **kwargs)
 
         # On the instance only: other optimizers of the class stay untouched; the call sites
         # (``self.reduce_ipg_grads``, the mangled ``self.__reduce...``) look the instance up first.
         setattr(self.zero, attr, reduce_bucket)
         return [Handle(lambda: delattr(self.zero, attr))]
+
+    def _z3_stream(self) -> Any:
+        """ZeRO-3's ``reduce_and_partition_stream`` when it is a side CUDA stream (overlap_comm):
+        the grads are copied into the IPG buffer and divided in place on it, so the pre-reduce
+        read must be ordered after the copy and before the divide (``wait_stream`` both ways)."""
+        stream = getattr(self.zero, "reduce_and_partition_stream", None)
+        if stream is None or not isinstance(stream, torch.cuda.Stream):
+            return None
+        return None if stream == torch.cuda.current_stream() else stream
 
     def _micro_step(self) -> int:
         """Index of the running micro-batch in its step (``micro_steps`` counts finished ones)."""

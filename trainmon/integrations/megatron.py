@@ -10,8 +10,10 @@ Where each family is read (see docs/megatron.md):
   With the distributed optimizer only the range this rank owns was reduced; the rest of the
   buffer is stale local data, so only the owned range is measured and the shards are merged
   over the optimizer's data-parallel group.
-* fp16: ``main_grad`` carries the loss scale; both grad families are divided by
-  ``optimizer.get_loss_scale()`` so they are on the scale of the loss.
+* fp16: ``main_grad`` carries the loss scale; both grad families are reported divided by
+  ``optimizer.get_loss_scale()`` so they are on the scale of the loss.  The grads are not divided
+  (that made a full-size copy of every grad): their partials are (sum/s, sumsq/s^2, min/s, max/s),
+  the scale travelling as a device tensor with the step's one copy.
 * moments and (distributed optimizer) params: the fp32 tensors the inner torch optimizer
   updates, found through the Float16 / FP32 / Distributed / Chained optimizers' group maps.
 
@@ -130,9 +132,9 @@ class MegatronIntegration(Integration):
                 return o.get_loss_scale()
         return None
 
-    def _unscaled(self, g: torch.Tensor) -> torch.Tensor:
-        scale = self._loss_scale()
-        return g if scale is None else g / scale.to(g.dtype)
+    def _view(self, g: torch.Tensor, group: Any = None, shape: tuple[int, ...] | None = None) -> View:
+        """``g`` as recorded: with an fp16 loss scale, its partials are divided by the scale."""
+        return View(g, group, shape, scale=self._loss_scale())
 
     # -- pre-reduce ----------------------------------------------------------------------------
     def pre_reduce_points(self, params: list[TrackedParam],
@@ -176,7 +178,7 @@ class MegatronIntegration(Integration):
 
     def local_grad(self, tp: TrackedParam) -> View | None:
         g = getattr(tp.param, "main_grad", None) if self.use_main_grad else tp.param.grad
-        return None if g is None else View(self._unscaled(g))
+        return None if g is None else self._view(g)
 
     # -- post-reduce -------------------------------------------------------------------------
     def _dist_map(self) -> dict[int, tuple[Any, Any]]:
@@ -207,13 +209,13 @@ class MegatronIntegration(Integration):
             return None
         entry = self._dist_map().get(id(tp.param))
         if entry is None:
-            return View(self._unscaled(g))
+            return self._view(g)
         opt, group = entry
         if tp.param not in opt.model_param_gbuf_map:   # this rank owns none of it
-            return View(g.new_empty(0), group, tuple(tp.param.shape))
+            return self._view(g.new_empty(0), group, tuple(tp.param.shape))  # same capture on every rank
         rng = opt._get_model_param_range_map(tp.param)["param"]
         shard = g.view(-1)[rng.start:rng.end]
-        return View(self._unscaled(shard), group, tuple(tp.param.shape))
+        return self._view(shard, group, tuple(tp.param.shape))
 
     # -- optimizer state -----------------------------------------------------------------------
     def _state_map(self) -> dict[int, tuple[Any, Any, Any]]:

@@ -15,7 +15,7 @@ from typing import Any
 from trainmon.output.layout import RUN_META, rank_dir_name
 from trainmon.core import dist as _dist
 
-__all__ = ["output_root", "create_run_dir", "rank_dir"]
+__all__ = ["output_root", "create_run_dir", "rank_dir", "record_stats_path"]
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,22 @@ def create_run_dir(root: Path, group: Any = None, meta: dict | None = None) -> P
 def _write_meta(run_dir: Path, meta: dict, run_id: str) -> None:
     info = {"run_id": run_id, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **meta}
     (run_dir / RUN_META).write_text(json.dumps(info, indent=1, default=str) + "\n")
+
+
+def record_stats_path(run_dir: Path, paths: dict[str, str]) -> None:
+    """Add ``"stats_path"`` (device type -> statistics path, e.g. ``{"cuda": "device"}``) to
+    run.json, so a reader can see what produced the numbers.  Known only once tensors were seen,
+    hence written at the first finished step; rewritten atomically (a reader never sees half a
+    file).  A failure is a warning: the run goes on."""
+    meta_path = run_dir / RUN_META
+    try:
+        info = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+        info["stats_path"] = dict(sorted(paths.items()))
+        tmp = meta_path.with_name(f".{RUN_META}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(info, indent=1, default=str) + "\n")
+        os.replace(tmp, meta_path)
+    except (OSError, ValueError) as exc:
+        log.warning("trainmon: cannot record the statistics path in %s (%s)", meta_path, exc)
 
 
 def rank_dir(run_dir: Path, rank: int) -> Path | None:

@@ -14,6 +14,7 @@ from typing import Any
 from trainmon.collectors import Collector, CollectorContext, collector_classes
 from trainmon.collectors.base import Guard
 from trainmon.core.hooks import Handle, wrap_optimizer_step
+from trainmon.runtime.run_dir import record_stats_path
 from trainmon.sinks.base import Sink
 
 __all__ = ["Session"]
@@ -30,6 +31,7 @@ class Session:
                                             if collect and cls.enabled(ctx.config)]
         self._step_handle: Handle | None = None
         self._entered = False   # on_step_entry ran for the running step
+        self._paths_recorded: dict[str, str] = {}
         for c in list(self.collectors):
             ctx.guard.run(c, c.attach)
         if optimizer is not None:
@@ -85,6 +87,10 @@ class Session:
             self.ctx.engine.discard()
             return
         self.sink.write(rows, step)
+        paths = self.ctx.engine.stats_paths
+        if paths != self._paths_recorded and self.ctx.rank == 0 and self.ctx.run_dir is not None:
+            self._paths_recorded = dict(paths)
+            record_stats_path(self.ctx.run_dir, self._paths_recorded)
 
     def _drop_collector(self, collector: Collector) -> None:
         collector.detach()

@@ -10,7 +10,8 @@ log line and the eager path (same values, slower).
 
 Accuracy: 16 float lanes accumulate blocks of 512 elements (32 per lane), and every block's sums
 are added in float64, so the error does not grow with the tensor size (at least as accurate as the
-eager blocked path).  min/max propagate NaN like ``torch.amin``/``amax``: a NaN anywhere makes the
+eager blocked path).  A block whose float sums overflow (finite elements above ~1e18) is summed
+again in double, so any finite tensor gets finite sums; only such blocks pay for it.  min/max propagate NaN like ``torch.amin``/``amax``: a NaN anywhere makes the
 sum of squares NaN (and only a NaN can), which is the trigger.  The lanes are independent, so the
 compiler vectorizes them without fast-math and results do not depend on the vector width.
 """
@@ -79,6 +80,10 @@ static void NAME(const void* p, int64_t n, double* out) {                       
     }                                                                                      \
     double bs = 0.0, bq = 0.0;                                                             \
     for (int j = 0; j < LANES; ++j) { bs += s[j]; bq += q[j]; }                            \
+    if (!isfinite(bs + bq)) { /* float lanes overflowed (or a NaN/Inf): redo in double */  \
+      bs = 0.0; bq = 0.0;                                                                  \
+      for (int64_t k = 0; k < BLOCK; ++k) { double x = LOAD(p, i + k); bs += x; bq += x * x; } \
+    }                                                                                      \
     sum += bs; sumsq += bq;                                                                \
   }                                                                                        \
   float lo = mn[0], hi = mx[0];                                                            \

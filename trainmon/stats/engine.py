@@ -8,22 +8,48 @@ sharded rows over their process group; it is the only place that reads device va
 host.  It returns ``StepRows``: the statistics are derived from the partials (a block at a time,
 ``stats.derive``) when a sink first reads them, which for the threaded sink is on its writer
 thread.
+
+Accelerator tensors (and, under the test seam ``TRAINMON_DEVICE_PATH=1``, CPU tensors too) take
+``stats.device_rows``: in-place fp32 rows, no host sync in hooks, one asynchronous device->host
+copy per device per step, resolved (and sharded rows merged in float64) on the host when the rows
+are first read.  ``stats_paths`` says which path each device type used (recorded in run.json).
 """
 from __future__ import annotations
 
 import functools
+import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from trainmon.stats.rows import StepRows, RowBlock, paced
 from trainmon.stats.host_rows import HostRows
-from trainmon.stats.partials import compute_partials, device_columns, fused_columns, write_cpu_rows
+from trainmon.stats.device_rows import DeviceRows, HostCopy
+from trainmon.stats.partials import device_columns, fused_columns, write_cpu_rows
 from trainmon.stats.derive import derive_block
-from trainmon.stats.table import partials_for
+from trainmon.stats.table import combine, partials_for, unscale
 
-__all__ = ["StatsEngine", "Tracked", "Meta"]
+__all__ = ["StatsEngine", "Tracked", "Meta", "SEAM_ENV", "device_path_forced", "merge_rows"]
+
+SEAM_ENV = "TRAINMON_DEVICE_PATH"
+SKIPPED = object()   # the row handle of a tensor seen while a CUDA graph was being captured
+log = logging.getLogger(__name__)
+
+
+def stream_capturing(device: torch.device) -> bool:
+    """True while ``device``'s current stream is capturing a CUDA graph: a hook then must not
+    launch work or copy (its kernels would only be recorded, and a copy can break the capture).
+    A module attribute so tests can fake it."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def device_path_forced() -> bool:
+    """The test seam: ``TRAINMON_DEVICE_PATH=1`` sends CPU tensors down the accelerator path
+    (the same functions, no CPU shortcut, no fused kernel), so CI checks it without a GPU."""
+    return os.environ.get(SEAM_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,12 +82,14 @@ _Item = tuple
 class _Pending:
     family: str
     items: list[_Item]
-    rows: list[Any]                        # host row index (CPU) or partials row tensor (device)
+    rows: list[Any]                        # host row index (CPU), (DeviceRows, index), or a value tensor
     columns: tuple[str, ...]
     micro_step: int | None = None
     extra: dict[str, Any] | None = None
     is_values: bool = False
     group: Any = None                      # process group to merge over (sharded tensors)
+    slot: Any = None                       # (device, index) of this capture's tensors in the step's copy
+    scale: Any = None                      # divide the partials by this (float, or a device 0-d tensor)
 
 
 class StatsEngine:
@@ -74,35 +102,70 @@ class StatsEngine:
         self._pending: list[_Pending] = []
         self._host = HostRows(len(self.columns))
         self._fused_cols: tuple[int, ...] | None | bool = False
+        self.seam = device_path_forced()
+        self._devices: dict[torch.device, DeviceRows] = {}
+        self.stats_paths: dict[str, str] = {}     # device type -> "cpu-fused" | "cpu-eager" | "device"
+        self._warned_capture = False
 
     def capture(self, family: str, items: Sequence[Tracked], *, micro_step: int | None = None,
-                extra: dict[str, Any] | None = None, group: Any = None) -> None:
+                extra: dict[str, Any] | None = None, group: Any = None, scale: Any = None) -> None:
         """Record the stats of ``items`` as they are now.  No host sync.
 
         ``group``: the tensors are shards of larger tensors split over this process group; the
         rows are merged over it in ``finish_step`` so every rank reports full-tensor stats.
+        ``scale``: the tensors are ``scale`` times the values to report (fp16 loss scale, a 0-d
+        tensor or a number): the partials are divided by it (``Partial.power``) on the host,
+        instead of dividing every tensor into a new one on the device.
         """
         if not items:
             return
+        if scale is not None and "zeros" in self.columns:  # abs(x) < eps is not scale-free
+            items = [Tracked(it.name, it.tensor / scale, it.vpp_stage, it.shape) for it in items]
+            scale = None
         rows = self.partials([it.tensor for it in items])
-        self.capture_rows(family, items, rows, micro_step=micro_step, extra=extra, group=group)
+        self.capture_rows(family, items, rows, micro_step=micro_step, extra=extra, group=group, scale=scale)
 
     def partials(self, tensors: Sequence[torch.Tensor], *, no_sync: bool = False) -> list[Any]:
         """Partials rows of ``tensors`` as they are now, as opaque row handles for
-        ``capture_rows`` (``no_sync``: never read the device on the host, for hooks that run
-        inside the forward/backward on an accelerator)."""
-        if all(t.is_cpu for t in tensors):
-            return list(write_cpu_rows(tensors, self.columns, self.eps, self._host, self._fused()))
+        ``capture_rows``.  Never reads a device value on the host (``no_sync`` is kept for
+        callers; every path is sync-free now).  A tensor passed twice is reduced once."""
+        if not self.seam and all(t.is_cpu for t in tensors):
+            fused = self._fused()
+            if "cpu" not in self.stats_paths:
+                self.stats_paths["cpu"] = "cpu-fused" if fused is not None else "cpu-eager"
+            return list(write_cpu_rows(tensors, self.columns, self.eps, self._host, fused))
+        first: dict[int, int] = {}
+        for i, t in enumerate(tensors):
+            first.setdefault(id(t), i)
+        by_device: dict[torch.device, list[int]] = {}
+        for i in first.values():
+            by_device.setdefault(tensors[i].device, []).append(i)
         rows: list[Any] = [None] * len(tensors)
-        cpu = [i for i, t in enumerate(tensors) if t.is_cpu]
-        device = [i for i, t in enumerate(tensors) if not t.is_cpu]
-        for i, r in zip(device, compute_partials([tensors[i] for i in device], self.columns, self.eps,
-                                                 no_sync=no_sync)):
-            rows[i] = r
-        if cpu:
-            for i, r in zip(cpu, write_cpu_rows([tensors[i] for i in cpu], self.columns, self.eps,
-                                                self._host, self._fused())):
+        got: list[Any]
+        for device, idx in by_device.items():
+            if (device.type != "cpu" or self.seam) and stream_capturing(device):
+                self._warn_capturing()
+                got = [SKIPPED] * len(idx)
+            elif device.type == "cpu" and not self.seam:
+                got = list(write_cpu_rows([tensors[i] for i in idx], self.columns, self.eps,
+                                          self._host, self._fused()))
+            else:
+                got = self._device_rows(device).write([tensors[i] for i in idx])
+            for i, r in zip(idx, got):
                 rows[i] = r
+        return [rows[first[id(t)]] for t in tensors]
+
+    def _warn_capturing(self) -> None:
+        if not self._warned_capture:
+            self._warned_capture = True
+            log.warning("trainmon: a CUDA graph is being captured; statistics of tensors seen during "
+                        "the capture are skipped (graph replays run no hooks and are not recorded)")
+
+    def _device_rows(self, device: torch.device) -> DeviceRows:
+        rows = self._devices.get(device)
+        if rows is None:
+            rows = self._devices[device] = DeviceRows(device, self.columns, self.eps)
+            self.stats_paths[device.type] = "device"
         return rows
 
     def _fused(self) -> tuple[int, ...] | None:
@@ -113,19 +176,24 @@ class StatsEngine:
 
     def capture_rows(self, family: str, items: Sequence[Tracked], rows: Sequence[Any], *,
                      micro_step: int | None = None, extra: dict[str, Any] | None = None,
-                     group: Any = None) -> None:
+                     group: Any = None, scale: Any = None) -> None:
         """Record rows from ``partials`` under the names of ``items`` (one row may serve several
-        names: a tensor that is the output of one module and the input of the next)."""
-        if items:
+        names: a tensor that is the output of one module and the input of the next); ``scale``:
+        see ``capture``."""
+        if items and not any(r is SKIPPED for r in rows):
             self._pending.append(_Pending(family, [
                 (it.name, it.vpp_stage, it.shape if it.shape is not None else it.tensor.shape,
-                 it.tensor.dtype) for it in items], list(rows), self.columns, micro_step,
-                dict(extra) if extra else None, group=group))
+                 it.tensor.dtype) for it in items], rows if isinstance(rows, list) else list(rows),
+                self.columns, micro_step, dict(extra) if extra else None, group=group,
+                scale=None if scale is None else scale.detach()
+                if isinstance(scale, torch.Tensor) and (self.seam or not scale.is_cpu) else float(scale)))
 
     def capture_tensors(self, family: str, vpp_stage: int, names: Sequence[str],
                         tensors: Sequence[torch.Tensor], rows: Sequence[Any], *,
                         micro_step: int | None = None, shape: tuple[int, ...] | None = None) -> None:
         """``capture_rows`` without ``Tracked`` objects, for hooks (activations)."""
+        if any(r is SKIPPED for r in rows):
+            return
         self._pending.append(_Pending(family, [
             (n, vpp_stage, t.shape if shape is None else shape, t.dtype) for n, t in zip(names, tensors)],
             list(rows), self.columns, micro_step))
@@ -133,24 +201,36 @@ class StatsEngine:
     def capture_values(self, family: str, metas: Sequence[Meta], values: Sequence[torch.Tensor],
                        columns: Sequence[str]) -> None:
         """Record values already computed on the device (one ``[len(columns)]`` row per meta;
-        the rows share the first meta's ``micro_step`` and ``extra``)."""
+        the rows share the first meta's ``micro_step`` and ``extra``).  Kept as they are (no fp64
+        on the device); they reach the host with the step's one copy."""
+        if metas and values and (self.seam or not values[0].is_cpu) and stream_capturing(values[0].device):
+            self._warn_capturing()
+            return
         if metas:
             self._pending.append(_Pending(family, [(m.name, m.vpp_stage, m.shape, m.dtype) for m in metas],
-                                          [v.double().reshape(-1) for v in values], tuple(columns),
+                                          [v.detach().reshape(-1) for v in values], tuple(columns),
                                           metas[0].micro_step, metas[0].extra or None, is_values=True))
 
     def discard(self) -> None:
         self._pending.clear()
         self._host.clear()
+        for rows in self._devices.values():
+            rows.clear()
 
     def finish_step(self, step: int) -> StepRows:
-        """All rows captured since the last call, in capture order.  The device values reach
-        the host here; the rows themselves (stats derived from partials) are built when first
-        read, which for a threaded sink is on its writer thread."""
+        """All rows captured since the last call, in capture order.  CPU values are read here;
+        device values start their one asynchronous copy here and are read (and sharded device
+        rows merged) when the rows are first built, which for a threaded sink is on its writer
+        thread."""
         pending, self._pending = self._pending, []
         self._merge_sharded(pending)
-        values = _to_host(pending, self._host.take())
-        return StepRows(functools.partial(_build_blocks, pending, values, step, self.ops))
+        extras = _device_extras(pending, self.seam)
+        copies = {dev: rows.snapshot(extras.get(dev, ())) for dev, rows in self._devices.items()}
+        for dev, tensors in extras.items():
+            if dev not in copies:
+                copies[dev] = self._device_rows(dev).snapshot(tensors)
+        host = self._host.take()
+        return StepRows(functools.partial(_build_blocks, pending, host, copies, step, self.ops))
 
     def has_pending(self) -> bool:
         return bool(self._pending)
@@ -163,17 +243,21 @@ class StatsEngine:
         return dropped
 
     def _merge_sharded(self, pending: list[_Pending]) -> None:
-        for p in pending:
-            if p.group is not None and not p.is_values and p.rows and isinstance(p.rows[0], int):
-                p.rows = list(self._host.rows(p.rows).unbind(0))
-        _merge_sharded(pending)
+        """Host (CPU) rows of sharded captures: gathered and merged now (reading CPU memory is
+        free).  Device rows: see ``_start_device_merges``."""
+        host = [p for p in pending if p.group is not None and not p.is_values and p.rows
+                and isinstance(p.rows[0], int)]
+        for p in host:
+            p.rows = list(self._host.rows(p.rows).unbind(0))
+        _merge_host_sharded(host)
 
 
-def _build_blocks(pending: list[_Pending], values: list[list[list[float]]], step: int,
-                  ops: tuple[str, ...]) -> list[RowBlock]:
+def _build_blocks(pending: list[_Pending], host: list[list[float]], copies: dict[Any, HostCopy | None],
+                  step: int, ops: tuple[str, ...]) -> list[RowBlock]:
     """One block per run of consecutive captures that share a layout (an activation hook captures
     one or two tensors at a time: merged, a micro-batch's forward is one block, so numpy's fixed
     cost is paid a few times per step, not once per hook call)."""
+    values = _to_host(pending, host, copies)
     blocks = []
     dtypes: dict[Any, str] = {}
     for (family, micro, extra, columns, is_values), run in _runs(pending, values):
@@ -209,31 +293,101 @@ def _runs(pending: list[_Pending], values: list[list[list[float]]]):
         yield key, run
 
 
-def _to_host(pending: list[_Pending], host: list[list[float]]) -> list[list[list[float]]]:
-    """Each pending's rows as floats: host rows by index, device rows in one copy per device."""
-    device_rows = [r for p in pending for r in p.rows if not isinstance(r, int)]
-    copied = iter(_device_to_host(device_rows)) if device_rows else iter(())
-    return [[host[r] if isinstance(r, int) else next(copied) for r in p.rows] for p in pending]
+def _to_host(pending: list[_Pending], host: list[list[float]],
+             copies: dict[Any, HostCopy | None]) -> list[list[list[float]]]:
+    """Each pending's rows as floats: host rows by index, device rows from their device's copy
+    (waiting for it here), value tensors and gathered shards from the extras of that copy."""
+    decoded: dict[Any, list[list[float]]] = {}
+    extras: dict[Any, list[torch.Tensor]] = {}
+    out = []
+    for p in pending:
+        out.append(_values_of(p, host, copies, decoded, extras))
+        if p.scale is not None:
+            if isinstance(p.scale, tuple):
+                device, k = p.scale
+                if device not in extras:
+                    extras[device] = copies[device].extra()  # type: ignore[union-attr]
+                p.scale = float(extras[device][k][0])
+            out[-1] = unscale(out[-1], p.columns, p.scale)
+    return out
 
 
-def _device_to_host(rows: list[torch.Tensor]) -> list[list[float]]:
-    """One device-to-host copy per device for every device row of the step."""
-    by_device: dict[torch.device, list[int]] = {}
-    for k, r in enumerate(rows):
-        by_device.setdefault(r.device, []).append(k)
-    values: list[list[float] | None] = [None] * len(rows)
-    for ks in by_device.values():
-        widths = [rows[k].numel() for k in ks]
-        host = torch.cat([rows[k].reshape(-1) for k in ks]).cpu().tolist()
+def _values_of(p: _Pending, host: list[list[float]], copies: dict[Any, HostCopy | None],
+               decoded: dict[Any, list[list[float]]], extras: dict[Any, list[torch.Tensor]]) -> list[list[float]]:
+    """One pending's rows as floats (see ``_to_host``)."""
+    if p.slot is not None:
+        device, k = p.slot
+        if device not in extras:
+            extras[device] = copies[device].extra()  # type: ignore[union-attr]
+        ex = extras[device]
+        return _merged_rows(ex[k], ex[k + 1], p.columns) if p.group is not None else ex[k].double().tolist()
+    row_values = []
+    for r in p.rows:
+        if isinstance(r, int):
+            row_values.append(host[r])
+        elif isinstance(r, tuple):
+            owner, i = r
+            if owner not in decoded:
+                decoded[owner] = copies[owner.device].rows(p.columns).tolist()  # type: ignore[union-attr]
+            row_values.append(decoded[owner][i])
+        else:
+            row_values.append(r.double().tolist())
+    return row_values
+
+
+def _device_extras(pending: list[_Pending], seam: bool) -> dict[torch.device, list[torch.Tensor]]:
+    """What each device adds to its step copy: value rows (stacked per capture) and, per process
+    group of sharded device rows, the gathered raw partials (fp32 values and int64 counts).  The
+    gather is a device collective; nothing is read on the host here."""
+    extras: dict[torch.device, list[torch.Tensor]] = {}
+    groups: dict[int, list[_Pending]] = {}
+    for p in pending:
+        if isinstance(p.scale, torch.Tensor):  # a device loss scale: read with the step's copy
+            slots = extras.setdefault(p.scale.device, [])
+            p.scale, slot = (p.scale.device, len(slots)), p.scale.float().reshape(1)
+            slots.append(slot)
+        if not p.rows:
+            continue
+        if p.is_values and (seam or not p.rows[0].is_cpu):
+            device = p.rows[0].device
+            slots = extras.setdefault(device, [])
+            p.slot = (device, len(slots))
+            slots.append(torch.stack([r.to(device) for r in p.rows]))
+        elif p.group is not None and not p.is_values and isinstance(p.rows[0], tuple):
+            groups.setdefault(id(p.group), []).append(p)
+    for members in groups.values():
+        from trainmon.core import dist as _dist
+
+        rows = [r for p in members for r in p.rows]
+        owner = rows[0][0]
+        values, counts = owner.gather_payload([i for _, i in rows])
+        gathered = (_dist.all_gather_rows(values, members[0].group), _dist.all_gather_rows(counts, members[0].group))
+        slots = extras.setdefault(owner.device, [])
         pos = 0
-        for k, w in zip(ks, widths):
-            values[k] = host[pos:pos + w]
-            pos += w
-    return values  # type: ignore[return-value]
+        for p in members:  # each member reads its own rows of the gathered payload
+            n = len(p.rows)
+            p.slot = (owner.device, len(slots))
+            slots.extend([gathered[0][:, pos:pos + n], torch.cat([gathered[1][:, :1], gathered[1][:, 1 + pos:1 + pos + n]], 1)])
+            pos += n
+    return extras
 
 
-def _merge_sharded(pending: list[_Pending]) -> None:
-    """Replace shard partials by full-tensor partials, in place: one all_gather per group.
+def _merged_rows(values: torch.Tensor, counts: torch.Tensor, columns: Sequence[str]) -> list[list[float]]:
+    """Full-tensor partials from every rank's raw shard rows, merged in float64 on the host."""
+    from trainmon.stats.device_rows import gathered_partials
+
+    n_ranks = counts[:, 0, 0].tolist()
+    n = values.shape[1]
+    if any(c != n_ranks[0] for c in n_ranks):
+        raise RuntimeError(f"trainmon: ranks captured different numbers of sharded rows {n_ranks}; "
+                           "every rank must capture a (maybe empty) shard of every sharded tensor")
+    mats = np.stack([gathered_partials(columns, values[w].double().numpy(), counts[w, 1:].numpy())
+                     for w in range(values.shape[0])]) if n else np.zeros((values.shape[0], 0, len(columns)))
+    return combine(mats, columns).tolist()
+
+
+def _merge_host_sharded(pending: list[_Pending]) -> None:
+    """Replace shard partials (CPU rows) by full-tensor partials, in place: one all_gather per group.
 
     Every rank of a group must have captured the same sharded rows in the same order (each
     rank holds a shard, maybe empty, of every such tensor); the row count travels with the
@@ -241,21 +395,19 @@ def _merge_sharded(pending: list[_Pending]) -> None:
     """
     by_group: dict[int, list[_Pending]] = {}
     for p in pending:
-        if p.group is not None and not p.is_values and p.rows:
-            by_group.setdefault(id(p.group), []).append(p)
+        by_group.setdefault(id(p.group), []).append(p)
     for members in by_group.values():
         from trainmon.core import dist as _dist
 
         rows = [r for p in members for r in p.rows]
-        device = rows[0].device
-        local = torch.stack([r.to(device) for r in rows])
-        count = torch.full((1, local.shape[1]), float(len(rows)), dtype=local.dtype, device=device)
+        local = torch.stack(rows)
+        count = torch.full((1, local.shape[1]), float(len(rows)), dtype=local.dtype)
         gathered = _dist.all_gather_rows(torch.cat([count, local]), members[0].group)
         counts = gathered[:, 0, 0].tolist()
         if any(c != len(rows) for c in counts):
             raise RuntimeError(f"trainmon: ranks captured different numbers of sharded rows {counts}; "
                                "every rank must capture a (maybe empty) shard of every sharded tensor")
-        merged = merge_rows(gathered[:, 1:], members[0].columns).to(device)
+        merged = merge_rows(gathered[:, 1:], members[0].columns)
         pos = 0
         for p in members:
             p.rows = list(merged[pos:pos + len(p.rows)].unbind(0))
@@ -263,18 +415,6 @@ def _merge_sharded(pending: list[_Pending]) -> None:
 
 
 def merge_rows(g: torch.Tensor, columns: Sequence[str]) -> torch.Tensor:
-    """Exact merge of ``[world, rows, columns]`` partials over the first dimension."""
-    col = {c: j for j, c in enumerate(columns)}
-    out = g.sum(0)
-    if "min" in col:
-        out[:, col["min"]] = g[:, :, col["min"]].amin(0)   # amin/amax propagate NaN, like merge_partials
-    if "max" in col:
-        out[:, col["max"]] = g[:, :, col["max"]].amax(0)
-    if "m2" in col:
-        n, s = g[:, :, col["count"]], g[:, :, col["sum"]]
-        mean = s.sum(0) / n.sum(0)
-        live = n > 0
-        shard_mean = torch.where(live, s / n.clamp_min(1), torch.zeros_like(s))
-        spread = torch.where(live, n * (shard_mean - mean) ** 2, torch.zeros_like(s))
-        out[:, col["m2"]] = g[:, :, col["m2"]].sum(0) + spread.sum(0)
-    return out
+    """Exact merge of ``[world, rows, columns]`` partials over the first dimension (float64, on
+    the host: ``stats.table.combine``)."""
+    return torch.from_numpy(combine(g.detach().cpu().double().numpy(), columns))

@@ -1,11 +1,9 @@
-"""Per-tensor mergeable partials, computed in batches on the tensors' own device.
+"""Per-tensor mergeable partials of CPU tensors (accelerator tensors: ``stats.device_rows``).
 
-``compute_partials(tensors, columns, eps)`` returns one float64 row per tensor on the tensor's
-device, without a host sync (except the cheap finiteness check needed for NaN/Inf counts, see
-below).  Tensors are grouped by (device, dtype) so each group is one batch of reductions;
-``torch._foreach_norm`` handles the sums of squares.  ``write_cpu_rows`` is the engine's path for
-CPU tensors: rows go straight into its step buffer, through the fused one-pass kernel
-(``_fused_cpu``) when it serves the columns, else through the eager reductions below.
+``write_cpu_rows`` is the engine's path for CPU tensors: rows go straight into its step buffer,
+through the fused one-pass kernel (``_fused_cpu``) when it serves the columns, else through the
+eager reductions below.  ``compute_partials(tensors, columns, eps)`` returns one float64 row per
+tensor (a convenience for tests and tools; accelerator tensors go through ``DeviceRows`` there).
 
 Accuracy notes (why the code looks like this):
 - fp32 ``vector_norm`` on CPU drifts on large tensors (~3e-3 relative at 40M elements), so large
@@ -16,10 +14,14 @@ Accuracy notes (why the code looks like this):
   the native dtype rounds the result to 8 bits of mantissa.  On CUDA the ``dtype=`` reductions
   accumulate in fp32 inside the kernel, so they are used directly.
 - NaN/Inf counts cost a full pass each, so they are computed only for tensors whose sum of squares
-  is not finite (a NaN or Inf anywhere makes it non-finite); that needs one host check per batch.
+  is not finite (a NaN or Inf anywhere makes it non-finite); on the CPU that check is free.
+- Overflow: fp32 sums of squares overflow for elements above ~1.8e19 (and sums near 3.4e38),
+  though every element is finite.  A row whose sum, sum of squares or m2 is not finite while the
+  tensor is all finite is recomputed in float64 chunks (``_rescued``): only such tensors pay it.
 """
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from typing import Sequence
 
@@ -27,6 +29,7 @@ import torch
 
 from trainmon.stats import _fused_cpu
 from trainmon.stats.host_rows import HostRows
+from trainmon.stats.table import PARTIAL, combine
 
 __all__ = ["compute_partials", "write_cpu_rows", "device_columns"]
 
@@ -51,31 +54,28 @@ def device_columns(partials: Sequence[str]) -> tuple[str, ...]:
 @torch.no_grad()
 def compute_partials(tensors: Sequence[torch.Tensor], columns: Sequence[str], eps: float,
                      no_sync: bool = False) -> list[torch.Tensor]:
-    """Partials rows, one ``[len(columns)]`` float64 tensor per input, on that input's device.
+    """Partials rows, one ``[len(columns)]`` float64 CPU tensor per input.  CPU tensors take the
+    engine's CPU path (fused kernel for lean columns when it is on); others the device path,
+    read back at once (this function waits for the device: not for hooks)."""
+    from trainmon.stats.device_rows import DeviceRows
 
-    Returned per tensor (not stacked) because inputs may live on different devices; the engine
-    stacks rows per device at the end of the step.  ``no_sync``: off the CPU, NaN/Inf counts are
-    computed for every tensor instead of only after a host check of the sums of squares.
-    """
     rows: list[torch.Tensor | None] = [None] * len(tensors)
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = defaultdict(list)
     for i, t in enumerate(tensors):
         groups[(t.device, t.dtype)].append(i)
     lean = set(columns) <= _LEAN_COLUMNS
-    fused = lean and any(d.type == "cpu" and dt in _fused_cpu.FUSED_DTYPES for d, dt in groups) \
-        and _fused_cpu.enabled()
     for (device, dtype), idx in groups.items():
         group = [tensors[i] for i in idx]
-        if fused and device.type == "cpu" and dtype in _fused_cpu.FUSED_DTYPES:
+        if device.type != "cpu":
+            dev = DeviceRows(device, columns, eps)
+            dev.write(group)
+            mats = list(torch.from_numpy(dev.snapshot().rows(columns)).unbind(0))  # type: ignore[union-attr]
+        elif lean and dtype in _fused_cpu.FUSED_DTYPES and _fused_cpu.enabled():
             mats = _fused_rows(group, columns)
-        elif device.type == "cpu" and dtype in _LOW_PRECISION:
+        elif dtype in _LOW_PRECISION:
             mats = [_chunked_partials(t, columns, eps) for t in group]
-        elif device.type == "cpu":
-            mats = [_cpu_row(t, columns, eps) for t in group]
-        elif lean and len(group) == 1 and group[0].numel() and group[0].is_floating_point():
-            mats = [_lean_partials(group[0], columns)]
         else:
-            mats = list(_group_partials(group, columns, eps, no_sync).unbind(0))
+            mats = [_cpu_row(t, columns, eps) for t in group]
         for i, row in zip(idx, mats):
             rows[i] = row
     return rows  # type: ignore[return-value]
@@ -124,21 +124,6 @@ def _fused_rows(group: list[torch.Tensor], columns: Sequence[str]) -> list[torch
     return list(mat.unbind(0))
 
 
-def _lean_partials(t: torch.Tensor, columns: Sequence[str]) -> torch.Tensor:
-    """One non-empty float tensor, default-like ops: the same values as ``_group_partials`` in
-    a third of the ops (hooks call this once per module input/output, so fixed cost matters)."""
-    acc = torch.float32 if t.dtype in _LOW_PRECISION else None
-    parts = {"count": torch.full((), float(t.numel()), dtype=torch.float64, device=t.device)}
-    if "sum" in columns:
-        parts["sum"] = _sum(t, acc).double()
-    if "sumsq" in columns:
-        parts["sumsq"] = _sumsq([t], acc)[0]
-    if "min" in columns or "max" in columns:
-        lo, hi = _extremes(t)
-        parts["min"], parts["max"] = lo.double(), hi.double()
-    return torch.stack([parts[c] for c in columns])
-
-
 def _extremes(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # Cache-resident tensors: amin + amax beat one aminmax on CPU (measured, torch 2.13); past
     # ~1M elements the single pass over memory wins.
@@ -176,7 +161,11 @@ def _cpu_values(t: torch.Tensor, columns: Sequence[str], eps: float) -> list[flo
         part["infs"] = torch.isinf(t).sum() if not finite else 0.0
     # On the CPU the values are already computed (no stream to wait for): reading them as Python
     # floats costs less than stacking and converting 0-d tensors.
-    return [float(part[c]) for c in columns]
+    values = [float(part[c]) for c in columns]
+    if not math.isfinite(sum(v for c, v in zip(columns, values) if c in _ACCUMULATED)) \
+            and t.dtype != torch.float64 and bool(torch.isfinite(t).all()):
+        return _chunked_partials(t, columns, eps, torch.float64).tolist()  # overflow: see the docstring
+    return values
 
 
 def _as_float(t: torch.Tensor) -> torch.Tensor:
@@ -184,51 +173,6 @@ def _as_float(t: torch.Tensor) -> torch.Tensor:
         return t
     # Integer/bool tensors (token ids, masks): rare and small, a float copy is fine.
     return t.to(torch.float64 if t.dtype == torch.int64 else torch.float32)
-
-
-def _group_partials(group: list[torch.Tensor], columns: Sequence[str], eps: float,
-                    no_sync: bool = False) -> torch.Tensor:
-    """``[len(group) x len(columns)]`` float64 for tensors sharing device and dtype."""
-    group = [_as_float(t) for t in group]
-    device = group[0].device
-    acc = torch.float32 if group[0].dtype in _LOW_PRECISION else None
-    empty = [t.numel() == 0 for t in group]
-    live = [t for t, e in zip(group, empty) if not e]
-    cols: dict[str, torch.Tensor] = {
-        "count": _to_device([float(t.numel()) for t in group], torch.float64, device)}
-    if not live:
-        return _assemble(cols, columns, empty, device)
-    if "sum" in columns or "m2" in columns:
-        cols["sum"] = torch.stack([_sum(t, acc) for t in live]).double()
-    if "sumsq" in columns:
-        cols["sumsq"] = _sumsq(live, acc)
-    if "min" in columns or "max" in columns:
-        lows, highs = zip(*[_extremes(t) for t in live])
-        cols["min"] = torch.stack(lows).double()
-        cols["max"] = torch.stack(highs).double()
-    if "zeros" in columns:
-        cols["zeros"] = torch.stack([(t.abs() < eps).sum() for t in live]).double()
-    if "m2" in columns:
-        # var with correction=0 times n: a stable one-pass (Welford) reduction in ATen.
-        cols["m2"] = torch.stack([torch.var(t.to(acc) if acc else t, correction=0) * t.numel()
-                                  for t in live]).double()
-    if "nans" in columns or "infs" in columns:
-        cols.update(_nonfinite_counts(live, cols["sumsq"], no_sync and device.type != "cpu"))
-    return _assemble(cols, columns, empty, device)
-
-
-def _sum(t: torch.Tensor, acc: torch.dtype | None) -> torch.Tensor:
-    return t.sum(dtype=acc) if acc else t.sum()
-
-
-def _sumsq(live: list[torch.Tensor], acc: torch.dtype | None) -> torch.Tensor:
-    if live[0].device.type == "cpu":
-        # Small tensors: x*x then a cascade sum (4e-8 relative error, measured); large ones: blocks,
-        # which avoid the temporary and are as fast as one vector_norm.
-        return torch.stack([_blocked_sumsq(t) if t.numel() > _BIG else torch.mul(t, t).sum().double()
-                            for t in live])
-    norms = torch._foreach_norm(live, 2, dtype=acc) if acc else torch._foreach_norm(live)
-    return torch.stack(norms).double().square()
 
 
 def _blocked_sumsq(t: torch.Tensor) -> torch.Tensor:
@@ -240,54 +184,19 @@ def _blocked_sumsq(t: torch.Tensor) -> torch.Tensor:
     return blocks
 
 
-def _nonfinite_counts(live: list[torch.Tensor], sumsq: torch.Tensor, always: bool = False
-                      ) -> dict[str, torch.Tensor]:
-    if always:  # two passes per tensor, but no device->host read inside a hook
-        return {"nans": torch.stack([torch.isnan(t).sum() for t in live]).double(),
-                "infs": torch.stack([torch.isinf(t).sum() for t in live]).double()}
-    nans = torch.zeros_like(sumsq)
-    infs = torch.zeros_like(sumsq)
-    # One host check per batch: the exact counts cost a pass each, so only pay where needed.
-    if not bool(torch.isfinite(sumsq).all()):
-        bad = torch.nonzero(~torch.isfinite(sumsq)).flatten().tolist()
-        for i in bad:
-            nans[i] = torch.isnan(live[i]).sum()
-            infs[i] = torch.isinf(live[i]).sum()
-    return {"nans": nans, "infs": infs}
+_ACCUMULATED = frozenset({"sum", "sumsq", "m2"})   # columns that can overflow on finite input
+_IDENTITY = {name: p.identity for name, p in PARTIAL.items()}
 
 
-def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    # Built on the host and copied asynchronously: ``torch.tensor(..., device=cuda)`` would be a
-    # blocking copy that waits for the stream, i.e. a sync inside every hook that captures.
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
-
-_IDENTITY = {"sum": 0.0, "sumsq": 0.0, "min": float("inf"), "max": float("-inf"),
-             "nans": 0.0, "infs": 0.0, "zeros": 0.0, "m2": 0.0}
-
-
-def _assemble(cols: dict[str, torch.Tensor], columns: Sequence[str], empty: list[bool],
-              device: torch.device) -> torch.Tensor:
-    """Stack columns, inserting merge identities for empty tensors (no reduction ran on them)."""
-    out = torch.empty(len(empty), len(columns), dtype=torch.float64, device=device)
-    live_idx = _to_device([i for i, e in enumerate(empty) if not e], torch.long, device)
-    for j, name in enumerate(columns):
-        if name == "count":
-            out[:, j] = cols["count"]
-            continue
-        out[:, j] = _IDENTITY[name]
-        if live_idx.numel():
-            out[live_idx, j] = cols[name]
-    return out
-
-
-def _chunked_partials(t: torch.Tensor, columns: Sequence[str], eps: float) -> torch.Tensor:
-    """Partials of a low-precision CPU tensor, upcast chunk by chunk into one reused buffer."""
+def _chunked_partials(t: torch.Tensor, columns: Sequence[str], eps: float,
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Partials of a CPU tensor upcast chunk by chunk into one reused ``dtype`` buffer (fp32 for
+    low precision; fp64 to recompute a row whose fp32 accumulation overflowed)."""
     flat = t.reshape(-1)
     n = flat.numel()
     if n == 0:
-        return _cpu_row(flat.float(), columns, eps)
-    buf = torch.empty(min(n, _CHUNK), dtype=torch.float32)
+        return _cpu_row(flat.to(dtype), columns, eps)
+    buf = torch.empty(min(n, _CHUNK), dtype=dtype)
     row = None
     for start in range(0, n, _CHUNK):
         part = buf[: min(_CHUNK, n - start)]
@@ -298,15 +207,5 @@ def _chunked_partials(t: torch.Tensor, columns: Sequence[str], eps: float) -> to
 
 
 def _merge_rows(a: torch.Tensor, b: torch.Tensor, columns: Sequence[str]) -> torch.Tensor:
-    """Exact merge of two partial rows of disjoint pieces (same formulas as stats.table)."""
-    col = {c: j for j, c in enumerate(columns)}
-    out = a + b
-    if "min" in col:
-        out[col["min"]] = torch.minimum(a[col["min"]], b[col["min"]])
-    if "max" in col:
-        out[col["max"]] = torch.maximum(a[col["max"]], b[col["max"]])
-    if "m2" in col:
-        na, nb = a[col["count"]], b[col["count"]]
-        delta = b[col["sum"]] / nb - a[col["sum"]] / na
-        out[col["m2"]] = a[col["m2"]] + b[col["m2"]] + delta * delta * na * nb / (na + nb)
-    return out
+    """Exact merge of two partial rows of disjoint pieces (``stats.table.combine``)."""
+    return torch.from_numpy(combine(torch.stack([a, b]).double().numpy()[:, None, :], columns)[0])

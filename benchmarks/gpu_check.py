@@ -1,0 +1,200 @@
+"""One short check of the accelerator statistics path on a real CUDA GPU (not runnable without one).
+
+    PYTHONPATH=. python benchmarks/gpu_check.py            # ~1 minute on one GPU
+
+What it checks, each printed as PASS/FAIL with its figure (exit status 1 on any FAIL):
+
+1. no host sync inside forward/backward with every kind on (``torch.cuda.set_sync_debug_mode("error")``
+   makes any sync raise), ops ``norm, mean, min, max, nans, infs``, grad_acc_steps 2;
+2. CUDA kernels per micro-batch added by the monitor (``torch.profiler``), per recorded row;
+3. values against float64 on the GPU for fp32/bf16/fp16, NaN/+-Inf, empty, non-contiguous
+   (rtol 1e-5; counts exact);
+4. peak memory added by the monitor (``max_memory_allocated`` delta; the documented update-ratio
+   snapshot is off here);
+5. step time monitored / unmonitored (medians);
+6. a ZeRO-3-like two-stream read: a grad copied into a buffer on a side stream, read after
+   ``wait_stream`` (the DeepSpeed wrapper's handshake), equals the grad.
+
+Nothing here has been run by the authors yet (no GPU was available): run it whenever one is.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from device_ops import Llama
+
+from trainmon import TrainerMon
+from trainmon.stats.engine import StatsEngine, Tracked
+from trainmon.stats.table import STAT_NAMES
+
+OPS = ["norm", "mean", "min", "max", "nans", "infs"]
+ALL_KINDS = {"wg_distribution": True, "mv_distribution": True, "param_distribution": True,
+             "xy_distribution": True, "all_xy": True}
+results: list[tuple[str, bool, str]] = []
+
+
+def report(name: str, ok: bool, detail: str) -> None:
+    results.append((name, ok, detail))
+    print(f"{'PASS' if ok else 'FAIL'}  {name}: {detail}", flush=True)
+
+
+def make(monitored: bool, root: Path, tag: str):
+    torch.manual_seed(0)
+    model = Llama(vocab=4096, dim=1024, heads=16, layers=8).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if monitored:
+        cfg = root / "cfg.json"
+        cfg.write_text(json.dumps({**ALL_KINDS, "ops": OPS}))
+        os.environ["MONITOR_OUTPUT_DIR"], os.environ["TRAINMON_RUN_ID"] = str(root / "out"), tag
+        mon = TrainerMon(str(cfg))
+        mon.set_monitor(model, grad_acc_steps=2, optimizer=opt)
+        return model, opt, mon
+    return model, opt, None
+
+
+def micro_batch(model, ids, sync_error: bool):
+    if sync_error:
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(ids).flatten(0, 1).float(), ids.flatten()) / 2
+        loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def train(model, opt, steps: int, sync_error: bool = False) -> list[float]:
+    g = torch.Generator(device="cuda").manual_seed(1)
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _mb in range(2):
+            micro_batch(model, torch.randint(0, 4096, (4, 512), device="cuda", generator=g), sync_error)
+        opt.step()
+        opt.zero_grad()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def kernels_per_micro_batch(model) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    ids = torch.randint(0, 4096, (4, 512), device="cuda")
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        micro_batch(model, ids, False)
+        torch.cuda.synchronize()
+    return sum(e.count for e in prof.key_averages() if e.device_type.name == "CUDA")
+
+
+def check_training(root: Path) -> None:
+    base_model, base_opt, _ = make(False, root, "base")
+    train(base_model, base_opt, 2)
+    torch.cuda.reset_peak_memory_stats()
+    base_times = train(base_model, base_opt, 5)
+    base_peak = torch.cuda.max_memory_allocated()
+    base_kernels = kernels_per_micro_batch(base_model)
+    del base_model, base_opt
+    torch.cuda.empty_cache()
+
+    model, opt, mon = make(True, root, "gpu-check")
+    try:
+        train(model, opt, 1, sync_error=True)
+        report("no host sync in forward/backward", True, "set_sync_debug_mode('error') raised nothing")
+    except RuntimeError as exc:
+        report("no host sync in forward/backward", False, str(exc).splitlines()[0])
+    train(model, opt, 1)
+    torch.cuda.reset_peak_memory_stats()
+    times = train(model, opt, 5)
+    peak = torch.cuda.max_memory_allocated()
+    kernels = kernels_per_micro_batch(model)
+    mon.close()
+    import pandas as pd
+
+    frames = [pd.read_csv(p) for p in (root / "out" / "gpu-check").rglob("actv*_*.csv")]
+    first = pd.concat(frames) if frames else pd.DataFrame({"step": []})
+    first = first[first["step"] == first["step"].min()] if len(first) else first
+    per_mb_rows = max(len(first) / 2, 1)  # actv + actv_grad rows of one micro-batch (2 per step)
+    extra = kernels - base_kernels
+    report("kernels per micro-batch", extra / per_mb_rows <= 4,
+           f"+{extra} kernels ({base_kernels} without the monitor), {extra / per_mb_rows:.2f} per activation row")
+    report("peak memory delta", peak - base_peak < 64 << 20, f"{(peak - base_peak) / 2**20:.1f} MiB")
+    ratio = statistics.median(times) / statistics.median(base_times)
+    report("step time ratio", ratio < 1.25, f"{ratio:.3f}x ({statistics.median(base_times) * 1e3:.1f} ms unmonitored)")
+
+
+def check_values() -> None:
+    g = torch.Generator(device="cuda").manual_seed(3)
+    worst = 0.0
+    ok = True
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        base = torch.randn(513, 257, device="cuda", generator=g) * 3 + 0.5
+        special = torch.randn(10_000, device="cuda", generator=g)
+        special[[1, 99]] = math.nan
+        special[5], special[6] = math.inf, -math.inf
+        tensors = [base.to(dtype), base.to(dtype).t(), base.to(dtype)[::3, 1::2], special.to(dtype),
+                   torch.empty(0, device="cuda", dtype=dtype)]
+        engine = StatsEngine(list(STAT_NAMES))
+        engine.capture("x", [Tracked(f"t{i}", t) for i, t in enumerate(tensors)])
+        for t, row in zip(tensors, engine.finish_step(0)):
+            x = t.double().reshape(-1)
+            if x.numel() == 0:
+                ok &= row.stats["norm"] == 0.0 and math.isnan(row.stats["mean"])
+                continue
+            want = {"norm": x.norm().item(), "mean": x.mean().item(), "min": x.min().item(), "max": x.max().item(),
+                    "std": x.std().item(), "nans": int(x.isnan().sum()), "infs": int(x.isinf().sum())}
+            for op, w in want.items():
+                got = row.stats[op]
+                if op in ("nans", "infs"):
+                    ok &= got == w
+                elif math.isnan(w):
+                    ok &= math.isnan(got)
+                else:
+                    err = abs(got - w) / max(abs(w), 1e-6 * x.abs().mean().item(), 1e-30)
+                    worst = max(worst, err)
+                    ok &= err <= 1e-5
+    report("values vs float64 on the GPU", ok, f"worst relative error {worst:.2e}")
+
+
+def check_two_streams() -> None:
+    side = torch.cuda.Stream()
+    grad = torch.randn(1 << 24, device="cuda")
+    buf = torch.empty_like(grad)
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # the copy lands late, as DeepSpeed's IPG copy may
+        buf.copy_(grad)
+    torch.cuda.current_stream().wait_stream(side)      # the wrapper's handshake
+    engine = StatsEngine(["norm"])
+    engine.capture("x", [Tracked("g", buf)])
+    side.wait_stream(torch.cuda.current_stream())
+    got = engine.finish_step(0)[0].stats["norm"]
+    want = grad.double().norm().item()
+    report("two-stream read after wait_stream", abs(got - want) <= 1e-5 * want, f"{got:.6g} vs {want:.6g}")
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA device; nothing to check")
+        return 2
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    check_values()
+    check_two_streams()
+    with tempfile.TemporaryDirectory() as tmp:
+        check_training(Path(tmp))
+    return 0 if all(ok for _, ok, _ in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

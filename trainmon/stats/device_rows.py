@@ -1,0 +1,293 @@
+"""The accelerator statistics path: one step's rows of one device, written in place.
+
+Every reduction writes its result with ``out=`` into a per-step buffer on the tensor's device, so
+a tensor costs only the reductions that read it (default ops: ``sum``, ``linalg_vector_norm``,
+``aminmax``; ``nans``/``infs`` one ``isnan``/``isinf`` + ``sum`` each) and no bookkeeping kernels:
+
+* ``values``: float32 ``[capacity, k]`` (sum, norm, min, max, m2/n as the ops need), never fp64 on
+  the device (MPS has none, Ascend per op);
+* ``counts``: int64 ``[capacity, c]`` (nans, infs, zeros): exact, however large the tensor;
+* ``extremes``: ``[capacity, 2]`` per non-fp32 input dtype: ``aminmax`` writes min/max in the
+  input's own dtype, so low-precision min/max are exact elements;
+* ``count`` (numel) is host metadata and never travels to the device.
+
+Nothing here reads a device value on the host, branches on one, or copies host memory to the
+device: hooks inside forward/backward stay free of syncs whatever the ops.  ``snapshot`` turns the
+step's buffers into one byte stream and starts ONE asynchronous device->host copy (pinned memory
+plus an event off the CPU); ``HostCopy.rows`` waits for the event and decodes, which the engine
+does lazily, i.e. on the sink's writer thread.  The host side squares norms and multiplies m2 in
+float64.
+
+The buffer grows by adding a chunk (never by copying): a chunk allocated mid-step is an
+asynchronous device allocation, not a sync.
+"""
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from trainmon.stats.table import PARTIAL
+
+__all__ = ["DeviceRows", "HostCopy", "VALUE_COLUMNS", "COUNT_COLUMNS", "gathered_partials"]
+
+VALUE_COLUMNS = ("sum", "sumsq", "min", "max", "m2")   # float32 on the device (sumsq held as the norm)
+COUNT_COLUMNS = ("nans", "infs", "zeros")              # int64 on the device
+_F32 = torch.float32
+
+
+def _layout(columns: Sequence[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(device value columns, device count columns) for engine ``columns``; min and max travel
+    together (``aminmax`` writes both)."""
+    wanted = set(columns) | ({"min", "max"} if {"min", "max"} & set(columns) else set())
+    return tuple(c for c in VALUE_COLUMNS if c in wanted), tuple(c for c in COUNT_COLUMNS if c in wanted)
+
+
+@dataclass
+class _Chunk:
+    values: torch.Tensor                       # [capacity, len(value columns)] float32
+    counts: torch.Tensor | None                # [capacity, len(count columns)] int64
+    extremes: dict[torch.dtype, torch.Tensor]  # dtype -> [capacity, 2] in that dtype
+
+
+class DeviceRows:
+    """This step's partials rows on one device (see the module docstring)."""
+
+    def __init__(self, device: torch.device, columns: Sequence[str], eps: float, capacity: int = 512):
+        self.device = device
+        self.eps = eps
+        self._eps_cache: dict[torch.dtype, float] = {}
+        self.values, self.counts = _layout(columns)
+        self.vcol = {c: j for j, c in enumerate(self.values)}
+        self.ccol = {c: j for j, c in enumerate(self.counts)}
+        self.capacity = capacity
+        self.chunks: list[_Chunk] = []
+        self.lock = threading.Lock()
+        self.numels: list[int] = []
+        self.kinds: list[torch.dtype] = []    # the dtype whose extremes buffer holds the row's min/max
+
+    # -- hooks ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def write(self, tensors: Sequence[torch.Tensor]) -> list[tuple["DeviceRows", int]]:
+        """Reduce ``tensors`` into new rows; returns their handles.  No sync, no H2D copy."""
+        with self.lock:
+            start = len(self.numels)
+            for k, t in enumerate(tensors):
+                self._reduce(t, start + k)
+        return [(self, start + k) for k in range(len(tensors))]
+
+    def _chunk(self, row: int) -> tuple[_Chunk, int]:
+        c, r = divmod(row, self.capacity)
+        while c >= len(self.chunks):
+            self.chunks.append(_Chunk(
+                torch.empty((self.capacity, max(len(self.values), 1)), dtype=_F32, device=self.device),
+                torch.zeros((self.capacity, len(self.counts)), dtype=torch.int64, device=self.device)
+                if self.counts else None, {}))
+        return self.chunks[c], r
+
+    def _reduce(self, t: torch.Tensor, row: int) -> None:
+        if not (t.is_floating_point() and t.dtype.itemsize >= 2):  # ints, bool, fp8: small, rare
+            t = t.to(_F32)
+        self.numels.append(t.numel())
+        self.kinds.append(t.dtype)
+        if t.numel() == 0:
+            return  # the host writes the merge identities (it knows the count)
+        chunk, r = self._chunk(row)
+        v, vc = chunk.values[r], self.vcol
+        if "sum" in vc:
+            torch.sum(t, dim=None, dtype=_F32, out=v[vc["sum"]])
+        if "sumsq" in vc:
+            torch.linalg.vector_norm(t, dtype=_F32, out=v[vc["sumsq"]])
+        if "min" in vc:
+            ext = v[vc["min"]:vc["min"] + 2] if t.dtype == _F32 else self._extremes(chunk, t.dtype)[r]
+            torch.aminmax(t, out=(ext[0], ext[1]))
+        if "m2" in vc:
+            torch.var(t if t.dtype == _F32 else t.to(_F32), dim=None, correction=0, out=v[vc["m2"]])
+        if self.counts:
+            self._count(t, chunk.counts[r])  # type: ignore[index]
+
+    def _count(self, t: torch.Tensor, c: torch.Tensor) -> None:
+        if "nans" in self.ccol:
+            torch.sum(torch.isnan(t), dim=None, out=c[self.ccol["nans"]])
+        if "infs" in self.ccol:
+            torch.sum(torch.isinf(t), dim=None, out=c[self.ccol["infs"]])
+        if "zeros" in self.ccol:
+            torch.sum(t.abs() < self._eps_in(t.dtype), dim=None, out=c[self.ccol["zeros"]])
+
+    def _eps_in(self, dtype: torch.dtype) -> float:
+        """``eps`` rounded up to ``dtype``: the comparison runs in the tensor's dtype, where 1e-8
+        would round to 0 in fp16 (no element would count); rounding up keeps |x| < eps exact."""
+        cached = self._eps_cache.get(dtype)
+        if cached is None:
+            exact = torch.tensor(self.eps, dtype=torch.float64)
+            low = exact.to(dtype)
+            if low.double() < exact:
+                low = torch.nextafter(low, torch.tensor(math.inf, dtype=dtype))
+            cached = self._eps_cache[dtype] = float(low)
+        return cached
+
+    def _extremes(self, chunk: _Chunk, dtype: torch.dtype) -> torch.Tensor:
+        buf = chunk.extremes.get(dtype)
+        if buf is None:
+            buf = chunk.extremes[dtype] = torch.empty((self.capacity, 2), dtype=dtype, device=self.device)
+        return buf
+
+    # -- step end ------------------------------------------------------------------------------
+    def gather_payload(self, rows: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The raw rows ``rows`` for a shard merge, on the device: fp32 ``[n, values]`` (min/max in
+        fp32: exact for bf16/fp16) and int64 ``[1 + n, 1 + counts]`` (first row: n; then numel and
+        the counts).  Step end only: the numels come from the host (one small copy)."""
+        vals, cnts = [], []
+        for i in rows:
+            chunk, r = self._chunk(i)
+            v = chunk.values[r]
+            if "min" in self.vcol and self.kinds[i] != _F32 and self.numels[i]:
+                j = self.vcol["min"]
+                v = torch.cat([v[:j], chunk.extremes[self.kinds[i]][r].to(_F32), v[j + 2:]])
+            vals.append(v)
+            if self.counts:
+                cnts.append(chunk.counts[r])  # type: ignore[index]
+        meta = torch.tensor([[len(rows)]] + [[self.numels[i]] for i in rows], dtype=torch.int64)
+        meta = torch.cat([meta, torch.zeros((1 + len(rows), len(self.counts)), dtype=torch.int64)], 1)
+        meta = meta.to(self.device)
+        if cnts:
+            meta[1:, 1:] = torch.stack(cnts)
+        values = torch.stack(vals) if vals else torch.empty((0, max(len(self.values), 1)), device=self.device)
+        return values, meta
+
+    def snapshot(self, extra: Sequence[torch.Tensor] = ()) -> "HostCopy | None":
+        """Start the step's one device->host copy (the rows, then ``extra`` tensors of this device:
+        ready-made values, gathered shard rows); the buffers are reused for the next step."""
+        with self.lock:
+            n, numels, kinds = len(self.numels), self.numels, self.kinds
+            self.numels, self.kinds = [], []
+        if n == 0 and not extra:
+            return None
+        parts: list[torch.Tensor] = []
+        layout: list[tuple[Any, ...]] = []   # (chunk or index, key, dtype, width or shape, rows)
+        for c, chunk in enumerate(self.chunks[: (n + self.capacity - 1) // self.capacity]):
+            rows = min(self.capacity, n - c * self.capacity)
+            for key, buf in (("values", chunk.values), ("counts", chunk.counts), *chunk.extremes.items()):
+                if buf is not None:
+                    parts.append(buf[:rows].reshape(-1).view(torch.uint8))
+                    layout.append((c, key, buf.dtype, buf.shape[1], rows))
+        for k, t in enumerate(extra):
+            parts.append(t.reshape(-1).view(torch.uint8))
+            layout.append((k, "extra", t.dtype, t.shape, 0))
+        flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone() if parts else \
+            torch.empty(0, dtype=torch.uint8, device=self.device)
+        return HostCopy(_copy_to_host(flat), layout, numels, kinds, self)
+
+    def clear(self) -> None:
+        with self.lock:
+            self.numels, self.kinds = [], []
+
+
+def _copy_to_host(flat: torch.Tensor) -> tuple[torch.Tensor, object]:
+    """One asynchronous copy into pinned memory with an event (synchronous on the CPU seam)."""
+    if flat.device.type == "cpu":
+        return flat, None
+    host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+    host.copy_(flat, non_blocking=True)
+    backend = getattr(torch, flat.device.type, None)
+    event = backend.Event() if backend is not None and hasattr(backend, "Event") else None
+    if event is not None:  # on the stream of the rows' device, which may not be the current device
+        current = getattr(backend, "current_stream", None)
+        if current is not None:
+            event.record(current(flat.device))
+        else:
+            event.record()
+    return host, event
+
+
+class HostCopy:
+    """The step's device rows on their way to the host; ``rows`` waits for the copy."""
+
+    def __init__(self, copy: tuple[torch.Tensor, object], layout: list, numels: list[int],
+                 kinds: list[torch.dtype], owner: DeviceRows):
+        self._host, self._event = copy
+        self._layout, self.numels, self.kinds, self._owner = layout, numels, kinds, owner
+
+    def extra(self) -> list[torch.Tensor]:
+        """The ``extra`` tensors given to ``snapshot``, on the host, in order."""
+        self._wait()
+        pos, out = 0, []
+        for _k, key, dtype, shape, _rows in self._layout:
+            size = (int(np.prod(shape)) if key == "extra" else _rows * shape) * dtype.itemsize
+            if key == "extra":
+                out.append(self._host[pos:pos + size].clone().view(dtype).reshape(shape))
+            pos += size
+        return out
+
+    def _wait(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()  # type: ignore[attr-defined]
+            self._event = None
+
+    def rows(self, columns: Sequence[str]) -> np.ndarray:
+        """``[rows, len(columns)]`` float64 partials (``count`` first), merge identities for empty
+        tensors.  Blocks until the copy has landed: call it off the training thread."""
+        self._wait()
+        o, n, cap = self._owner, len(self.numels), self._owner.capacity
+        values = np.zeros((n, len(o.values)))
+        counts = np.zeros((n, len(o.counts)))
+        mins, maxs = np.full(n, np.nan), np.full(n, np.nan)
+        pos = 0
+        for c, key, dtype, width, rows in self._layout:
+            if key == "extra":
+                break
+            size = rows * width * dtype.itemsize
+            mat = self._host[pos:pos + size].clone().view(dtype).reshape(rows, width).to(torch.float64).numpy()
+            pos += size
+            span = slice(c * cap, c * cap + rows)
+            if key == "values":
+                values[span] = mat[:, : len(o.values)]
+            elif key == "counts":
+                counts[span] = mat
+            else:
+                pick = np.array([k == key for k in self.kinds[span]], dtype=bool)
+                mins[span] = np.where(pick, mat[:, 0], mins[span])
+                maxs[span] = np.where(pick, mat[:, 1], maxs[span])
+        return self._assemble(columns, values, counts, mins, maxs)
+
+    def _assemble(self, columns: Sequence[str], values: np.ndarray, counts: np.ndarray,
+                  mins: np.ndarray, maxs: np.ndarray) -> np.ndarray:
+        if "min" in self._owner.vcol:
+            j = self._owner.vcol["min"]
+            f32 = np.array([k == _F32 for k in self.kinds], dtype=bool)
+            values[:, j] = np.where(f32, values[:, j], mins)
+            values[:, j + 1] = np.where(f32, values[:, j + 1], maxs)
+        return _partials(columns, np.asarray(self.numels, dtype=np.float64), values, counts)
+
+
+def gathered_partials(columns: Sequence[str], values: np.ndarray, meta: np.ndarray) -> np.ndarray:
+    """One rank's gathered shard rows (``DeviceRows.gather_payload`` without its first meta row)
+    as a float64 partials matrix."""
+    return _partials(columns, meta[:, 0].astype(np.float64), values, meta[:, 1:].astype(np.float64))
+
+
+def _partials(columns: Sequence[str], numel: np.ndarray, values: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """The engine's partials columns from the device layout: norms squared and var(correction=0)
+    times n in float64 on the host; merge identities for empty tensors (no reduction ran)."""
+    vals, cnts = _layout(columns)
+    vcol, ccol = {c: j for j, c in enumerate(vals)}, {c: j for j, c in enumerate(cnts)}
+    out = np.empty((len(numel), len(columns)))
+    with np.errstate(over="ignore", invalid="ignore"):
+        for j, c in enumerate(columns):
+            if c == "count":
+                out[:, j] = numel
+                continue
+            if c in ccol:
+                col = counts[:, ccol[c]]
+            elif c == "sumsq":
+                col = np.square(values[:, vcol[c]])   # the device holds the norm
+            elif c == "m2":
+                col = values[:, vcol[c]] * numel      # the device holds var(correction=0)
+            else:
+                col = values[:, vcol[c]]
+            out[:, j] = np.where(numel > 0, col, PARTIAL[c].identity)
+    return out
