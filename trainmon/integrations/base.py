@@ -88,6 +88,14 @@ class Integration:
         return params
 
     # -- at and after the optimizer step -----------------------------------------------------
+    def applied_grad_points(self, params: list[TrackedParam],
+                            emit: Callable[[list[tuple[TrackedParam, View]]], None]) -> list[Handle] | None:
+        """Stacks whose ``step()`` changes the grads before applying them (clipping, unscaling)
+        install hooks that call ``emit([(param, View of the grad the update uses), ...])`` right
+        before the inner optimizer applies them (every rank the same rows, shards merged).
+        ``None``: the grad at optimizer step entry is the one applied (``reduced_grad``)."""
+        return None
+
     def reduced_grad(self, tp: TrackedParam) -> View | None:
         return self.local_grad(tp)
 

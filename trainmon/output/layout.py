@@ -6,6 +6,7 @@
         run.json                                  what ran (written once by rank 0)
         rank<R>/<family>_<a>-<b>[.<k>].csv        one file per family per step window
         rank<R>/anomalies.jsonl                   run-time alerts
+        rank<R>/stack_info.csv                    where each module is called from (stack_info)
         tensorboard/rank<R>/events.out.tfevents.* TensorBoard events (see ``tb_tags``)
 
 ``<a>-<b>`` is the window of ``step_count_per_record`` steps a file holds; ``<k>`` (1, 2, ...)
@@ -18,11 +19,12 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["RUN_META", "ALERTS_FILE", "TB_DIRNAME", "NOT_RUNS", "FamilyFile", "rank_dir_name",
+__all__ = ["RUN_META", "ALERTS_FILE", "STACK_INFO_FILE", "TB_DIRNAME", "NOT_RUNS", "FamilyFile", "rank_dir_name",
            "parse_rank_dir", "window_bounds", "family_file_name", "parse_family_file"]
 
 RUN_META = "run.json"
 ALERTS_FILE = "anomalies.jsonl"
+STACK_INFO_FILE = "stack_info.csv"   # columns vpp_stage,name,stack (frames outermost first, one per line)
 TB_DIRNAME = "tensorboard"
 # Directories that hold rank<R>/ folders but are not runs (event files of a run).
 NOT_RUNS = frozenset({TB_DIRNAME})
