@@ -29,6 +29,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 from trainmon.output.layout import STACK_INFO_FILE, rank_dir_name
@@ -131,8 +132,10 @@ class ModuleStructCollector(Collector):
         super().detach()
 
 
-_SKIP_FRAMES = (f"{os.sep}torch{os.sep}", f"{os.sep}trainmon{os.sep}collectors{os.sep}",
-                f"{os.sep}trainmon{os.sep}runtime{os.sep}")
+# PyTorch's frames (module call plumbing) and trainmon's own hook frames are not the user's stack
+_TRAINMON = Path(__file__).resolve().parents[1]
+_SKIP_FRAMES = tuple(os.path.join(str(d), "") for d in (Path(torch.__file__).resolve().parent,
+                                                        _TRAINMON / "collectors", _TRAINMON / "runtime"))
 
 
 @register_collector
@@ -162,7 +165,7 @@ class StackInfoCollector(Collector):
     def _see(self, vpp: int, label: str, monitored: nn.Module, module: nn.Module, _args: Any) -> None:
         if module is not monitored or (vpp, label) in self._stacks or in_backward():
             return  # a copy of the model (copy.deepcopy), seen already, or a checkpoint recompute
-        frames = [f for f in traceback.extract_stack()[:-1] if not any(s in f.filename for s in _SKIP_FRAMES)]
+        frames = [f for f in traceback.extract_stack()[:-1] if not f.filename.startswith(_SKIP_FRAMES)]
         self._stacks[(vpp, label)] = "\n".join(f"{f.filename}:{f.lineno} in {f.name}" for f in frames)
 
     def on_step_end(self) -> None:
