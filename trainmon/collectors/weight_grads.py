@@ -57,11 +57,12 @@ class WeightGradCollector(Collector):
         self._ready: list[TrackedParam] = []
         self._captured: set[int] = set()
         self._attach_applied()
-        if self.ctx.config.monitor_mbs_grad and self.ctx.integration.name == "megatron":
-            log.warning("trainmon: monitor_mbs_grad: Megatron accumulates grads in its main_grad buffers "
-                        "and reduces them once per step; grad_unreduced holds the accumulated local grad "
-                        "(no per-micro-batch rows)")
-        points = self.ctx.integration.pre_reduce_points(self.ctx.params, self.ctx.guard.wrap(self, self._emit))
+        integration = self.ctx.integration
+        points = integration.pre_reduce_points(self.ctx.params, self.ctx.guard.wrap(self, self._emit))
+        if self.ctx.config.monitor_mbs_grad and points is not None and not integration.reduces_every_micro_batch:
+            log.warning("trainmon: monitor_mbs_grad: under '%s' grad_unreduced is read at the stack's own "
+                        "pre-reduce point (grads accumulated over the micro-batches), so it has no "
+                        "per-micro-batch rows", integration.name)
         if points is not None:
             self.handles.extend(points)
             self._generic = False

@@ -45,6 +45,8 @@ class Integration:
     # True when stats need every rank's shard (a merge over a process group): then ranks outside
     # ``module_ranks`` still compute, they only do not write.
     needs_all_ranks: ClassVar[bool] = False
+    # True when the stack reduces every micro-batch (pre-reduce rows then carry micro_step)
+    reduces_every_micro_batch: bool = False
     tp_group: Any = None
 
     def __init__(self, chunks: Sequence[nn.Module], optimizer: Any, use_main_grad: bool):

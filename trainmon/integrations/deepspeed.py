@@ -71,6 +71,7 @@ class DeepSpeedIntegration(Integration):
         self.stage = int(self.engine.zero_optimization_stage())
         self.zero = self.engine.optimizer if self.stage > 0 else None
         self.group = getattr(self.zero, "dp_process_group", None)
+        self.reduces_every_micro_batch = self.stage >= 2
 
     def pre_reduce_points(self, params: list[TrackedParam],
                           emit: Callable[[list[TrackedParam], int], None]) -> list[Handle] | None:
