@@ -52,7 +52,8 @@ def _applied_sq(opt, stage: int, into: list) -> None:
     inner.register_step_pre_hook(pre)
 
 
-def _stage(rank, world, root: Path, stage: int, clip: float = 0.0, bf16: bool = False) -> None:
+def _stage(rank, world, root: Path, stage: int, clip: float = 0.0, bf16: bool = False,
+           fp32_accumulation: bool = False) -> None:
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param
 
@@ -64,11 +65,15 @@ def _stage(rank, world, root: Path, stage: int, clip: float = 0.0, bf16: bool = 
     ds_cfg = {"train_micro_batch_size_per_gpu": MB, "gradient_accumulation_steps": GA,
               "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
               "steps_per_print": 10 ** 9, "gradient_clipping": clip, "bf16": {"enabled": bf16}}
+    if fp32_accumulation:   # bf16 + ZeRO 1 + fp32 grad accumulation: DeepSpeed's BF16_Optimizer
+        ds_cfg["data_types"] = {"grad_accum_dtype": "fp32"}
     engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=LR),
                                              config=ds_cfg)
+    assert (type(opt).__name__ == "BF16_Optimizer") == fp32_accumulation, type(opt).__name__
     applied: list[float] = []
     _applied_sq(opt, stage, applied)
-    case = f"stage{stage}" + (f"_clip{clip}" if clip else "") + ("_bf16" if bf16 else "")
+    case = f"stage{stage}" + (f"_clip{clip}" if clip else "") + ("_bf16" if bf16 else "") + \
+        ("_fp32acc" if fp32_accumulation else "")
     out = root / case
     os.environ["MONITOR_OUTPUT_DIR"] = str(out)
     cfg = root / f"ds_{case}.json"
@@ -155,6 +160,7 @@ def _clip_body(rank, world, root):
         _stage(rank, world, Path(root), stage, clip=CLIP)
     for stage in (1, 2, 3):
         _stage(rank, world, Path(root), stage, clip=CLIP, bf16=True)
+    _stage(rank, world, Path(root), 1, clip=CLIP, bf16=True, fp32_accumulation=True)
     return True
 
 
@@ -162,7 +168,8 @@ def _clip_body(rank, world, root):
 @pytest.mark.timeout(900)
 def test_deepspeed_grad_reduced_is_the_clipped_grad_the_optimizer_applies(tmp_path, monkeypatch):
     """gradient_clipping active (grads well above it): ZeRO 0-3 fp32 against a clipped reference,
-    ZeRO 1-3 fp32 and bf16 against what DeepSpeed's inner optimizer is handed."""
+    ZeRO 1-3 fp32 and bf16 (and bf16 with fp32 accumulation: BF16_Optimizer) against what
+    DeepSpeed's inner optimizer is handed."""
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     assert run_distributed(_clip_body, world_size=2, timeout=840, args=(str(tmp_path),)) == [True, True]
 

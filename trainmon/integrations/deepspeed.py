@@ -24,7 +24,8 @@ The grad is the tensor DeepSpeed is about to reduce (already divided by the accu
 1.0 in DeepSpeed's default config) inside ``optimizer.step()``, on this rank's flat fp32 grad
 partition, after the step's entry: the optimizer's ``_optimizer_step(group)`` is wrapped on the
 instance and, right before it calls the inner optimizer, each param's slice of that partition's
-``.grad`` is measured (stage 3: the sub-group's flat fp32 grad, cut at ``grad_position``).  Stage 0
+``.grad`` is measured (stage 3: the sub-group's flat fp32 grad, cut at ``grad_position``;
+``BF16_Optimizer``: at its inner optimizer's step entry, after its clip).  Stage 0
 clips ``param.grad`` in place before calling the torch optimizer, whose step entry already sees it.
 """
 from __future__ import annotations
@@ -101,6 +102,8 @@ class DeepSpeedIntegration(Integration):
                             emit: Callable[[list[tuple[TrackedParam, View]]], None]) -> list[Handle] | None:
         if self.stage == 0:
             return None   # the engine clips param.grad before the torch optimizer's step entry
+        if hasattr(self.zero, "fp32_groups_flat_partition") and hasattr(self.zero, "bf16_groups"):
+            return self._bf16_applied_points(params, emit)
         inner = getattr(self.zero, "_optimizer_step", None)
         groups = getattr(self.zero, "bit16_groups" if self.stage < 3 else "fp16_groups", None)
         if inner is None or groups is None:
@@ -119,6 +122,28 @@ class DeepSpeedIntegration(Integration):
 
         self.zero._optimizer_step = optimizer_step
         return [Handle(lambda: delattr(self.zero, "_optimizer_step"))]
+
+    def _bf16_applied_points(self, params: list[TrackedParam],
+                             emit: Callable[[list[tuple[TrackedParam, View]]], None]) -> list[Handle]:
+        """``BF16_Optimizer`` (bf16 with fp32 grad accumulation, ZeRO 1) clips its fp32 grads,
+        hands them to the fp32 partitions, then steps the inner optimizer once for all groups."""
+        by_id = {id(tp.param): tp for tp in params}
+        order = [(tp, g) for g, group in enumerate(self.zero.bf16_groups) for p in group
+                 if (tp := by_id.get(id(p))) is not None]
+
+        def pre(*_: Any) -> None:
+            pairs = []
+            for tp, g in order:
+                flat = self.zero.fp32_groups_flat_partition[g].grad
+                mapping = getattr(tp.param, "_hp_mapping", None)
+                if mapping is None or flat is None:
+                    pairs.append((tp, self._sharded(tp, None)))
+                else:
+                    address = mapping.hp_fragment_address
+                    pairs.append((tp, self._sharded(tp, flat.detach().narrow(0, address.start, address.numel))))
+            emit(pairs)
+
+        return [Handle(self.zero.optimizer.register_step_pre_hook(pre).remove)]
 
     def _z12_applied(self, tp: TrackedParam, group: int) -> View:
         """This rank's slice of the clipped fp32 grad partition the inner optimizer is about to apply."""
