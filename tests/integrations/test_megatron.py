@@ -8,6 +8,7 @@ grad and a plain ``torch.optim.Adam`` trained on the full batch in one process f
 from __future__ import annotations
 
 import inspect
+import math
 import os
 from pathlib import Path
 
@@ -334,3 +335,48 @@ def test_fp16_overflow_stand_in_skips_like_megatron():
                                                fm.ConstantGradScaler(8.0))
     assert opt.step() == (False, None, None)
     assert torch.equal(p.detach(), torch.ones(3))
+
+
+def test_clipped_grad_reduced_and_a_skipped_fp16_step_without_rows(tmp_path, monkeypatch, caplog):
+    """Float16 stand-in with loss scale 8 and clip_grad: grad_reduced is the unscaled, clipped fp32
+    main grad the inner Adam applies; on the overflow step nothing is applied, no row is written
+    and the log says so."""
+    import json
+    import logging
+
+    from tests._support import fake_megatron as fm
+    from trainmon import TrainerMon
+
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3).to(torch.bfloat16)
+    clip, scale = 0.1, 8.0
+    opt = fm.Float16OptimizerWithFloat16Params(torch.optim.Adam(model.parameters(), lr=1e-3),
+                                               fm.optimizer_config(clip_grad=clip, fp16=True),
+                                               fm.ConstantGradScaler(scale))
+    seen = {}
+    opt.optimizer.register_step_pre_hook(   # the test's own read of what the inner optimizer applies
+        lambda o, *_: seen.update({i: p.grad.clone() for i, p in enumerate(o.param_groups[0]["params"])}))
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"wg_distribution": True, "ops": list(STATS)}))
+    with caplog.at_level(logging.WARNING, logger="trainmon"):
+        monitor = TrainerMon(cfg).set_monitor(model, optimizer=opt)
+        grads = [torch.full((3, 4), 2.0 * scale), torch.tensor([1.0, float("inf"), 0.0]) * scale]
+        applied = []
+        for step in range(2):
+            model.weight.main_grad = torch.randn(3, 4, generator=torch.Generator().manual_seed(step)) * scale
+            model.bias.main_grad = grads[step] if step else torch.ones(3) * scale
+            assert opt.step()[0] == (step == 0)
+            applied.append(dict(seen))
+            seen.clear()
+        monitor.close()
+    reduced = read_family(only_run_dir(tmp_path / "out") / "rank0", "grad_reduced")
+    assert list(reduced["step"]) == [0, 0]   # nothing for the skipped step
+    by_name = reduced.set_index("name")
+    total = math.sqrt(sum(float(g.double().pow(2).sum()) for g in applied[0].values()))
+    assert total == pytest.approx(clip, rel=1e-5)   # clipping was active
+    for i, name in enumerate(("weight", "bias")):
+        ref = reference_stats(applied[0][i])
+        for stat in STATS:
+            assert by_name.loc[name, stat] == pytest.approx(ref[stat], rel=1e-6, abs=1e-12), (name, stat)
+    assert "the optimizer applied no update" in caplog.text
