@@ -48,6 +48,26 @@ class _Base:
             for p in g["params"]:
                 p.grad = None
 
+    def get_grad_stats_parallel_group(self):
+        return None
+
+    @torch.no_grad()
+    def clip_grad_norm(self, clip_grad: float) -> float:
+        """megatron.core.optimizer.clip_grads.clip_grad_norm_fp32 on the main grads: the global
+        norm (over the grad-stats group), then grad *= clip / (norm + 1e-6) when that is < 1."""
+        grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])) \
+            if grads else torch.zeros(())
+        group = self.get_grad_stats_parallel_group()
+        if group is not None:   # fp32 norms, as Megatron's multi_tensor_l2norm
+            sq = norm.pow(2).reshape(1)
+            dist.all_reduce(sq, group=group)
+            norm = sq.sqrt().reshape(())
+        coeff = torch.clamp(clip_grad / (norm + 1.0e-6), max=1.0)
+        for g in grads:
+            g.mul_(coeff)
+        return float(norm)
+
 
 class FP32Optimizer(_Base):
     def __init__(self, optimizer, config, init_state_fn=None):
@@ -63,8 +83,9 @@ class FP32Optimizer(_Base):
             for p in g["params"]:
                 if hasattr(p, "main_grad"):
                     p.grad = p.main_grad
+        norm = self.clip_grad_norm(self.config.clip_grad) if self.config.clip_grad > 0 else None
         self.optimizer.step()
-        return True, None, None
+        return True, norm, None
 
 
 class _MixedPrecision(_Base):
@@ -91,9 +112,10 @@ class _MixedPrecision(_Base):
             self.grad_scaler.update(bool(found.item() > 0))
             if found.item() > 0:
                 return False, None, None
+        norm = self.clip_grad_norm(self.config.clip_grad) if self.config.clip_grad > 0 else 0.0
         self.optimizer.step()
         self._copy_main_params_to_model_params()
-        return True, 0.0, 0
+        return True, norm, 0
 
 
 class Float16OptimizerWithFloat16Params(_MixedPrecision):

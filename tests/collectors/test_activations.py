@@ -68,24 +68,69 @@ def _flat(value, out):
     return out
 
 
+class _Tap(torch.autograd.Function):
+    """Identity that hands its gradient to ``sink``: the truth for keyword-tensor input grads
+    (``register_full_backward_hook`` covers positional arguments only)."""
+
+    @staticmethod
+    def forward(ctx, x, sink):
+        ctx.sink = sink
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.sink(g)
+        return g, None
+
+
 class Truth:
-    """The test's own hooks: float64 stats of every module input/output and of its gradient."""
+    """The test's own hooks: float64 stats of every module input/output and of its gradient.
+    Output grads: tensor hooks (d loss / d output).  Input grads: the module's own ``grad_input``
+    from ``register_full_backward_hook`` (keyword tensors: a tap of the test's own)."""
 
     def __init__(self, model: nn.Module):
         self.rows: dict[tuple, list[dict]] = defaultdict(list)  # (family, step, micro, name)
         self.step = self.micro = 0
+        self._inputs: dict[str, tuple[list[str], list[int]]] = {}
         for name, m in model.named_modules():
             if name and type(m).forward is not nn.Module.forward:
-                m.register_forward_pre_hook(lambda mod, a, kw, n=name: self._see(n, "input", _flat(kw, _flat(a, []))),
-                                            with_kwargs=True)
+                m.register_forward_pre_hook(lambda mod, a, kw, n=name: self._pre(n, a, kw), with_kwargs=True)
                 m.register_forward_hook(lambda mod, a, out, n=name: self._see(n, "output", _flat(out, [])))
+                m.register_full_backward_hook(lambda mod, gin, gout, n=name: self._grad_input(n, gin))
 
-    def _see(self, module, kind, tensors):
-        names = [f"{module}.{kind}"] if len(tensors) == 1 else [f"{module}.{kind}.{i}" for i in range(len(tensors))]
+    def _names(self, module, kind, n):
+        return [f"{module}.{kind}"] if n == 1 else [f"{module}.{kind}.{i}" for i in range(n)]
+
+    def _pre(self, module, args, kwargs):
+        tensors = _flat(kwargs, _flat(args, []))
+        names = self._names(module, "input", len(tensors))
+        positional = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        # a tensor passed several times (attention's q, k, v) is one input: its grad is the sum
+        same = [[j for j, i2 in enumerate(positional) if args[i2] is args[i]] for i in positional]
+        self._inputs[module] = (names, positional, same)
+        self._see(module, "input", tensors, grads=False)
+        step, micro, out, k = self.step, self.micro, dict(kwargs), len(positional)
+        for key, v in kwargs.items():
+            if isinstance(v, torch.Tensor):
+                if v.requires_grad:
+                    sink = lambda g, n=names[k]: self.rows[("actv_grad", step, micro, n)].append(reference_stats(g))  # noqa: E731
+                    out[key] = _Tap.apply(v, sink)
+                k += 1
+        return args, out
+
+    def _grad_input(self, module, grad_input):
+        names, positional, same = self._inputs[module]
+        for j, i in enumerate(positional):
+            if grad_input[i] is not None:
+                total = sum(grad_input[positional[k]].double() for k in same[j])
+                self.rows[("actv_grad", self.step, self.micro, names[j])].append(reference_stats(total))
+
+    def _see(self, module, kind, tensors, grads=True):
+        names = self._names(module, kind, len(tensors))
         step, micro = self.step, self.micro
         for n, t in zip(names, tensors):
             self.rows[("actv", step, micro, n)].append(reference_stats(t))
-            if t.requires_grad:
+            if grads and t.requires_grad:
                 t.register_hook(lambda g, n=n: self.rows[("actv_grad", step, micro, n)].append(reference_stats(g)))
 
 

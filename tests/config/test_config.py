@@ -21,7 +21,8 @@ STATS = "norm, mean, min, max, zeros, nans, infs, std"
 TOP_KEYS = ("targets, start_step, step_interval, collect_times, format, ops, eps, ndigits, "
             "wg_distribution, mv_distribution, param_distribution, ur_distribution, xy_distribution, "
             "forward_only, backward_only, all_xy, print_struct, squash_name, dynamic_on, global_layer_names, "
-            "loss_alignment, module_ranks, step_count_per_record, cc_distribution, alert, grad_probe")
+            "monitor_mbs_grad, stack_info, recording_l2_features, "
+            "loss_alignment, module_ranks, step_count_per_record, cc_distribution, alert, l2_targets, sa_order, grad_probe")
 
 
 def problems_of(data: object) -> list[tuple[str, str]]:
@@ -78,7 +79,7 @@ def test_config_is_frozen_hashable_and_source_not_compared():
 
 
 FULL = {
-    "targets": ["model.layers.0", "model.layers.1.mlp"],
+    "targets": {"model.layers.0": {"input": "tuple[2]:0", "output_grad": "tensor"}, "model.layers.1.mlp": {}},
     "start_step": 5,
     "step_interval": 10,
     "collect_times": 3,
@@ -102,6 +103,11 @@ FULL = {
     "dynamic_on": True,
     "grad_probe": {"grad_level": "L2", "param_list": ["model.layers.0"], "bounds": [-1, -0.5, 0, 2.5]},
     "loss_alignment": True,
+    "monitor_mbs_grad": True,
+    "stack_info": True,
+    "recording_l2_features": True,
+    "l2_targets": {"attention_hook": ["0:layers.0.attn"], "linear_hook": []},
+    "sa_order": "s,b,h,d",
     "cc_distribution": {"enable": True, "cc_codeline": [r"layers\.\d+", "^train$"], "cc_pre_hook": True},
     "alert": {"rules": [{"rule_name": "AnomalyTurbulence", "args": {"threshold": 0.5}},
                         {"rule_name": "AnomalyNan", "args": {"threshold": 1}},
@@ -115,13 +121,16 @@ def test_full_config_round_trip(tmp_path):
     cfg = load_config(path)
     assert cfg.source == str(path)
     assert cfg == MonitorConfig(
-        targets=("model.layers.0", "model.layers.1.mlp"), start_step=5, step_interval=10,
+        targets=("model.layers.0", "model.layers.1.mlp"),
+        target_specs=(("model.layers.0", (("input", "tuple[2]:0"), ("output_grad", "tensor"))),),
+        start_step=5, step_interval=10,
         collect_times=3, format=("tensorboard", "csv"),
         ops=("std", "norm", "zeros", "infs", "nans", "min", "max", "mean"), eps=1e-6, ndigits=9,
         wg_distribution=True, mv_distribution=True, param_distribution=True, ur_distribution=True,
         xy_distribution=True, forward_only=True, backward_only=False, all_xy=True, print_struct=True,
         squash_name=True, global_layer_names=True, module_ranks=(3, 0), step_count_per_record=4,
-        dynamic_on=True,
+        dynamic_on=True, monitor_mbs_grad=True, stack_info=True, recording_l2_features=True,
+        l2_targets=(("attention_hook", ("0:layers.0.attn",)), ("linear_hook", ())), sa_order="s,b,h,d",
         grad_probe=GradProbeConfig("L2", ("model.layers.0",), (-1.0, -0.5, 0.0, 2.5)), loss_alignment=True,
         cc_distribution=CommConfig(enable=True, cc_codeline=(r"layers\.\d+", "^train$"), cc_pre_hook=True),
         alert=AlertConfig(rules=(AlertRule("AnomalyTurbulence", {"threshold": 0.5}),
@@ -247,10 +256,14 @@ BAD = [
     ({"targets": ["a", " "]}, "targets[1]", "' ' is empty (non-empty module or parameter name)"),
     ({"targets": [3]}, "targets[0]", "3 is not a string (non-empty module or parameter name)"),
     ({"targets": ["a", "b", "a"]}, "targets[2]", "duplicate 'a' (already at targets[0])"),
-    ({"targets": {"layers.0": {"input": "tuple[2]:0"}}}, 'targets["layers.0"]',
-     "per-target specs are not supported ({\"input\": \"tuple[2]:0\"}); use an empty object {}"),
+    ({"targets": {"layers.0": {"inptu": "tuple[2]:0"}}}, 'targets["layers.0"].inptu',
+     "unknown key (did you mean 'input'?)"),
+    ({"targets": {"layers.0": {"output": "tuple[2]:2"}}}, 'targets["layers.0"].output',
+     "'tuple[2]:2' is out of range (\"tensor\", \"tuple[N]\" or \"tuple[N]:i\" with 0 <= i < N)"),
+    ({"targets": {"layers.0": {"input_grad": "list[2]"}}}, 'targets["layers.0"].input_grad',
+     "'list[2]' is not a spec (\"tensor\", \"tuple[N]\" or \"tuple[N]:i\" with 0 <= i < N)"),
     ({"targets": {"layers.0": True}}, 'targets["layers.0"]',
-     "true is not an object (use an empty object {})"),
+     "true is not an object ({} or a spec such as {\"input\": \"tuple[2]:0\", \"output\": \"tensor\"})"),
     ({"module_ranks": 0}, "module_ranks",
      "0 is not a list (list of distinct ranks, integers >= 0; [] = all ranks)"),
     ({"module_ranks": [0, 1, 0]}, "module_ranks[2]", "duplicate 0 (already at module_ranks[0])"),
@@ -295,16 +308,15 @@ BAD = [
      "unknown key (did you mean 'args'?)"),
     ({"alert": {"rules": ["AnomalyNan"]}}, "alert.rules[0]",
      "'AnomalyNan' is not an object (keys: rule_name, args)"),
-    ({"stack_info": True}, "stack_info",
-     "true is an msprobe option trainmon does not support (remove it or set it to false)"),
+    ({"stack_info": 1}, "stack_info", "1 is not a boolean (true or false)"),
+    ({"sa_order": "b,s,h"}, "sa_order", "'b,s,h' is not an order of b,s,h,d (e.g. \"b,s,h,d\" or \"s,b,h,d\")"),
     ({"append_output": ["Dec03_10-00-00", "Dec03_11-00-00"]}, "append_output",
      "[\"Dec03_10-00-00\", \"Dec03_11-00-00\"] is an msprobe option trainmon does not support "
      "(remove it or set it to false)"),
-    ({"monitor_mbs_grad": True}, "monitor_mbs_grad",
+    ({"mg_direction": True}, "mg_direction",
      "true is an msprobe option trainmon does not support (remove it or set it to false)"),
-    ({"l2_targets": {"attention_hook": ["0:0.self_attention.core_attention.flash_attention"]}},
-     "l2_targets", "{\"attention_hook\": [\"0:0.self_attention.core_attention.fl..."
-     " is an msprobe option trainmon does not support (remove it or set it to false)"),
+    ({"l2_targets": {"attention_hook": "0:0.self_attention"}}, "l2_targets.attention_hook",
+     "'0:0.self_attention' is not a list (list of module names)"),
 ]
 
 
@@ -452,8 +464,8 @@ def test_config_and_output_layers_import_no_torch():
 def test_docs_table_lists_every_key():
     # The config reference is the page docs/configuration.md ("# Configuration file").
     text = (REPO / "docs" / "configuration.md").read_text(encoding="utf-8")
-    documented = set(re.findall(r"^\| `([a-z_.]+)` \|", text, flags=re.MULTILINE))
-    fields = {f.name for f in dataclasses.fields(MonitorConfig)} - {"source"}
+    documented = set(re.findall(r"^\| `([a-z0-9_.]+)` \|", text, flags=re.MULTILINE))
+    fields = {f.name for f in dataclasses.fields(MonitorConfig)} - {"source", "target_specs"}  # specs: in targets
     nested = {f"cc_distribution.{f.name}" for f in dataclasses.fields(CommConfig)}
     nested |= {f"alert.{f.name}" for f in dataclasses.fields(AlertConfig)}
     nested |= {f"grad_probe.{f.name}" for f in dataclasses.fields(GradProbeConfig)}

@@ -7,8 +7,10 @@ family      when                                 value
 =========== ==================================== =============================================
 actv        forward pre-hook (inputs),           ``<module>.input[.<i>]``, ``<module>.output[.<i>]``
             forward hook (outputs)               as they are at that moment
-actv_grad   when autograd has the gradient of    d loss / d that tensor (the full gradient of
-            the tensor (tensor hook)             the tensor, summed over all its consumers)
+actv_grad   when autograd has the gradient of    outputs: d loss / d that tensor (summed over all
+            the tensor (tensor hook)             its consumers); inputs: the gradient flowing
+                                                 into the input through this module only
+                                                 (``register_full_backward_hook``'s ``grad_input``)
 =========== ==================================== =============================================
 
 Columns ``vpp_stage,name,step,micro_step,<ops...>,shape,dtype``.  ``micro_step`` is the index
@@ -16,6 +18,19 @@ of the model's forward pass in the step (``actv``) and of the backward pass (``a
 
 Config: ``{"xy_distribution": true, "targets": ["layers.0", ...]}`` or ``"all_xy": true``;
 ``forward_only`` / ``backward_only``.  Names: see ``module_io``.
+
+Input grads: on collected steps the forward pre-hook hands the module an alias of each input
+that needs a grad (``aten.alias``: same storage and values, no kernel) and hooks the alias, so
+its gradient is only what this module sends back; the alias's backward passes the gradient on
+unchanged, so training is bitwise unchanged.  Where the alias is the input's only consumer its
+gradient is the very tensor the input receives: one reduction serves both names.  A module that
+modifies its input in place loses the alias's hook; then the input's total gradient is recorded.
+Tensors inside containers other than plain tuples, lists and dicts are hooked as they are
+(total gradient).  Per-target specs (``{"input": "tuple[2]:0", ...}``) choose which inputs,
+outputs and their grads are recorded.
+
+A copy of the model (``copy.deepcopy(model)``, the EMA idiom) carries these hooks: they check
+that the module they fire for is the monitored one and do nothing for a copy.
 
 Design: stats are computed inside the hook (partials stay on the device, no host read), so an
 in-place op later in the forward cannot change them and nothing holds the activation.  A tensor
@@ -36,13 +51,15 @@ import torch.nn as nn
 
 from trainmon.families import Family
 from trainmon.collectors.base import Collector, register_collector
-from trainmon.collectors.module_io import (HookedModule, hook_fn, in_backward, io_names,
-                                           select_modules, tensors_of, uses_compile)
+from trainmon.collectors.module_io import (HookedModule, hook_fn, in_backward, io_names, pick,
+                                           replace_tensors, select_modules, tensors_of, uses_compile)
 from trainmon.core.hooks import Handle
 
 __all__ = ["ActivationCollector"]
 
 log = logging.getLogger(__name__)
+
+_alias = torch.ops.aten.alias.default  # a view with the same elements; its backward returns grad itself
 
 
 class _RowCache:
@@ -122,7 +139,9 @@ class ActivationCollector(Collector):
         self._count_step = self.ctx.clock.step
         if cfg.module_ranks and self.ctx.rank not in cfg.module_ranks:
             return  # this rank writes nothing: hook nothing
-        self.modules = select_modules(self.ctx.chunks, self.ctx.matcher, cfg.all_xy, cfg.squash_name)
+        self._warned: set = set()
+        specs = [(raw, cfg.spec_of(raw)) for raw, _ in cfg.target_specs]
+        self.modules = select_modules(self.ctx.chunks, self.ctx.matcher, cfg.all_xy, cfg.squash_name, specs)
         compiled = uses_compile(self.ctx.chunks)
         if compiled and self.modules:
             log.warning("trainmon: the model uses torch.compile; each of the %d modules recorded "
@@ -151,20 +170,22 @@ class ActivationCollector(Collector):
         self.handles.append(Handle(handle.remove))
 
     # -- forward ---------------------------------------------------------------------------
-    def _chunk_begins(self, vpp: int, _module: nn.Module, _args: Any) -> None:
+    def _chunk_begins(self, vpp: int, module: nn.Module, _args: Any) -> None:
         clock = self.ctx.clock
-        if not clock.collecting or in_backward():
-            return
+        if module is not self.ctx.chunks[vpp] or not clock.collecting or in_backward():
+            return  # not the monitored chunk: a copy of the model (copy.deepcopy) carries the hook
         if self._count_step != clock.step:
             self._count_step = clock.step
             self._counts = [0] * len(self._counts)
         self._counts[vpp] += 1
         self._cache.clear()
 
-    def _chunk_ends(self, _module: nn.Module, _args: Any, output: Any) -> None:
+    def _chunk_ends(self, module: nn.Module, _args: Any, output: Any) -> None:
         """Mark the start of backward on the model's output, so the backward-pass count is
         kept by the outermost backward even when checkpointed segments run nested ones."""
         if not self.ctx.clock.collecting or in_backward() or not torch.is_grad_enabled():
+            return
+        if not any(module is c for c in self.ctx.chunks):
             return
         for t in tensors_of(output):
             if t.requires_grad:
@@ -175,34 +196,87 @@ class ActivationCollector(Collector):
         if self._live and self.ctx.clock.collecting:
             self.ctx.clock.enter_backward()
 
-    def _inputs(self, hm: HookedModule, _module: nn.Module, args: Any, kwargs: Any) -> None:
-        self._observe(hm, "input", tensors_of(kwargs, tensors_of(args)) if kwargs else tensors_of(args))
+    def _inputs(self, hm: HookedModule, module: nn.Module, args: Any, kwargs: Any) -> Any:
+        """Records the inputs; returns (args, kwargs) with aliases of the inputs whose grads are
+        recorded (None: the module's arguments unchanged)."""
+        if module is not hm.module:
+            return None   # a copy of the model (copy.deepcopy) carries the hook: not monitored
+        tensors = tensors_of(kwargs, tensors_of(args)) if kwargs else tensors_of(args)
+        if not tensors:
+            return None
+        names = io_names(hm.label, "input", len(tensors))
+        self._record_actv(hm, "input", names, tensors)
+        if not (self._backward and torch.is_grad_enabled()):
+            return None
+        want = [i for i in pick(hm, "input_grad", len(tensors), self._warned) if tensors[i].requires_grad]
+        if not want:
+            return None
+        labels: dict[int, list[tuple[int, str]]] = {}   # id(input) -> its names in this call
+        for i in want:
+            labels.setdefault(id(tensors[i]), []).append((hm.vpp_stage, names[i]))
+        recompute = in_backward()
+        made: dict[int, torch.Tensor] = {}
 
-    def _outputs(self, hm: HookedModule, _module: nn.Module, _args: Any, output: Any) -> None:
-        self._observe(hm, "output", tensors_of(output))
+        def swap(t: torch.Tensor, replaceable: bool) -> torch.Tensor:
+            # One alias per distinct input: a tensor passed several times (attention's query, key
+            # and value) stays one object, so ``query is key`` checks in the module still hold.
+            mine = labels.get(id(t))
+            if mine is None:
+                return t
+            if id(t) in made:
+                return made[id(t)]
+            if not replaceable:   # inside a container we cannot rebuild: its total gradient
+                for name in mine:
+                    self._hook_shared(t, name)
+                made[id(t)] = t
+                return t
+            made[id(t)] = a = _alias(t)
+            # In a checkpoint's recompute no fallback: a non-reentrant one never backpropagates
+            # through the recomputed graph (the alias's hook stays silent, the input's would not).
+            self._hook_grad(a, mine, fallback=not recompute)
+            return a
 
-    def _observe(self, hm: HookedModule, kind: str, tensors: list[torch.Tensor]) -> None:
+        new_args = replace_tensors(args, swap)
+        new_kwargs = replace_tensors(kwargs, swap) if kwargs else kwargs
+        swapped = any(made.get(id(t), t) is not t for t in tensors)
+        return (new_args, new_kwargs) if swapped else None
+
+    def _outputs(self, hm: HookedModule, module: nn.Module, _args: Any, output: Any) -> None:
+        if module is not hm.module:
+            return    # a copy of the model (copy.deepcopy) carries the hook: not monitored
+        tensors = tensors_of(output)
         if not tensors:
             return
-        names = io_names(hm.label, kind, len(tensors))
-        recompute = in_backward()
-        if self._forward and not recompute:
-            micro = max(self._counts[hm.vpp_stage] - 1, 0) if self._count_step == self.ctx.clock.step else 0
-            self._capture(Family.ACTV, hm.vpp_stage, names, tensors, micro)
+        names = io_names(hm.label, "output", len(tensors))
+        self._record_actv(hm, "output", names, tensors)
         if self._backward and torch.is_grad_enabled():
-            for name, t in zip(names, tensors):
-                if t.requires_grad:
-                    hooked = self._hooked.names(t)
-                    if hooked is None:
-                        self._hook_grad(t, [(hm.vpp_stage, name)])
-                    elif (hm.vpp_stage, name) not in hooked:
-                        hooked.append((hm.vpp_stage, name))
+            for i in pick(hm, "output_grad", len(tensors), self._warned):
+                if tensors[i].requires_grad:
+                    self._hook_shared(tensors[i], (hm.vpp_stage, names[i]))
 
-    def _hook_grad(self, t: torch.Tensor, names: list[tuple[int, str]]) -> None:
+    def _record_actv(self, hm: HookedModule, kind: str, names: tuple[str, ...], tensors: list[torch.Tensor]) -> None:
+        if not self._forward or in_backward():
+            return   # forwards inside backward are checkpoint recomputations: recorded already
+        chosen = pick(hm, kind, len(tensors), self._warned)
+        if len(chosen) != len(tensors):
+            names, tensors = tuple(names[i] for i in chosen), [tensors[i] for i in chosen]
+        if tensors:
+            micro = max(self._counts[hm.vpp_stage] - 1, 0) if self._count_step == self.ctx.clock.step else 0
+            self._capture(Family.ACTV, hm.vpp_stage, list(names), tensors, micro)
+
+    def _hook_shared(self, t: torch.Tensor, name: tuple[int, str]) -> None:
+        """One grad hook per tensor serves every name it has (output of one module and of its parent)."""
+        hooked = self._hooked.names(t)
+        if hooked is None:
+            self._hook_grad(t, [name])
+        elif name not in hooked:
+            hooked.append(name)
+
+    def _hook_grad(self, t: torch.Tensor, names: list[tuple[int, str]], fallback: bool = True) -> None:
         self._hooked.add(t, names)
         fired = [False]
         t.register_hook(functools.partial(self._grad_hook, names, fired))
-        base = _same_elements_base(t)
+        base = _same_elements_base(t) if fallback else None
         if base is not None:
             # A hook on a view is lost when the view is later modified in place (Linear on a 3-D
             # input returns a view; ReLU(inplace=True) then rebases it).  Its base still gets
@@ -233,12 +307,16 @@ class ActivationCollector(Collector):
                  micro: int, shape: tuple[int, ...] | None = None) -> None:
         cache, engine = self._cache, self.ctx.engine
         rows = [cache.get(t) for t in tensors]
-        missing = [i for i, r in enumerate(rows) if r is None]
+        missing: dict[int, list[int]] = {}   # distinct tensor -> its positions: reduced once
+        for i, r in enumerate(rows):
+            if r is None:
+                missing.setdefault(id(tensors[i]), []).append(i)
         if missing:
-            fresh = engine.partials([tensors[i] for i in missing], no_sync=True)
-            for i, row in zip(missing, fresh):
-                rows[i] = row
-                cache.put(tensors[i], row)
+            fresh = engine.partials([tensors[at[0]] for at in missing.values()], no_sync=True)
+            for at, row in zip(missing.values(), fresh):
+                for i in at:
+                    rows[i] = row
+                cache.put(tensors[at[0]], row)
         engine.capture_tensors(family, vpp, names, tensors, rows, micro_step=micro, shape=shape)
 
     def on_step_end(self) -> None:

@@ -126,18 +126,19 @@ class Guard:
             self._fail(collector)
             return None
 
-    def gated(self, collector: Collector, fn: Callable[..., Any], clock: StepClock) -> Callable[..., None]:
+    def gated(self, collector: Collector, fn: Callable[..., Any], clock: StepClock) -> Callable[..., Any]:
         """``wrap`` for hooks that do nothing on steps that are not collected: one flag check
         then, and one Python frame instead of three on collected steps (hooks run hundreds of
         times per step)."""
         failed, name = self.failed, collector.name
 
-        def hook(*args: Any) -> None:
+        def hook(*args: Any) -> Any:
             if clock.collecting and name not in failed:
                 try:
-                    fn(*args)
+                    return fn(*args)  # None but for forward pre-hooks handing the module new args
                 except Exception:  # noqa: BLE001 - the monitor must never take the run down
                     self._fail(collector)
+            return None
 
         return outside_compiled_graphs(hook)
 

@@ -10,16 +10,17 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
 
+from trainmon.config import IoSelect
 from trainmon.core.naming import ROOT_NAME, TargetMatcher, clean_name, squash_name, unwrap_model
 
 __all__ = ["HookedModule", "select_modules", "walk_modules", "tensors_of", "io_names", "in_backward",
-           "is_container", "uses_compile", "hook_fn"]
+           "is_container", "uses_compile", "hook_fn", "replace_tensors", "pick"]
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,10 @@ class HookedModule:
     name: str            # as targets spell it (wrappers stripped); ROOT_NAME for the root
     label: str           # as written to the output (squashed when squash_name is on)
     module: nn.Module
+    # msprobe per-target spec: kind ("input", "output", "input_grad", "output_grad") -> which
+    # of the module's tensors of that kind are recorded; a kind not in it records all of them
+    spec: dict[str, IoSelect] = field(default_factory=dict, compare=False, hash=False)
+    target: str = ""     # the target as the user wrote it (for messages)
 
 
 def walk_modules(chunks: Sequence[nn.Module]) -> list[tuple[int, str, nn.Module]]:
@@ -52,9 +57,10 @@ def is_container(module: nn.Module) -> bool:
 
 
 def select_modules(chunks: Sequence[nn.Module], matcher: TargetMatcher, all_xy: bool,
-                   squash: bool) -> list[HookedModule]:
+                   squash: bool, specs: Sequence[tuple[str, dict[str, IoSelect]]] = ()) -> list[HookedModule]:
     """``all_xy``: every callable module but the root; ``targets``: exactly the named modules
-    (``layers.1`` is that block, not ``layers.10`` and not the blocks' children)."""
+    (``layers.1`` is that block, not ``layers.10`` and not the blocks' children).  ``specs``:
+    (target as written, parsed per-target spec) for targets that carry one."""
     picked = []
     for vpp, name, module in walk_modules(chunks):
         targeted = matcher.names_exactly(name, vpp)
@@ -66,7 +72,12 @@ def select_modules(chunks: Sequence[nn.Module], matcher: TargetMatcher, all_xy: 
             continue
         picked.append((vpp, name, module))
     labels = _labels(picked, squash)
-    return [HookedModule(vpp, name, labels[(vpp, name)], m) for vpp, name, m in picked]
+    parsed = [(TargetMatcher([raw]), raw, spec) for raw, spec in specs]
+    out = []
+    for vpp, name, m in picked:
+        hit = next(((raw, spec) for one, raw, spec in parsed if one.names_exactly(name, vpp)), ("", {}))
+        out.append(HookedModule(vpp, name, labels[(vpp, name)], m, hit[1], hit[0]))
+    return out
 
 
 def _labels(picked: list[tuple[int, str, nn.Module]], squash: bool) -> dict[tuple[int, str], str]:
@@ -104,6 +115,40 @@ def tensors_of(value: Any, out: list[torch.Tensor] | None = None) -> list[torch.
         for v in value.values():
             tensors_of(v, out)
     return out
+
+
+def replace_tensors(value: Any, fn: Callable[[torch.Tensor, bool], torch.Tensor]) -> Any:
+    """``value`` with every recordable tensor ``t`` replaced by ``fn(t, True)``, in ``tensors_of``
+    order.  Plain tuples, lists and dicts are rebuilt; other containers (namedtuples, dataclasses
+    of tensors...) are kept as they are and ``fn(t, False)`` is called for each of their tensors,
+    so ``fn`` sees every tensor ``tensors_of`` lists, in the same order."""
+    if isinstance(value, torch.Tensor):
+        return fn(value, True) if _recordable(value) else value
+    if type(value) in (tuple, list):
+        return type(value)(replace_tensors(v, fn) for v in value)
+    if type(value) is dict:
+        return {k: replace_tensors(v, fn) for k, v in value.items()}
+    if isinstance(value, (tuple, list, dict)):
+        for t in tensors_of(value):
+            fn(t, False)
+    return value
+
+
+def pick(hm: HookedModule, kind: str, n: int, warned: set) -> range | tuple[int, ...]:
+    """Indices of the ``n`` tensors of ``kind`` that ``hm``'s per-target spec records (all when
+    it has none for that kind).  A spec that does not fit the call warns once per module and kind."""
+    sel = hm.spec.get(kind)
+    if sel is None:
+        return range(n)
+    chosen = range(n) if sel.index is None else ((sel.index,) if sel.index < n else ())
+    if (sel.count != n or not chosen) and (hm.vpp_stage, hm.name, kind) not in warned:
+        warned.add((hm.vpp_stage, hm.name, kind))
+        text = "tensor" if sel.count == 1 and sel.index == 0 else \
+            f"tuple[{sel.count}]" + ("" if sel.index is None else f":{sel.index}")
+        log.warning("trainmon: targets[%r].%s is %r but %s was called with %d %s tensor(s); %s",
+                    hm.target, kind, text, hm.name, n, kind.replace("_grad", ""),
+                    f"recording {kind} {list(chosen)}" if chosen else f"no {kind} is recorded for it")
+    return chosen
 
 
 @functools.lru_cache(maxsize=65536)

@@ -13,7 +13,16 @@ grad_reduced     optimizer step entry                          the grad the step
 "Optimizer step entry" is when the update's grads are final: with ``step(closure)``, right after
 the closure's first call (see ``core.hooks.wrap_optimizer_step``).
 
-Config: ``{"wg_distribution": true}``.  Row order of ``grad_unreduced`` is the order grads became
+Config: ``{"wg_distribution": true}``; ``"monitor_mbs_grad": true`` (msprobe) makes the generic
+route record ``grad_unreduced`` on every micro-batch (a ``micro_step`` column): each row is that
+micro-batch's own local grad (a tensor hook on the param sees it before it is accumulated),
+not the running sum msprobe wrote.
+
+``grad_reduced`` is the grad the update uses.  Stacks that clip or unscale inside their
+``step()`` (DeepSpeed ZeRO, Megatron's optimizers) offer an applied-grad point
+(``Integration.applied_grad_points``): the grads are read there, after the clip and right
+before the inner optimizer applies them; elsewhere they are read at optimizer step entry.
+Row order of ``grad_unreduced`` is the order grads became
 ready (backward order); ``grad_reduced`` is model parameter order.
 
 Pre-reduce capture uses ``register_post_accumulate_grad_hook``, which fires before DDP's reducer
@@ -31,7 +40,7 @@ import logging
 
 from trainmon.families import Family
 from trainmon.collectors.base import Collector, capture_views, register_collector
-from trainmon.core.hooks import post_accumulate_grad_hook
+from trainmon.core.hooks import Handle, post_accumulate_grad_hook
 from trainmon.core.naming import TrackedParam
 
 __all__ = ["WeightGradCollector"]
@@ -51,7 +60,13 @@ class WeightGradCollector(Collector):
     def attach(self) -> None:
         self._ready: list[TrackedParam] = []
         self._captured: set[int] = set()
-        points = self.ctx.integration.pre_reduce_points(self.ctx.params, self.ctx.guard.wrap(self, self._emit))
+        self._attach_applied()
+        integration = self.ctx.integration
+        points = integration.pre_reduce_points(self.ctx.params, self.ctx.guard.wrap(self, self._emit))
+        if self.ctx.config.monitor_mbs_grad and points is not None and not integration.reduces_every_micro_batch:
+            log.warning("trainmon: monitor_mbs_grad: under '%s' grad_unreduced is read at the stack's own "
+                        "pre-reduce point (grads accumulated over the micro-batches), so it has no "
+                        "per-micro-batch rows", integration.name)
         if points is not None:
             self.handles.extend(points)
             self._generic = False
@@ -62,9 +77,36 @@ class WeightGradCollector(Collector):
             return
         self._generic = True
         guard = self.ctx.guard
+        mbs = self.ctx.config.monitor_mbs_grad
         for tp in self.ctx.params:
-            body = guard.wrap(self, lambda _p, tp=tp: self._on_grad_ready(tp))
-            self.handles.append(post_accumulate_grad_hook(tp.param, body))
+            if mbs:
+                body = guard.wrap(self, lambda g, tp=tp: self._on_micro_grad(tp, g))
+                self.handles.append(Handle(tp.param.register_hook(body).remove))
+            else:
+                body = guard.wrap(self, lambda _p, tp=tp: self._on_grad_ready(tp))
+                self.handles.append(post_accumulate_grad_hook(tp.param, body))
+
+    def _attach_applied(self) -> None:
+        """Read grad_reduced where the stack applies it (after its clip), if it says where."""
+        self._applied_seen = False
+        points = self.ctx.integration.applied_grad_points(self.ctx.params, self.ctx.guard.wrap(self, self._applied))
+        self._at_entry = points is None
+        self.handles.extend(points or [])
+
+    def _applied(self, pairs: list) -> None:
+        if self.ctx.clock.collecting:
+            self._applied_seen = True
+            capture_views(self.ctx, Family.GRAD_REDUCED, pairs)
+
+    def _on_micro_grad(self, tp: TrackedParam, grad) -> None:
+        """monitor_mbs_grad: this micro-batch's own grad of ``tp``, before it is accumulated."""
+        clock = self.ctx.clock
+        if not clock.collecting or grad is None:
+            return
+        index = clock.enter_backward()
+        self._captured.add(id(tp.param))
+        capture_views(self.ctx, Family.GRAD_UNREDUCED, [(tp, self.ctx.integration.tp_view(tp, grad))],
+                      micro_step=index)
 
     def _emit(self, params: list[TrackedParam], micro_step: int | None = None) -> None:
         """Called by an integration at its pre-reduce point (``micro_step`` when the stack
@@ -98,11 +140,20 @@ class WeightGradCollector(Collector):
 
     def on_step_begin(self) -> None:
         reduced = self.ctx.integration.reduced_grad
-        pairs = [(tp, v) for tp in self.ctx.params if (v := reduced(tp)) is not None]
+        self._applied_seen = False
+        pairs = [(tp, v) for tp in self.ctx.params if (v := reduced(tp)) is not None] if self._at_entry else []
         capture_views(self.ctx, Family.GRAD_REDUCED, pairs)
-        if self._generic:
-            self._warn_missed([tp.name for tp, _ in pairs if id(tp.param) not in self._captured])
+        if self._generic and len(self._captured) < len(self.ctx.params):
+            with_grad = [tp for tp, _ in pairs] if self._at_entry else \
+                [tp for tp in self.ctx.params if reduced(tp) is not None]
+            self._warn_missed([tp.name for tp in with_grad if id(tp.param) not in self._captured])
         self._captured.clear()
+
+    def on_step_end(self) -> None:
+        if not self._at_entry and not self._applied_seen and not getattr(self, "_warned_skip", False):
+            self._warned_skip = True
+            log.warning("trainmon: step %d: the optimizer applied no update (e.g. an fp16 overflow skipped "
+                        "it), so grad_reduced has no rows for that step (said once)", self.ctx.clock.step)
 
     def _warn_missed(self, missed: list[str]) -> None:
         if missed and not getattr(self, "_warned_missed", False):

@@ -22,7 +22,7 @@ from trainmon.errors import ConfigError, Problem
 from trainmon.stats.table import DEFAULT_OPS, STAT_NAMES
 
 __all__ = ["KNOWN_FORMATS", "KNOWN_RULES", "GRAD_LEVELS", "CommConfig", "AlertRule", "AlertConfig",
-           "GradProbeConfig", "MonitorConfig", "load_config", "parse_config"]
+           "GradProbeConfig", "MonitorConfig", "IoSelect", "SPEC_KEYS", "io_select", "load_config", "parse_config"]
 
 KNOWN_FORMATS: tuple[str, ...] = ("csv", "tensorboard")
 
@@ -30,10 +30,36 @@ KNOWN_FORMATS: tuple[str, ...] = ("csv", "tensorboard")
 _ALWAYS_WRITTEN = ("shape", "dtype")
 
 # msprobe options trainmon does not implement: a falsy value asks for nothing and is accepted.
-_MSPROBE_ONLY = ("monitor_mbs_grad", "mg_direction", "stack_info", "append_output",
-                 "recording_l2_features", "l2_targets", "sa_order")
+_MSPROBE_ONLY = ("mg_direction", "append_output")
+
+# msprobe's per-target spec keys: which of a module's tensors ``actv`` / ``actv_grad`` record.
+SPEC_KEYS: tuple[str, ...] = ("input", "output", "input_grad", "output_grad")
+_SPEC_VALUE = re.compile(r"^(?:tensor|tuple\[(\d+)\](?::(\d+))?)$")
+_SPEC_EXPECT = "\"tensor\", \"tuple[N]\" or \"tuple[N]:i\" with 0 <= i < N"
+# msprobe's attention/linear "L2 features": accepted so its configs load, not recorded (one warning).
+L2_KEYS: tuple[str, ...] = ("recording_l2_features", "l2_targets", "sa_order")
 
 _MAX_NDIGITS = 17  # an IEEE double needs at most 17 significant digits to round-trip
+
+
+@dataclass(frozen=True)
+class IoSelect:
+    """A parsed spec value: the module's tensors of that kind are ``count`` many (msprobe's
+    ``tuple[N]``; ``tensor`` is one) and ``index`` is the one recorded (None: all of them)."""
+
+    count: int
+    index: int | None
+
+
+def io_select(text: str) -> IoSelect:
+    """``"tensor"`` -> IoSelect(1, 0); ``"tuple[2]:0"`` -> IoSelect(2, 0); ``"tuple[3]"`` -> all 3.
+    ``text`` is one the loader accepted."""
+    m = _SPEC_VALUE.match(text)
+    if m is None:
+        raise ValueError(f"not a per-target spec: {text!r} ({_SPEC_EXPECT})")
+    if m.group(1) is None:
+        return IoSelect(1, 0)
+    return IoSelect(int(m.group(1)), None if m.group(2) is None else int(m.group(2)))
 
 
 @dataclass(frozen=True)
@@ -85,6 +111,9 @@ class MonitorConfig:
     """A validated monitor config.  docs/configuration.md lists every key."""
 
     targets: tuple[str, ...] = ()
+    # (target, ((spec key, spec value), ...)) for targets written with a non-empty spec object;
+    # written back under ``targets`` by to_dict (it is not a key of its own).
+    target_specs: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()
     start_step: int = 0
     step_interval: int = 1
     collect_times: int | None = None
@@ -106,6 +135,11 @@ class MonitorConfig:
     module_ranks: tuple[int, ...] = ()
     step_count_per_record: int = 1
     dynamic_on: bool = False
+    monitor_mbs_grad: bool = False      # grad_unreduced once per micro-batch (its own local grad)
+    stack_info: bool = False            # stack_info.csv: where each recorded module is called from
+    recording_l2_features: bool = False  # msprobe's L2 features: accepted, not recorded
+    l2_targets: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    sa_order: str = ""
     cc_distribution: CommConfig = CommConfig()
     alert: AlertConfig = AlertConfig()
     grad_probe: GradProbeConfig | None = None   # None: off
@@ -116,7 +150,22 @@ class MonitorConfig:
         """The config as JSON-ready data that ``parse_config`` turns back into an equal config."""
         data = dataclasses.asdict(self)
         del data["source"]
+        specs = dict((name, dict(spec)) for name, spec in data.pop("target_specs"))
+        if specs:
+            data["targets"] = {name: specs.get(name, {}) for name in self.targets}
+        data["l2_targets"] = {hook: list(names) for hook, names in self.l2_targets}
         return json.loads(json.dumps(data))  # tuples -> lists, deep copies of rule args
+
+    def spec_of(self, target: str) -> dict[str, IoSelect]:
+        """The parsed per-target spec of ``target`` as written in ``targets`` ({} when none)."""
+        for name, spec in self.target_specs:
+            if name == target:
+                return {key: io_select(value) for key, value in spec}
+        return {}
+
+    def unrecorded_keys(self) -> tuple[str, ...]:
+        """msprobe keys this config sets that trainmon accepts but records nothing for."""
+        return tuple(k for k in L2_KEYS if getattr(self, k))
 
 
 # ----------------------------------------------------------------------------- sections
@@ -131,20 +180,40 @@ def _target_key(name: str) -> str:
     return f"targets[{json.dumps(name)}]"  # names contain dots, so a dotted path would mislead
 
 
+def _parse_spec(r: _Reader, key: str, spec: dict) -> tuple[tuple[str, str], ...]:
+    out = []
+    for name, value in spec.items():
+        where = _join(key, str(name))
+        if name not in SPEC_KEYS:
+            r.unknown(where, str(name), SPEC_KEYS, SPEC_KEYS)
+        elif not isinstance(value, str) or not _SPEC_VALUE.match(value):
+            r.bad(where, f"{_show(value)} is not a spec ({_SPEC_EXPECT})")
+        else:
+            sel = io_select(value)
+            if sel.count < 1 or (sel.index is not None and sel.index >= sel.count):
+                r.bad(where, f"{_show(value)} is out of range ({_SPEC_EXPECT})")
+            else:
+                out.append((name, value))
+    return tuple(out)
+
+
 def _parse_targets(r: _Reader, key: str, value: object, default: tuple) -> tuple[str, ...]:
     expect = "non-empty module or parameter name"
     if isinstance(value, dict):
         r.dupes(_target_key, value)
-        names = []
+        names, specs = [], []
         for name, spec in value.items():
             if r.string(_target_key(name), name, expect) is None:
                 continue
             if not isinstance(spec, dict):
-                r.bad(_target_key(name), f"{_show(spec)} is not an object (use an empty object {{}})")
+                r.bad(_target_key(name), f"{_show(spec)} is not an object ({{}} or a spec such as "
+                                         "{\"input\": \"tuple[2]:0\", \"output\": \"tensor\"})")
             elif spec:
-                r.bad(_target_key(name), f"per-target specs are not supported ({_show(spec)}); "
-                                         "use an empty object {}")
+                parsed = _parse_spec(r, _target_key(name), spec)
+                if parsed:
+                    specs.append((name, parsed))
             names.append(name)
+        r.derived["target_specs"] = tuple(specs)
         return tuple(names)
     if not isinstance(value, list):
         r.bad(key, f"{_show(value)} is not a list or object (list of names, or {{\"name\": {{}}}})")
@@ -292,6 +361,26 @@ def _parse_grad_probe(r: _Reader, key: str, value: object, default: GradProbeCon
     return GradProbeConfig(grad_level=level, param_list=names, bounds=bounds)
 
 
+def _parse_l2_targets(r: _Reader, key: str, value: object, default: tuple) -> tuple:
+    if not isinstance(value, dict):
+        r.bad(key, f"{_show(value)} is not an object ({{\"attention_hook\": [names], ...}})")
+        return default
+    out = []
+    for hook, names in value.items():
+        items = r.array(_join(key, str(hook)), names, "list of module names")
+        if items is not None:
+            out.append((str(hook), tuple(n for i, n in enumerate(items)
+                                         if r.string(_at(_join(key, str(hook)), i), n, "module name") is not None)))
+    return tuple(out)
+
+
+def _parse_sa_order(r: _Reader, key: str, value: object, default: str) -> str:
+    if not isinstance(value, str) or (value and sorted(value.replace(" ", "").split(",")) != ["b", "d", "h", "s"]):
+        r.bad(key, f"{_show(value)} is not an order of b,s,h,d (e.g. \"b,s,h,d\" or \"s,b,h,d\")")
+        return default
+    return value
+
+
 # ----------------------------------------------------------------------------- alert rules
 
 @dataclass(frozen=True)
@@ -384,7 +473,8 @@ def _parse_alert(r: _Reader, key: str, value: object, default: AlertConfig) -> A
 
 _BOOLS = ("wg_distribution", "mv_distribution", "param_distribution", "ur_distribution",
           "xy_distribution", "forward_only", "backward_only", "all_xy", "print_struct",
-          "squash_name", "dynamic_on", "global_layer_names", "loss_alignment")
+          "squash_name", "dynamic_on", "global_layer_names", "monitor_mbs_grad", "stack_info",
+          "recording_l2_features", "loss_alignment")
 
 _SECTIONS: dict[str, Callable] = {
     "targets": _parse_targets,
@@ -400,6 +490,8 @@ _SECTIONS: dict[str, Callable] = {
     "step_count_per_record": _int(1),
     "cc_distribution": _parse_comm,
     "alert": _parse_alert,
+    "l2_targets": _parse_l2_targets,
+    "sa_order": _parse_sa_order,
     "grad_probe": _parse_grad_probe,
 }
 
@@ -435,7 +527,7 @@ def parse_config(data: object, source: str) -> MonitorConfig:
     _check_combinations(r, values)
     if r.problems:
         raise ConfigError(source, r.problems)
-    return MonitorConfig(**values, source=source)
+    return MonitorConfig(**values, **r.derived, source=source)
 
 
 # ----------------------------------------------------------------------------- the file

@@ -57,6 +57,8 @@ class _Reader:
 
     def __init__(self) -> None:
         self.problems: list[Problem] = []
+        # config fields a section parser derives besides its own value (targets -> target_specs)
+        self.derived: dict[str, object] = {}
 
     def bad(self, key: str, message: str) -> None:
         self.problems.append(Problem(key, message))

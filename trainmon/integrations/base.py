@@ -46,6 +46,8 @@ class Integration:
     # True when stats need every rank's shard (a merge over a process group): then ranks outside
     # ``module_ranks`` still compute, they only do not write.
     needs_all_ranks: ClassVar[bool] = False
+    # True when the stack reduces every micro-batch (pre-reduce rows then carry micro_step)
+    reduces_every_micro_batch: bool = False
     tp_group: Any = None
 
     def __init__(self, chunks: Sequence[nn.Module], optimizer: Any, use_main_grad: bool):
@@ -89,6 +91,14 @@ class Integration:
         return params
 
     # -- at and after the optimizer step -----------------------------------------------------
+    def applied_grad_points(self, params: list[TrackedParam],
+                            emit: Callable[[list[tuple[TrackedParam, View]]], None]) -> list[Handle] | None:
+        """Stacks whose ``step()`` changes the grads before applying them (clipping, unscaling)
+        install hooks that call ``emit([(param, View of the grad the update uses), ...])`` right
+        before the inner optimizer applies them (every rank the same rows, shards merged).
+        ``None``: the grad at optimizer step entry is the one applied (``reduced_grad``)."""
+        return None
+
     def reduced_grad(self, tp: TrackedParam) -> View | None:
         return self.local_grad(tp)
 

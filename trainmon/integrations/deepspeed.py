@@ -19,6 +19,14 @@ method (stage 2 ``reduce_ipg_grads``, stage 3 ``__reduce_and_partition_ipg_grads
 the instance and the bucket's params are emitted right before calling through: one row per param
 per micro-batch, ``micro_step`` = the micro-batch's index within the step (DeepSpeed's own count).
 The grad is the tensor DeepSpeed is about to reduce (already divided by the accumulation steps).
+
+``grad_reduced`` is the grad the update applies.  Stages 1-3 unscale and clip (``gradient_clipping``,
+1.0 in DeepSpeed's default config) inside ``optimizer.step()``, on this rank's flat fp32 grad
+partition, after the step's entry: the optimizer's ``_optimizer_step(group)`` is wrapped on the
+instance and, right before it calls the inner optimizer, each param's slice of that partition's
+``.grad`` is measured (stage 3: the sub-group's flat fp32 grad, cut at ``grad_position``;
+``BF16_Optimizer``: at its inner optimizer's step entry, after its clip).  Stage 0
+clips ``param.grad`` in place before calling the torch optimizer, whose step entry already sees it.
 """
 from __future__ import annotations
 
@@ -64,6 +72,7 @@ class DeepSpeedIntegration(Integration):
         self.stage = int(self.engine.zero_optimization_stage())
         self.zero = self.engine.optimizer if self.stage > 0 else None
         self.group = getattr(self.zero, "dp_process_group", None)
+        self.reduces_every_micro_batch = self.stage >= 2
 
     def pre_reduce_points(self, params: list[TrackedParam],
                           emit: Callable[[list[TrackedParam], int], None]) -> list[Handle] | None:
@@ -102,6 +111,69 @@ class DeepSpeedIntegration(Integration):
         if stream is None or not isinstance(stream, torch.cuda.Stream):
             return None
         return None if stream == torch.cuda.current_stream() else stream
+
+    def applied_grad_points(self, params: list[TrackedParam],
+                            emit: Callable[[list[tuple[TrackedParam, View]]], None]) -> list[Handle] | None:
+        if self.stage == 0:
+            return None   # the engine clips param.grad before the torch optimizer's step entry
+        if hasattr(self.zero, "fp32_groups_flat_partition") and hasattr(self.zero, "bf16_groups"):
+            return self._bf16_applied_points(params, emit)
+        inner = getattr(self.zero, "_optimizer_step", None)
+        groups = getattr(self.zero, "bit16_groups" if self.stage < 3 else "fp16_groups", None)
+        if inner is None or groups is None:
+            log.warning("trainmon: DeepSpeed ZeRO stage %d optimizer %s has no '_optimizer_step' / param groups "
+                        "(another DeepSpeed version or optimizer?); grad_reduced is read at step entry, "
+                        "before DeepSpeed's clipping", self.stage, type(self.zero).__name__)
+            return None
+        by_id = {id(tp.param): tp for tp in params}
+        applied = self._z3_applied if self.stage == 3 else self._z12_applied
+
+        def optimizer_step(group: int, *args: Any, **kwargs: Any) -> Any:
+            mine = [tp for p in groups[group] if (tp := by_id.get(id(p))) is not None]
+            if mine:
+                emit([(tp, applied(tp, group)) for tp in mine])
+            return inner(group, *args, **kwargs)
+
+        self.zero._optimizer_step = optimizer_step
+        return [Handle(lambda: delattr(self.zero, "_optimizer_step"))]
+
+    def _bf16_applied_points(self, params: list[TrackedParam],
+                             emit: Callable[[list[tuple[TrackedParam, View]]], None]) -> list[Handle]:
+        """``BF16_Optimizer`` (bf16 with fp32 grad accumulation, ZeRO 1) clips its fp32 grads,
+        hands them to the fp32 partitions, then steps the inner optimizer once for all groups."""
+        by_id = {id(tp.param): tp for tp in params}
+        order = [(tp, g) for g, group in enumerate(self.zero.bf16_groups) for p in group
+                 if (tp := by_id.get(id(p))) is not None]
+
+        def pre(*_: Any) -> None:
+            pairs = []
+            for tp, g in order:
+                flat = self.zero.fp32_groups_flat_partition[g].grad
+                mapping = getattr(tp.param, "_hp_mapping", None)
+                if mapping is None or flat is None:
+                    pairs.append((tp, self._sharded(tp, None)))
+                else:
+                    address = mapping.hp_fragment_address
+                    pairs.append((tp, self._sharded(tp, flat.detach().narrow(0, address.start, address.numel))))
+            emit(pairs)
+
+        return [Handle(self.zero.optimizer.register_step_pre_hook(pre).remove)]
+
+    def _z12_applied(self, tp: TrackedParam, group: int) -> View:
+        """This rank's slice of the clipped fp32 grad partition the inner optimizer is about to apply."""
+        mapping = getattr(tp.param, "_hp_mapping", None)
+        flat = self.zero.single_partition_of_fp32_groups[group].grad
+        if mapping is None or flat is None:
+            return self._sharded(tp, None)
+        address = mapping.hp_fragment_address
+        return self._sharded(tp, flat.detach().narrow(0, address.start, address.numel))
+
+    def _z3_applied(self, tp: TrackedParam, group: int) -> View:
+        flat = self.zero.fp32_partitioned_groups_flat[group].grad
+        if flat is None:
+            return self._sharded(tp, None)
+        _, offset, numel = self.zero.grad_position[self.zero.get_param_id(tp.param)]
+        return self._sharded(tp, self._z3_valid(tp, flat.detach().narrow(0, offset, numel)))
 
     def _micro_step(self) -> int:
         """Index of the running micro-batch in its step (``micro_steps`` counts finished ones)."""

@@ -10,10 +10,15 @@ Where each family is read (see docs/megatron.md):
   With the distributed optimizer only the range this rank owns was reduced; the rest of the
   buffer is stale local data, so only the owned range is measured and the shards are merged
   over the optimizer's data-parallel group.
-* fp16: ``main_grad`` carries the loss scale; both grad families are reported divided by
-  ``optimizer.get_loss_scale()`` so they are on the scale of the loss.  The grads are not divided
+* fp16: ``main_grad`` carries the loss scale; ``grad_unreduced`` is reported divided by
+  ``optimizer.get_loss_scale()`` so it is on the scale of the loss.  The grads are not divided
   (that made a full-size copy of every grad): their partials are (sum/s, sumsq/s^2, min/s, max/s),
   the scale travelling as a device tensor with the step's one copy.
+* With a Megatron optimizer, ``grad_reduced`` is read where the update uses it: Megatron's
+  ``step()`` copies the grads to the fp32 main params, unscales and clips them (``clip_grad``),
+  then calls the inner torch optimizer; a step pre-hook on each inner optimizer measures the
+  ``.grad`` of the main params / fp32 shards it is about to apply.  Without one (no optimizer
+  given), ``main_grad`` at step entry.
 * moments and (distributed optimizer) params: the fp32 tensors the inner torch optimizer
   updates, found through the Float16 / FP32 / Distributed / Chained optimizers' group maps.
 
@@ -216,6 +221,33 @@ class MegatronIntegration(Integration):
         rng = opt._get_model_param_range_map(tp.param)["param"]
         shard = g.view(-1)[rng.start:rng.end]
         return self._view(shard, group, tuple(tp.param.shape))
+
+    def applied_grad_points(self, params: list[TrackedParam],
+                            emit: Callable[[list[tuple[TrackedParam, View]]], None]) -> list[Handle] | None:
+        if not _is_megatron_optimizer(self.optimizer):
+            return None
+        handles = []
+        state = self._state_map()
+        for inner in {id(o.optimizer): o.optimizer for o in leaf_optimizers(self.optimizer)
+                      if isinstance(getattr(o, "optimizer", None), torch.optim.Optimizer)}.values():
+            mine = [tp for tp in params if state.get(id(tp.param), (None,))[0] is inner]
+            if mine:
+                hook = inner.register_step_pre_hook(lambda *_, mine=mine: emit(self._applied(mine)))
+                handles.append(Handle(hook.remove))
+        return handles or None
+
+    def _applied(self, params: list[TrackedParam]) -> list[tuple[TrackedParam, View]]:
+        """The grads the inner optimizer is about to apply: unscaled and clipped by Megatron."""
+        out = []
+        for tp in params:
+            _, key, group = self._state_map()[id(tp.param)]
+            grad = None if key is None else key.grad
+            if group is not None:   # distributed optimizer: every rank emits every row
+                shard = grad if grad is not None else tp.param.new_empty(0, dtype=torch.float32)
+                out.append((tp, View(shard.detach().reshape(-1), group, tuple(tp.param.shape))))
+            elif grad is not None:
+                out.append((tp, View(grad.detach())))
+        return out
 
     # -- optimizer state -----------------------------------------------------------------------
     def _state_map(self) -> dict[int, tuple[Any, Any, Any]]:

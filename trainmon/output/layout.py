@@ -7,6 +7,7 @@
         rank<R>/<family>_<a>-<b>[.<k>].csv        one file per family per step window
         rank<R>/anomalies.jsonl                   run-time alerts
         rank<R>/model_meta.json                   the model as monitoring began (loss_alignment)
+        rank<R>/stack_info.csv                    where each module is called from (stack_info)
         tensorboard/rank<R>/events.out.tfevents.* TensorBoard events (see ``tb_tags``)
 
 ``<a>-<b>`` is the window of ``step_count_per_record`` steps a file holds; ``<k>`` (1, 2, ...)
@@ -19,12 +20,14 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["RUN_META", "ALERTS_FILE", "MODEL_META", "SIMILARITIES_FILE", "SIMILARITY_SUMMARY_PNG", "TB_DIRNAME", "NOT_RUNS", "FamilyFile", "rank_dir_name",
+__all__ = ["RUN_META", "ALERTS_FILE", "MODEL_META", "STACK_INFO_FILE", "SIMILARITIES_FILE", "SIMILARITY_SUMMARY_PNG",
+           "TB_DIRNAME", "NOT_RUNS", "FamilyFile", "rank_dir_name",
            "parse_rank_dir", "window_bounds", "family_file_name", "parse_family_file"]
 
 RUN_META = "run.json"
 ALERTS_FILE = "anomalies.jsonl"
 MODEL_META = "model_meta.json"
+STACK_INFO_FILE = "stack_info.csv"   # columns vpp_stage,name,stack (frames outermost first, one per line)
 # ``trainmon similarity -o DIR``: the table and the charts it writes.
 SIMILARITIES_FILE = "similarities.csv"
 SIMILARITY_SUMMARY_PNG = "summary_similarities.png"

@@ -89,9 +89,19 @@ class SessionBuilder:
         owns the step boundary (``monitor.step()``, the dynamic driver) drives it.
         """
         matcher = self.check_targets(cfg, cfg.source or str(self.config_file))
+        self._warn_unrecorded(cfg)
         ctx = self._context(cfg, matcher, first_step)
         return Session(ctx, self._make_sink(cfg), step_optimizer,
                        collect=self._records_here(cfg, ctx.integration))
+
+    def _warn_unrecorded(self, cfg: MonitorConfig) -> None:
+        """msprobe's L2 features load (so its configs run unchanged) but are not built: say so once."""
+        keys = cfg.unrecorded_keys()
+        if keys and keys != getattr(self, "_warned_unrecorded", None):
+            self._warned_unrecorded = keys
+            log.warning("trainmon: %s (msprobe's L2 attention/linear features) accepted but not recorded: "
+                        "no attention-score or linear-hook statistics are written for them; every other "
+                        "key of %s is honoured", ", ".join(keys), cfg.source or self.config_file)
 
     def _context(self, cfg: MonitorConfig, matcher: TargetMatcher, first_step: int) -> CollectorContext:
         a = self.attachment
