@@ -36,7 +36,7 @@ import re
 import sys
 import threading
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 import torch.distributed as dist
@@ -99,7 +99,7 @@ class _Op:
         if self.name == "batch_isend_irecv":
             ops = args[0] if args else kwargs.get("p2p_op_list", [])
             return [(0, i, op.tensor) for i, op in enumerate(ops)]
-        out = []
+        out: list[tuple[int, int, torch.Tensor]] = []
         for pos, name in enumerate(self.params):
             value = args[pos] if pos < len(args) else kwargs.get(name)
             out.extend((pos, i, t) for i, t in enumerate(_tensors(value)))
@@ -142,6 +142,7 @@ class CommCollector(Collector):
         self._sites: dict[tuple[str, int], bool] = {}
         self._lock = threading.RLock()
         self._inflight: list[tuple[list, list, dict]] = []   # (works, tensors, meta) of async calls
+        self._count_step: int | None
         self._count_step, self._count = None, 0
         self.active = True
         if not dist.is_available():
@@ -277,5 +278,5 @@ def _make_wrapper(op: _Op, ref: "weakref.ref[CommCollector]") -> Callable:
             return op.run(*args, **kwargs)
         return rec.call(op, args, kwargs, sys._getframe(1))
 
-    wrapper.__trainmon_original__ = original
+    cast(Any, wrapper).__trainmon_original__ = original  # a function attribute: untyped
     return wrapper

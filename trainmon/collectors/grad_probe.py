@@ -162,6 +162,7 @@ class GradProbeCollector(Collector):
 
     def attach(self) -> None:
         probe = self.ctx.config.grad_probe
+        assert probe is not None  # enabled() requires it
         matcher = TargetMatcher(probe.param_list)
         self._params: list[TrackedParam] = [tp for tp in self.ctx.params if matcher.matches(tp.name, tp.vpp_stage)]
         self._labels = interval_labels(probe.bounds)
@@ -170,6 +171,7 @@ class GradProbeCollector(Collector):
 
     def on_step_begin(self) -> None:
         probe, ctx = self.ctx.config.grad_probe, self.ctx
+        assert probe is not None  # enabled() requires it
         reduced = ctx.integration.reduced_grad
         pairs = [(tp, v) for tp in self._params if (v := reduced(tp)) is not None]
         if not ctx.config.wg_distribution:   # L0: weight_grads records grad_reduced already when on

@@ -54,7 +54,7 @@ class LossCollector(Collector):
         return True   # costs one counter per forward; rows only when record_loss is called
 
     def attach(self) -> None:
-        self._forward_step = None        # step of the last forward
+        self._forward_step: int | None = None        # step of the last forward
         self._calls: dict[int, int] = {}  # step -> record_loss calls so far
         self._collected: int | None = None
         self._warned = False

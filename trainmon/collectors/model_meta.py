@@ -38,7 +38,7 @@ _INIT = ("norm", "mean", "min", "max")
 
 
 @torch.no_grad()
-def _init_stats(params: list[torch.Tensor]) -> list[dict[str, float]]:
+def _init_stats(params: list[torch.Tensor]) -> list[dict[str, float | str]]:
     rows = []
     for p in params:
         x = p.detach().reshape(-1)

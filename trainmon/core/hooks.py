@@ -4,7 +4,7 @@ from __future__ import annotations
 import functools
 import logging
 import types
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 
@@ -88,7 +88,11 @@ def wrap_optimizer_step(optimizer: Any, before: Callable[[], None], after: Calla
         # args[0] is the optimizer itself; a pre-hook may return replacement (args, kwargs).
         pre = target.register_step_pre_hook(lambda _opt, args, kwargs: boundary.enter(args, kwargs, 1))
         post = target.register_step_post_hook(lambda *_: boundary.exit())
-        return Handle(lambda: (pre.remove(), post.remove()))
+        def remove() -> None:
+            pre.remove()
+            post.remove()
+
+        return Handle(remove)
     return _wrap_instance_step(target, boundary)
 
 
@@ -215,5 +219,5 @@ def outside_compiled_graphs(fn: Callable[..., Any]) -> Callable[..., Any]:
             return eager_only(*args)
         return fn(*args)
 
-    _skip_code(hook.__code__)
+    _skip_code(cast(types.FunctionType, hook).__code__)
     return hook

@@ -4,7 +4,7 @@ from __future__ import annotations
 import difflib
 import re
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, Sequence, cast
 
 import torch.nn as nn
 
@@ -32,9 +32,9 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     """Strip DDP / Float16Module / torch.compile wrappers so names match the user's model."""
     while True:
         if type(model).__name__ in _WRAPPER_CLASSES and isinstance(getattr(model, "module", None), nn.Module):
-            model = model.module
+            model = cast(nn.Module, model.module)
         elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
-            model = model._orig_mod
+            model = cast(nn.Module, model._orig_mod)
         else:
             return model
 

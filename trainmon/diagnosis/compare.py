@@ -41,7 +41,7 @@ import numpy as np
 import pandas as pd
 
 from trainmon.diagnosis.flow import FLOW_KEYS, phase_of
-from trainmon.diagnosis.model_meta import diff_initial, diff_structure, meta_ranks, read_model_meta
+from trainmon.diagnosis.model_meta import StageDifference, diff_initial, diff_structure, meta_ranks, read_model_meta
 from trainmon.diagnosis.names import match_names
 from trainmon.diagnosis.reader import EXTRA_PREFIX, RunTable
 from trainmon.diagnosis.rules import json_number
@@ -110,7 +110,7 @@ class StageResult:
     stage: str
     rank: int
     match: bool | None
-    first: object = None          # Difference or model_meta.StageDifference when match is False
+    first: Difference | StageDifference | None = None  # when match is False
     note: str = ""                # why a stage could not be compared
 
     @property
@@ -135,10 +135,10 @@ class Comparison:
     renamed: int = 0
     families: tuple[str, ...] = ()
     stages: list[StageResult] = field(default_factory=list)
-    static_divergence: object = None   # model_meta.StageDifference: metadata / initial_params
+    static_divergence: Difference | StageDifference | None = None   # metadata / initial_params
 
     @property
-    def first_difference(self) -> object:
+    def first_difference(self) -> Difference | StageDifference | None:
         """The first difference in stage order: a static one (no step) before any step's."""
         return self.static_divergence or self.first_divergence
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Sequence, SupportsIndex
 
 import numpy as np
 import pandas as pd
@@ -110,10 +110,10 @@ class _Keys:
     def __init__(self, frame: pd.DataFrame):
         self.cols = {c: frame[c].tolist() for c in frame.columns}
 
-    def key(self, g: int) -> tuple:
+    def key(self, g: SupportsIndex) -> tuple:
         return tuple(self.cols[c][g] for c in _KEY)
 
-    def issue(self, g: int, family: str, rank: int, check: str, op: str, value: float,
+    def issue(self, g: SupportsIndex, family: str, rank: int, check: str, op: str, value: float,
               expected: float | None = None, ranks: Sequence[int] = (), detail: str = "") -> RankIssue:
         micro = int(self.cols["micro_step"][g])
         return RankIssue(step=int(self.cols["step"][g]), kind=family, name=str(self.cols["name"][g]),
@@ -137,7 +137,7 @@ def _history(frame: pd.DataFrame, op: str, ranks: Sequence[int], rule: SpikeRule
     return arrays["_hist"]
 
 
-def _pick_of_two(g: int, present: np.ndarray, history: np.ndarray | None, fallback: np.ndarray | None
+def _pick_of_two(g: SupportsIndex, present: np.ndarray, history: np.ndarray | None, fallback: np.ndarray | None
                  ) -> np.ndarray:
     """Two ranks disagree: blame the one that moved further from its own past, if that is clear."""
     if history is not None:
@@ -187,7 +187,7 @@ def _mismatch(table: RunTable, family: str, ranks: Sequence[int], rtol: float, r
         for r_i in np.flatnonzero(who):
             others = [float(x) for j, x in enumerate(v) if j != r_i and present[j]]
             expected = float(np.median(others)) if others else None
-            issues.append(keys.issue(g, family, ranks[r_i], check, op, v[r_i], expected, involved,
+            issues.append(keys.issue(g, family, ranks[int(r_i)], check, op, v[r_i], expected, involved,
                                      f"{op} differs across ranks by {np.nanmax(d):.3g} (relative)"))
     return issues
 
@@ -215,6 +215,7 @@ def _reduce_average(table: RunTable, ranks: Sequence[int], rtol: float, reduce: 
     with np.errstate(invalid="ignore"):
         scale = np.fmax(np.fmax(np.abs(v), np.abs(exp)), np.nan_to_num(arr["_rms"]))
         bad = np.isfinite(v) & np.isfinite(exp) & (np.abs(v - exp) > arr["_tol"] * scale)
+    blame: dict[tuple, set[int]]
     issues, blame = [], {}
     word = "average" if reduce == "mean" else "sum"
     for g, r_i in zip(*np.nonzero(bad)):
@@ -278,7 +279,7 @@ def _outliers(table: RunTable, ranks: Sequence[int], factor: float, rule: SpikeR
         for r_i in np.flatnonzero(who):
             other = float(np.nanmax(np.where(present & ~who, arr["norm"][g], np.nan))) \
                 if (present & ~who).any() else None
-            issues.append(keys.issue(g, "grad_unreduced", ranks[r_i], "pre_reduce_outlier", "norm",
+            issues.append(keys.issue(g, "grad_unreduced", ranks[int(r_i)], "pre_reduce_outlier", "norm",
                                      arr["norm"][g, r_i], other, [r for r, p in zip(ranks, present) if p],
                                      f"norm {spread[g]:.3g}x apart between the two ranks"))
     return issues

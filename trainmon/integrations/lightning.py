@@ -32,7 +32,7 @@ try:
     from lightning.pytorch.callbacks import Callback
 except ImportError:  # pragma: no cover - exercised only without lightning
     try:
-        from pytorch_lightning.callbacks import Callback
+        from pytorch_lightning.callbacks import Callback  # type: ignore[assignment]  # lightning's old package name
     except ImportError as exc:
         raise ImportError("trainmon.integrations.lightning needs lightning: "
                           "pip install 'trainmon[lightning]'") from exc

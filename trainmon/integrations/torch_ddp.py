@@ -17,7 +17,7 @@ alternative: it takes DDP's single comm-hook slot, calls the user's hook (defaul
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeGuard
 
 import torch.nn as nn
 
@@ -25,10 +25,13 @@ from trainmon.core import dist as _dist
 from trainmon.errors import TrainmonError
 from trainmon.integrations.base import Integration, register_integration
 
+if TYPE_CHECKING:
+    from torch.nn.parallel import DistributedDataParallel
+
 __all__ = ["TorchDDPIntegration", "record_ddp_comm"]
 
 
-def _is_ddp(module: Any) -> bool:
+def _is_ddp(module: Any) -> TypeGuard[DistributedDataParallel]:
     from torch.nn.parallel import DistributedDataParallel
 
     return isinstance(module, DistributedDataParallel)
@@ -60,7 +63,8 @@ def record_ddp_comm(monitor: Any, ddp: nn.Module, hook: Callable | None = None, 
         raise TrainmonError(f"{monitor.config_file_path}: cc_distribution.enable must be true (and "
                             "set_monitor called) to record DDP bucket reduces")
     if hook is None:
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook as hook
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+        hook = allreduce_hook
     ref = weakref.ref(comm)
 
     def recording_hook(hook_state, bucket):

@@ -33,7 +33,7 @@ import threading
 import time
 from itertools import chain, count
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Sequence, SupportsFloat, cast
 
 import numpy as np
 
@@ -193,7 +193,7 @@ def f32_bytes(v: object) -> bytes:
     try:
         return _pack_f32(v)
     except OverflowError:
-        return _pack_f32(math.copysign(math.inf, float(v)))
+        return _pack_f32(math.copysign(math.inf, float(cast(SupportsFloat, v))))
     except (struct.error, TypeError, ValueError):
         return _pack_f32(math.nan)
 
@@ -231,7 +231,7 @@ def make_rounder(ndigits: int | None):
         if isinstance(v, numbers.Integral):
             return float(int(v))
         try:
-            v = float(v)  # numpy / torch scalars too
+            v = float(cast(SupportsFloat, v))  # numpy / torch scalars too
         except (TypeError, ValueError):
             return math.nan
         return v if spec is None or not math.isfinite(v) else float(format(v, spec))
@@ -383,6 +383,7 @@ class TensorBoardSink(Sink):
                                "output of this rank stops here, training continues", self.directory, exc)
 
     def _heads(self, row: StatRow) -> list[bytes]:
+        key: tuple | None
         key = (row.family, row.vpp_stage, row.name, row.micro_step,
                tuple(row.extra.items()) if row.extra else (), tuple(row.stats))
         try:
