@@ -23,8 +23,8 @@ import logging
 import os
 import stat
 import tempfile
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 
 __all__ = ["UnsafeCache", "cache_dir", "load"]
 
