@@ -35,11 +35,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from trainmon.errors import TrainmonError
+
     args = build_parser().parse_args(argv)
     try:
         return int(args._run(args) or 0)
-    except CommandError as exc:
+    except (CommandError, TrainmonError) as exc:  # bad input, or a damaged run: one line, exit 2
         print(f"trainmon {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # an unreadable folder or file: named, not a traceback
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"trainmon {args.command}: error: {where}{exc.strerror or exc}", file=sys.stderr)
         return 2
 
 

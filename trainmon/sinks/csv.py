@@ -63,14 +63,12 @@ class _Formatter:
             return repr(value) if self._spec is None else format(value, self._spec)
         if isinstance(value, float):
             return self._float(value)
-        if isinstance(value, bool):
-            return str(value)
-        if isinstance(value, numbers.Integral):
+        if isinstance(value, numbers.Integral):  # bool too: a statistic cell holds numbers only
             return str(int(value))
         try:
             return self._float(float(value))  # numpy / torch scalars
         except (TypeError, ValueError):
-            return _quote(str(value))
+            return "nan"  # not a number (None, text): what the TensorBoard sink records too
 
     def cell(self, value: object) -> str:
         """An ``extra`` value: numbers as numbers, anything else as (quoted) text."""
