@@ -59,8 +59,8 @@ def capture_views(ctx: CollectorContext, family: str, pairs: Sequence[tuple[Trac
         if not any(it.tensor.is_complex() for it in items):
             ctx.engine.capture(family, items, micro_step=micro_step, group=group)
             continue
-        for complex_run, run in itertools.groupby(items, key=lambda it: it.tensor.is_complex()):
-            run = list(run)  # consecutive items of one kind: the rows keep the params' order
+        for complex_run, same in itertools.groupby(items, key=lambda it: it.tensor.is_complex()):
+            run = list(same)  # consecutive items of one kind: the rows keep the params' order
             if complex_run:
                 _capture_modulus(ctx, family, run, micro_step, group)
             else:

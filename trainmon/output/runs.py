@@ -256,7 +256,7 @@ def _read_same_header(paths: Sequence[Path], header: Sequence[str], bodies: Sequ
         frame = _parse(io.StringIO(text), header)
         validate_family_frame(frame, paths[0])
     except (pd.errors.ParserError, DamagedFileError) as exc:
-        for path, body in zip(paths, bodies):
+        for path, body in zip(paths, bodies, strict=True):
             _parse_checked(path, header, body)  # raises with this file's line
         raise DamagedFileError(paths[0], f"unreadable family files ({exc})") from None
     return frame.drop(columns=[EXTRA_FIELD])
