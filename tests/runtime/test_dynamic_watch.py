@@ -163,3 +163,57 @@ def test_a_folder_swapped_for_a_new_one_between_two_checks_is_watched_anew(tmp_p
         assert _ops(w.wait_version(3)) == ("max",)
     finally:
         w.close()
+
+
+def test_a_monitored_run_follows_configmap_swaps_and_a_recreated_folder(tmp_path, observer, monkeypatch):
+    """End to end in one process: real training, the real watcher, and the steps recorded."""
+    import torch
+
+    from tests._support.runs import only_run_dir, read_family
+    from trainmon import TrainerMon
+    from trainmon.testing.tiny_gpt import GPTConfig, TinyGPT, synthetic_batches
+
+    root = tmp_path / "out"
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(root))
+    monkeypatch.delenv("TRAINMON_RUN_ID", raising=False)
+    monkeypatch.setenv("DYNAMIC_MONITOR", "true")
+    monkeypatch.setenv("TRAINMON_WATCH_POLLING", "1" if observer == "polling" else "0")
+    monkeypatch.setenv("TRAINMON_WATCH_INTERVAL", "0.1")
+    monkeypatch.setenv("TRAINMON_WATCH_SETTLE", "0.05")
+    mount = tmp_path / "etc-config"
+    mount.mkdir()
+    _configmap_swap(mount, 1, text(False, ["norm"]))
+    (mount / "config.json").symlink_to("..data/config.json")
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig(vocab=32, seq=8, dim=16, heads=2, layers=1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    mon = TrainerMon(mount / "config.json")
+    mon.set_monitor(model, optimizer=opt)
+    stager = mon._driver.stager
+    batches = synthetic_batches(model.cfg, 2, 100)
+
+    def train(n: int) -> None:
+        for _ in range(n):
+            model.loss(next(batches)).backward()
+            opt.step()
+            opt.zero_grad()
+
+    def staged(version: int) -> None:
+        deadline = time.monotonic() + 10
+        while stager.decision.version < version and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert stager.decision.version >= version
+
+    train(2)                                        # steps 0-1: off
+    _configmap_swap(mount, 2, text(True, ["norm"]))
+    staged(2)
+    train(3)                                        # applied at the boundary after step 2: on for 3-4
+    shutil.rmtree(mount)                            # the whole ConfigMap mount goes away ...
+    mount.mkdir()                                   # ... and comes back saying off
+    _configmap_swap(mount, 3, text(False, ["norm"]))
+    (mount / "config.json").symlink_to("..data/config.json")
+    staged(3)
+    train(3)
+    mon.close()
+    steps = sorted(set(read_family(only_run_dir(root) / "rank0", "grad_reduced")["step"]))
+    assert steps == [3, 4, 5], steps
