@@ -173,6 +173,15 @@ class ConfigStager:
             decision = self._stage_locked(config, self._generation)
         return self._staged(decision)
 
+    def drop_pending(self, now: float) -> bool:
+        """Forget a rested change without reading (the watcher saw it brings nothing new); False
+        when it has not rested yet or a newer change came meanwhile."""
+        with self._lock:
+            if self._last_event is None or now - self._last_event < self.settle_s:
+                return False
+            self._last_event = None
+            return True
+
     def _stage_locked(self, config: MonitorConfig, generation: int) -> Decision | None:
         if generation != self._generation:
             return None  # written again while we read it: the newer text is read later
@@ -229,6 +238,17 @@ def _fingerprint(path: Path) -> tuple | None:
     return (os.path.realpath(path), info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
 
 
+def _digest(path: Path) -> bytes | None:
+    """A hash of the text the path reads now (a config file is small); None when unreadable."""
+    import hashlib
+
+    try:
+        with open(path, "rb") as fh:
+            return hashlib.sha256(fh.read()).digest()
+    except OSError:
+        return None
+
+
 class ConfigWatcher:
     """Watchdog observers on the folders the config path resolves through, feeding a
     :class:`ConfigStager`.
@@ -250,7 +270,8 @@ class ConfigWatcher:
         self._thread: threading.Thread | None = None
         self._watches: dict[str, tuple[Any, Any]] = {}  # folder -> (watchdog watch, its inode)
         self._handler = _Handler(self._on_change)
-        self._seen = _fingerprint(stager.path)  # what the path read when it was last read
+        # What the path read when it was last read: (fingerprint, content hash).
+        self._seen = (_fingerprint(stager.path), _digest(stager.path))
         self._missing: str | None = None        # the folder reported missing, until it is back
         self.kind = ""
 
@@ -329,15 +350,27 @@ class ConfigWatcher:
                 log.debug("trainmon: dynamic: re-arming the config watch failed", exc_info=True)
             now = time.monotonic()
             if self.stager.due_in(now) == 0.0:
-                self._seen = _fingerprint(self.stager.path)  # what this read sees
-                self.stager.settle(now)
+                self._settle(now)
+
+    def _settle(self, now: float) -> None:
+        """Read a rested change, unless the path still reads exactly what was read last (same
+        file, times and text): then the change was already read (a polling observer reporting
+        late what the check below saw first), and reading again would stage a second version."""
+        seen = (_fingerprint(self.stager.path), _digest(self.stager.path))
+        if seen == self._seen and self.stager.drop_pending(now):
+            return
+        self._seen = seen
+        self.stager.settle(now)
 
     def _check(self) -> None:
-        """Move the watches if the path resolves elsewhere; note a change no event reported (a
-        moved watch may have missed the very event that moved it)."""
+        """Move the watches if the path resolves elsewhere; note a change of the text that no
+        event reported (a moved watch may have missed the very event that moved it)."""
         if self._observer is not None:
             self._arm(self._observer)
-        if self.stager.due_in(time.monotonic()) is None and _fingerprint(self.stager.path) != self._seen:
+        if self.stager.due_in(time.monotonic()) is not None:
+            return
+        fingerprint = _fingerprint(self.stager.path)
+        if fingerprint != self._seen[0] and _digest(self.stager.path) != self._seen[1]:
             self._on_change()
 
     def stop(self) -> None:

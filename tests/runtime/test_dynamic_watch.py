@@ -217,3 +217,20 @@ def test_a_monitored_run_follows_configmap_swaps_and_a_recreated_folder(tmp_path
     mon.close()
     steps = sorted(set(read_family(only_run_dir(root) / "rank0", "grad_reduced")["step"]))
     assert steps == [3, 4, 5], steps
+
+
+def test_an_edit_reported_twice_is_one_version_and_saving_again_is_another(tmp_path, observer):
+    path = tmp_path / "config.json"
+    path.write_text(text(True, ["norm"]))
+    w = Watched(path, observer)
+    try:
+        path.write_text(text(True, ["min"]))
+        assert _ops(w.wait_version(2)) == ("min",)
+        w.watcher._on_change()          # what a polling observer's late event for that edit does
+        assert w.quiet() == 2, "the same file with the same text is not read again"
+        time.sleep(0.02)
+        path.write_text(text(True, ["min"]))   # saved again, same text: a user asking for a new collection
+        assert _ops(w.wait_version(3)) == ("min",)
+        assert w.quiet() == 3
+    finally:
+        w.close()
