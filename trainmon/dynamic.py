@@ -6,9 +6,10 @@ Two pieces, so the logic can be driven without threads or sleeps:
   event, ``settle(now)`` reads and validates the file once it has been quiet for ``settle_s``
   seconds, and stages a :class:`Decision` (a new version: a config to collect with, or "off").
   An invalid file is logged once and stages nothing, so the running state continues.
-* :class:`ConfigWatcher` -- a watchdog observer on the file's *folder* (editors and ``sed -i``
-  replace the file by rename, which a watch on the file's inode would miss) plus one small
-  thread that calls ``settle`` when a change has rested.  Nothing is applied from these
+* :class:`ConfigWatcher` -- a watchdog observer on the file's *folders* (editors and ``sed -i``
+  replace the file by rename, which a watch on the file's inode would miss; a symlinked file or
+  a Kubernetes ConfigMap is watched where it resolves to, re-resolved on every change) plus one
+  small thread that calls ``settle`` when a change has rested.  Nothing is applied from these
   threads: the step boundary reads the staged decision (``trainmon.runtime.dynamic_driver``).
 
 Settings (environment, read when ``TrainerMon`` is created) are in :class:`WatchSettings`.
@@ -21,7 +22,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 from trainmon.config import MonitorConfig
 from trainmon.errors import ConfigError, Problem
@@ -172,6 +173,15 @@ class ConfigStager:
             decision = self._stage_locked(config, self._generation)
         return self._staged(decision)
 
+    def drop_pending(self, now: float) -> bool:
+        """Forget a rested change without reading (the watcher saw it brings nothing new); False
+        when it has not rested yet or a newer change came meanwhile."""
+        with self._lock:
+            if self._last_event is None or now - self._last_event < self.settle_s:
+                return False
+            self._last_event = None
+            return True
+
     def _stage_locked(self, config: MonitorConfig, generation: int) -> Decision | None:
         if generation != self._generation:
             return None  # written again while we read it: the newer text is read later
@@ -189,20 +199,80 @@ class ConfigStager:
 # Events that mean "the text may have changed".  Opened / closed-without-writing events are
 # left out on purpose: reading the file ourselves produces them.
 _CHANGE_EVENTS = frozenset({"created", "modified", "moved", "deleted", "closed"})
+# A folder on the way to the file matters when it appears, goes or is renamed; "modified" on a
+# folder only means some file in it changed, which the file's own events already say.
+_DIR_EVENTS = frozenset({"created", "moved", "deleted"})
+
+
+def resolution_chain(path: str | os.PathLike[str]) -> tuple[str, ...]:
+    """Every absolute path whose change can change what ``path`` reads: the path itself, each
+    symlink met while resolving it (a symlinked file, a Kubernetes ConfigMap's ``..data``
+    folder link) with the path it leads to, and the final real path."""
+    todo = os.path.abspath(path)
+    chain = [todo]
+    for _ in range(40):  # the kernel's own limit on symlink hops
+        parts = Path(todo).parts
+        here = parts[0]
+        for i, part in enumerate(parts[1:], 1):
+            step = os.path.join(here, part)
+            if os.path.islink(step):
+                try:
+                    todo = os.path.normpath(os.path.join(here, os.readlink(step), *parts[i + 1:]))
+                except OSError:
+                    return tuple(chain)
+                chain += [step, todo]
+                break
+            here = step
+        else:
+            break
+    real = os.path.realpath(path)
+    return tuple(dict.fromkeys([*chain, real]))
+
+
+def _fingerprint(path: Path) -> tuple | None:
+    """What the path reads now (resolved file, inode, size, times); None when there is none."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    return (os.path.realpath(path), info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+
+
+def _digest(path: Path) -> bytes | None:
+    """A hash of the text the path reads now (a config file is small); None when unreadable."""
+    import hashlib
+
+    try:
+        with open(path, "rb") as fh:
+            return hashlib.sha256(fh.read()).digest()
+    except OSError:
+        return None
 
 
 class ConfigWatcher:
-    """A watchdog observer on the config's folder feeding a :class:`ConfigStager`."""
+    """Watchdog observers on the folders the config path resolves through, feeding a
+    :class:`ConfigStager`.
+
+    The watched folders follow the path: after every change (and every ``interval_s`` as a check)
+    the path is resolved again and the watches are moved when a symlink now points elsewhere or a
+    folder was removed (then its nearest existing parent is watched until it comes back, with one
+    warning).  The same check compares what the path reads with what was last read, so a change
+    that produced no event (a swap the observer could not see) is still read, once.
+    """
 
     def __init__(self, stager: ConfigStager, settings: WatchSettings):
         self.stager = stager
         self.settings = settings
         self._target = os.path.abspath(stager.path)
-        self._folder = os.path.dirname(self._target)
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._observer = None
         self._thread: threading.Thread | None = None
+        self._watches: dict[str, tuple[Any, Any]] = {}  # folder -> (watchdog watch, its inode)
+        self._handler = _Handler(self._on_change)
+        # What the path read when it was last read: (fingerprint, content hash).
+        self._seen = (_fingerprint(stager.path), _digest(stager.path))
+        self._missing: str | None = None        # the folder reported missing, until it is back
         self.kind = ""
 
     def start(self) -> "ConfigWatcher":
@@ -218,19 +288,50 @@ class ConfigWatcher:
         if not self.settings.polling:
             from watchdog.observers import Observer
             try:
-                return self._schedule(Observer(), "native")
+                return self._begin(Observer(), "native")
             except Exception as exc:  # noqa: BLE001 - e.g. the inotify watch limit is reached
                 log.warning("trainmon: dynamic: the native file watcher cannot start on %s (%s); "
-                            "polling every %gs instead", self._folder, exc, self.settings.interval_s)
-        return self._schedule(PollingObserver(timeout=self.settings.interval_s), "polling")
+                            "polling every %gs instead", os.path.dirname(self._target), exc,
+                            self.settings.interval_s)
+        return self._begin(PollingObserver(timeout=self.settings.interval_s), "polling")
 
-    def _schedule(self, observer, kind: str):
-        handler = _Handler(self._target, self._on_change)
-        observer.schedule(handler, self._folder, recursive=False)
+    def _begin(self, observer, kind: str):
         observer.daemon = True
+        self._watches = {}
+        self._arm(observer)
         observer.start()
         self.kind = kind
         return observer
+
+    def _arm(self, observer) -> None:
+        """Watch the folders the path now resolves through (a folder removed and made again is a
+        new folder: its old watch is dead, so it is watched anew)."""
+        chain = resolution_chain(self._target)
+        folders = {_existing(os.path.dirname(p)) for p in chain}
+        interesting = set(chain)
+        for p in chain:  # folders on the way count when they appear, go or are renamed
+            interesting.update(str(a) for a in Path(p).parents if str(a) != os.sep)
+        self._handler.paths = frozenset(interesting)
+        for folder in [f for f, (_, ident) in self._watches.items() if f not in folders or _ident(f) != ident]:
+            watch, _ = self._watches.pop(folder)
+            try:
+                observer.unschedule(watch)
+            except Exception:  # noqa: BLE001 - a watch whose folder is gone may already be dropped
+                pass
+        for folder in sorted(folders - set(self._watches)):
+            ident = _ident(folder)
+            self._watches[folder] = (observer.schedule(self._handler, folder, recursive=False), ident)
+        self._report_missing(os.path.dirname(chain[-1]))
+
+    def _report_missing(self, folder: str) -> None:
+        if not os.path.isdir(folder):
+            if self._missing != folder:
+                self._missing = folder
+                log.warning("trainmon: dynamic: the config folder %s is gone; watching %s until it comes "
+                            "back (monitoring stays as it is until then)", folder, _existing(folder))
+        elif self._missing is not None:
+            log.info("trainmon: dynamic: the config folder %s is back; watching it again", self._missing)
+            self._missing = None
 
     def _on_change(self) -> None:
         self.stager.note_change(time.monotonic())
@@ -238,10 +339,39 @@ class ConfigWatcher:
 
     def _settle_loop(self) -> None:
         while not self._stop.is_set():
-            self._wake.wait(self.stager.due_in(time.monotonic()))
+            due = self.stager.due_in(time.monotonic())
+            self._wake.wait(self.settings.interval_s if due is None else min(due, self.settings.interval_s))
             self._wake.clear()
-            if not self._stop.is_set():
-                self.stager.settle(time.monotonic())
+            if self._stop.is_set():
+                return
+            try:
+                self._check()
+            except Exception:  # noqa: BLE001 - a watch that cannot move must not kill the thread
+                log.debug("trainmon: dynamic: re-arming the config watch failed", exc_info=True)
+            now = time.monotonic()
+            if self.stager.due_in(now) == 0.0:
+                self._settle(now)
+
+    def _settle(self, now: float) -> None:
+        """Read a rested change, unless the path still reads exactly what was read last (same
+        file, times and text): then the change was already read (a polling observer reporting
+        late what the check below saw first), and reading again would stage a second version."""
+        seen = (_fingerprint(self.stager.path), _digest(self.stager.path))
+        if seen == self._seen and self.stager.drop_pending(now):
+            return
+        self._seen = seen
+        self.stager.settle(now)
+
+    def _check(self) -> None:
+        """Move the watches if the path resolves elsewhere; note a change of the text that no
+        event reported (a moved watch may have missed the very event that moved it)."""
+        if self._observer is not None:
+            self._arm(self._observer)
+        if self.stager.due_in(time.monotonic()) is not None:
+            return
+        fingerprint = _fingerprint(self.stager.path)
+        if fingerprint != self._seen[0] and _digest(self.stager.path) != self._seen[1]:
+            self._on_change()
 
     def stop(self) -> None:
         self._stop.set()
@@ -255,16 +385,36 @@ class ConfigWatcher:
             self._thread = None
 
 
-class _Handler:
-    """watchdog event handler: only notes that our file was touched (no I/O in this thread)."""
+def _ident(folder: str) -> tuple[int, int] | None:
+    try:
+        info = os.stat(folder)
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino
 
-    def __init__(self, target: str, on_change: Callable[[], None]):
-        self._target = target
+
+def _existing(folder: str) -> str:
+    """``folder``, or its nearest parent that exists (watched until the folder comes back)."""
+    path = Path(folder)
+    while not path.is_dir() and path != path.parent:
+        path = path.parent
+    return str(path)
+
+
+class _Handler:
+    """watchdog event handler: only notes that a path on the way to our file was touched (no I/O
+    in this thread).  ``paths`` is replaced whole by the watcher when the path resolves anew."""
+
+    def __init__(self, on_change: Callable[[], None]):
+        self.paths: frozenset[str] = frozenset()
         self._on_change = on_change
 
     def dispatch(self, event) -> None:
-        if event.event_type not in _CHANGE_EVENTS or event.is_directory:
+        kinds = _DIR_EVENTS if event.is_directory else _CHANGE_EVENTS
+        if event.event_type not in kinds:
             return
-        paths = (event.src_path, getattr(event, "dest_path", "") or "")
-        if any(os.path.abspath(os.fsdecode(p)) == self._target for p in paths if p):
-            self._on_change()
+        paths = self.paths
+        for p in (event.src_path, getattr(event, "dest_path", "") or ""):
+            if p and os.path.abspath(os.fsdecode(p)) in paths:
+                self._on_change()
+                return

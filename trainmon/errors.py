@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["TrainmonError", "ConfigError", "Problem"]
+__all__ = ["TrainmonError", "ConfigError", "Problem", "DamagedFileError"]
 
 
 class TrainmonError(Exception):
@@ -36,3 +36,16 @@ class ConfigError(TrainmonError, ValueError):
         n = len(self.problems)
         head = f"{n} problem{'s' if n != 1 else ''} in {self.path}"
         return head + "".join(f"\n  {p}" for p in self.problems)
+
+
+class DamagedFileError(TrainmonError, ValueError):
+    """A recorded file (CSV, or any other format a reader supports) is not what trainmon writes:
+    one line naming the file, where (``line``/``column``, or ``row`` for a columnar format) and
+    what is wrong.  Commands print it as one line and exit with code 2."""
+
+    def __init__(self, path: object, message: str, line: int | None = None, column: int | str | None = None,
+                 unit: str = "line"):
+        self.path, self.message, self.line, self.column, self.unit = str(path), message, line, column, unit
+        where = "".join([f", {unit} {line}" if line is not None else "",
+                         f", column {column}" if column is not None else ""])
+        super().__init__(f"{self.path}{where}: {message}")

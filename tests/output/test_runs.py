@@ -7,6 +7,7 @@ import struct
 import pandas as pd
 import pytest
 
+from trainmon.errors import DamagedFileError
 from trainmon.output.runs import (ColumnRoles, column_roles, family_files, find_runs, is_run_dir, rank_dirs, rank_of,
                            read_csv, read_family)
 
@@ -97,7 +98,9 @@ def test_read_csv_is_exact_and_keeps_names_as_text(tmp_path):
 
 
 def test_read_csv_of_empty_and_header_only_files(tmp_path):
-    assert read_csv(_write(tmp_path / "a_0-0.csv", "")).empty
+    # The sink never leaves a 0-byte file (issue 12): one is damage, named, not "no rows".
+    with pytest.raises(DamagedFileError, match=r"a_0-0.csv: empty file \(0 bytes\)"):
+        read_csv(_write(tmp_path / "a_0-0.csv", ""))
     header_only = read_csv(_write(tmp_path / "b_0-0.csv", HEADER))
     assert header_only.empty and list(header_only.columns) == HEADER.strip().split(",")
 

@@ -1,6 +1,8 @@
 """The ``trainmon`` console script: one subcommand per module of this package.
 
-A command module defines ``HELP`` (one line), ``add_arguments(parser)`` and ``run(args) -> int``.
+A command module defines ``HELP`` (one line), ``add_arguments(parser)`` and ``run(args) -> int``
+(and ``OWN_LOGGING = True`` if it sets up logging itself; the others print trainmon's warnings
+as plain stderr lines).
 Modules are discovered, so adding a command is adding a file.
 """
 from __future__ import annotations
@@ -30,17 +32,38 @@ def build_parser() -> argparse.ArgumentParser:
     for name, module in _command_modules():
         cmd = sub.add_parser(name.replace("_", "-"), help=module.HELP, description=module.HELP)
         module.add_arguments(cmd)
-        cmd.set_defaults(_run=module.run)
+        cmd.set_defaults(_run=module.run, _own_logging=getattr(module, "OWN_LOGGING", False))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    from trainmon.errors import TrainmonError
+
     args = build_parser().parse_args(argv)
+    if not args._own_logging:
+        _warnings_to_stderr()
     try:
         return int(args._run(args) or 0)
-    except CommandError as exc:
+    except (CommandError, TrainmonError) as exc:  # bad input, or a damaged run: one line, exit 2
         print(f"trainmon {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # an unreadable folder or file: named, not a traceback
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"trainmon {args.command}: error: {where}{exc.strerror or exc}", file=sys.stderr)
+        return 2
+
+
+def _warnings_to_stderr() -> None:
+    """trainmon's warnings (a cut line left out, ...) as plain lines on stderr, unless the caller
+    set up logging itself."""
+    import logging
+
+    if not logging.getLogger().handlers and not logging.getLogger("trainmon").handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger = logging.getLogger("trainmon")
+        handler.setLevel(logging.WARNING)
+        logger.addHandler(handler)
 
 
 if __name__ == "__main__":  # pragma: no cover

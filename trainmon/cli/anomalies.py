@@ -5,8 +5,9 @@ import argparse
 from collections import Counter
 
 from trainmon.cli import CommandError
+from trainmon.cli._options import check_recorded, non_negative, rank_list
 from trainmon.diagnosis.reader import RunDirError, load_run
-from trainmon.diagnosis.report import dump_json, parse_int_list, parse_name_list, table
+from trainmon.diagnosis.report import dump_json, parse_name_list, table
 from trainmon.diagnosis.rules import Anomaly, Rules, SpikeRule
 from trainmon.diagnosis.scan import merge_runtime, scan
 
@@ -60,21 +61,19 @@ def _rules(args: argparse.Namespace) -> Rules:
 
 
 def _check_names(wanted, have, what: str, path) -> None:
-    for name in wanted or ():
-        if name not in have:
-            recorded = ", ".join(map(str, have)) or "none"
-            raise CommandError(f"no {what} '{name}' in {path} (recorded: {recorded})")
+    check_recorded(wanted, have, what, path)
 
 
 def find(args: argparse.Namespace) -> tuple[object, list[Anomaly]]:
     rules = _rules(args)
-    kinds, ranks = parse_name_list(args.kinds), parse_int_list(args.ranks)
+    non_negative(args.limit, "--limit")
+    kinds, ranks = parse_name_list(args.kinds), rank_list(args.ranks)
     try:
         run = load_run(args.run_dir, families=kinds, ranks=ranks)
     except RunDirError as exc:
         raise CommandError(str(exc)) from None
-    _check_names(kinds, run.families, "family", run.path)
-    _check_names(ranks, run.ranks, "rank", run.path)
+    _check_names(kinds, run.families_on_disk, "family", run.path)
+    _check_names(ranks, run.ranks_on_disk, "rank", run.path)
     if (rules.spike is not None or rules.threshold is not None) and run.stats:
         _check_names(rules.ops, run.stats, "stat", run.path)
     found = scan(run, rules)

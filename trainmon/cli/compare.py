@@ -6,7 +6,8 @@ import argparse
 from trainmon.cli import CommandError
 from trainmon.diagnosis.compare import compare_runs
 from trainmon.diagnosis.reader import RunDirError, load_run
-from trainmon.diagnosis.report import dump_json, parse_int_list, parse_name_list, table
+from trainmon.cli._options import check_recorded, non_negative, rank_list
+from trainmon.diagnosis.report import dump_json, parse_name_list, table
 
 HELP = "compare two runs: the first module/step/rank that differs beyond tolerance"
 
@@ -27,15 +28,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _load(path: str, kinds, ranks):
     try:
-        return load_run(path, families=kinds, ranks=ranks)
+        run = load_run(path, families=kinds, ranks=ranks)
     except RunDirError as exc:
         raise CommandError(str(exc)) from None
+    check_recorded(kinds, run.families_on_disk, "family", run.path)
+    check_recorded(ranks, run.ranks_on_disk, "rank", run.path)
+    return run
 
 
 def run(args: argparse.Namespace) -> int:
     if not args.rtol >= 0 or not args.atol >= 0:
         raise CommandError("--rtol and --atol must be >= 0")
-    kinds, ranks = parse_name_list(args.kinds), parse_int_list(args.ranks)
+    non_negative(args.top, "--top")
+    kinds, ranks = parse_name_list(args.kinds), rank_list(args.ranks)
     base, target = _load(args.base, kinds, ranks), _load(args.target, kinds, ranks)
     result = compare_runs(base, target, rtol=args.rtol, atol=args.atol,
                           ops=parse_name_list(args.ops), top=args.top)

@@ -20,6 +20,7 @@ from itertools import chain
 from pathlib import Path
 from typing import Callable
 
+from trainmon.errors import DamagedFileError
 from trainmon.output.runs import (FAMILY_STATS, FamilyFile, column_roles, family_files, find_runs, rank_dirs, rank_of,
                            read_csv)
 from trainmon.output.tb_tags import TB_DIRNAME, series_name
@@ -96,7 +97,7 @@ def run(args) -> int:
             except OSError as exc:
                 raise CommandError(f"cannot write {target}: {exc.strerror or exc}") from None
     _report(results, len(runs), time.perf_counter() - started)
-    return 1 if any(r.unreadable for r in results) else 0
+    return 2 if any(r.unreadable for r in results) else 0  # bad input, as every command
 
 
 def _progress(total: int, disable: bool):
@@ -179,6 +180,9 @@ class _Converter:
 
         try:
             df = read_csv(f.path)
+        except DamagedFileError as exc:  # names the file, line and column itself
+            result.unreadable.append(f"{exc}; skipped")
+            return
         except (OSError, ValueError, UnicodeDecodeError, pd.errors.ParserError) as exc:
             result.unreadable.append(f"{f.path}: unreadable CSV, skipped ({str(exc).splitlines()[0]})")
             return

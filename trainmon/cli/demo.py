@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 HELP = "train a tiny GPT on synthetic data with monitoring on and show where the output went"
+OWN_LOGGING = True  # it logs the monitor's INFO lines itself (logging.basicConfig below)
 
 DEMO_CONFIG = {
     "wg_distribution": True,

@@ -21,8 +21,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     scale.add_argument("--log", dest="log", action="store_true", default=None, help="log colour scale")
     scale.add_argument("--linear", dest="log", action="store_false", help="linear colour scale")
     parser.add_argument("-o", "--output", default=None,
-                        help="PNG path (default ./<kind>_<op>_rank<R>.png)")
+                        help="PNG path, or a folder to put <kind>_<op>_rank<R>.png in (default: that name in ./)")
     parser.add_argument("--json", action="store_true", help="print what was written as JSON")
+
+
+def output_path(option: str | None, default_name: str) -> Path:
+    """Where ``-o`` says the PNG goes: a folder (existing, or written with a trailing slash) gets
+    the default name inside it; a name without a suffix gets ``.png``.  The path reported is the
+    path written."""
+    if option is None:
+        return Path(default_name)
+    out = Path(option)
+    if out.is_dir() or option.endswith(("/", "\\")):
+        return out / default_name
+    return out if out.suffix else out.with_name(out.name + ".png")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -37,11 +49,11 @@ def run(args: argparse.Namespace) -> int:
         fig = heatmap_figure(grid, step=args.step, log=args.log)
     except (RunDirError, ValueError) as exc:
         raise CommandError(str(exc)) from None
-    out = Path(args.output or f"{args.kind}_{args.op}_rank{grid.rank}.png")
+    out = output_path(args.output, f"{args.kind}_{args.op}_rank{grid.rank}.png")
     try:
         save_figure(fig, out)
-    except OSError as exc:
-        raise CommandError(f"cannot write {out}: {exc.strerror or exc}") from None
+    except (OSError, ValueError) as exc:  # ValueError: a suffix matplotlib cannot write
+        raise CommandError(f"cannot write {out}: {getattr(exc, 'strerror', None) or exc}") from None
     step = int(grid.steps[-1]) if args.step is None else args.step
     if args.json:
         dump_json({"output": str(out), "kind": grid.kind, "op": grid.op, "rank": grid.rank,

@@ -5,9 +5,10 @@ import argparse
 from collections import Counter
 
 from trainmon.cli import CommandError
+from trainmon.cli._options import check_recorded, non_negative, rank_list
 from trainmon.diagnosis.ranks import CHECKS, check_ranks
 from trainmon.diagnosis.reader import RunDirError, load_run
-from trainmon.diagnosis.report import dump_json, parse_int_list, parse_name_list, table
+from trainmon.diagnosis.report import dump_json, parse_name_list, table
 
 HELP = "check cross-rank consistency (reduced grads, averaging, partial NaN, outlier ranks)"
 _TEXT_LIMIT = 30
@@ -37,10 +38,13 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(f"unknown check '{unknown[0]}' (allowed: {', '.join(CHECKS)})")
     if not args.outlier_factor > 1:
         raise CommandError("--outlier-factor must be > 1")
+    non_negative(args.limit, "--limit")
+    ranks = rank_list(args.ranks)
     try:
-        run_table = load_run(args.run_dir, ranks=parse_int_list(args.ranks))
+        run_table = load_run(args.run_dir, ranks=ranks)
     except RunDirError as exc:
         raise CommandError(str(exc)) from None
+    check_recorded(ranks, run_table.ranks_on_disk, "rank", run_table.path)
     issues = check_ranks(run_table, rtol=args.rtol, outlier_factor=args.outlier_factor,
                          reduce=args.reduce, checks=checks)
     limit = args.limit if args.limit is not None else (0 if args.json else _TEXT_LIMIT)

@@ -8,11 +8,13 @@ everything it installed).
 """
 from __future__ import annotations
 
+import itertools
 import logging
 from abc import ABC
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Sequence
 
+import torch
 import torch.nn as nn
 
 from trainmon.config import MonitorConfig
@@ -57,7 +59,24 @@ def capture_views(ctx: CollectorContext, family: str, pairs: Sequence[tuple[Trac
         entry = by_group.setdefault((id(view.group), id(scale)), (view.group, scale, []))
         entry[2].append(Tracked(tp.name, view.tensor, tp.vpp_stage, view.shape))
     for group, scale, items in by_group.values():
-        ctx.engine.capture(family, items, micro_step=micro_step, group=group, scale=scale)
+        if not any(it.tensor.is_complex() for it in items):
+            ctx.engine.capture(family, items, micro_step=micro_step, group=group, scale=scale)
+            continue
+        for complex_run, same in itertools.groupby(items, key=lambda it: it.tensor.is_complex()):
+            run = list(same)  # consecutive items of one kind: the rows keep the params' order
+            if complex_run:
+                _capture_modulus(ctx, family, run, micro_step, group, scale)
+            else:
+                ctx.engine.capture(family, run, micro_step=micro_step, group=group, scale=scale)
+
+
+@torch.no_grad()
+def _capture_modulus(ctx: CollectorContext, family: str, items: list[Tracked], micro_step: int | None,
+                     group: Any, scale: Any = None) -> None:
+    """Complex tensors: every statistic is of the modulus ``|z|`` (so ``norm`` is the complex
+    2-norm, ``min``/``max``/``mean`` are of ``|z|``), recorded under the tensor's own dtype."""
+    rows = ctx.engine.partials([it.tensor.abs() for it in items])
+    ctx.engine.capture_rows(family, items, rows, micro_step=micro_step, group=group, scale=scale)
 
 
 class Collector(ABC):

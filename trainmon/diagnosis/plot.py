@@ -54,7 +54,7 @@ def layer_grid(table: RunTable, kind: str, op: str, *, rank: int | None = None,
                micro_step: int | None = None) -> Grid:
     """The values of ``kind``/``op`` on one rank as a layers x steps grid (ValueError if none)."""
     if kind not in table.family_stats:
-        have = ", ".join(table.families) or "none"
+        have = ", ".join(table.families_on_disk or table.families) or "none"
         raise ValueError(f"no '{kind}' rows in {table.path} (families: {have})")
     if op not in table.family_stats[kind]:
         raise ValueError(f"'{kind}' has no '{op}' column (has: {', '.join(table.family_stats[kind])})")

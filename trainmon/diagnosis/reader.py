@@ -57,6 +57,10 @@ class RunTable:
     path: Path
     frame: pd.DataFrame
     family_stats: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # Everything the run holds, whatever ``load_run`` was asked to read: what a command names
+    # when an asked-for family or rank is not there.
+    families_on_disk: tuple[str, ...] = ()
+    ranks_on_disk: tuple[int, ...] = ()
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -157,12 +161,17 @@ def load_run(path: str | Path, *, families: Sequence[str] | None = None,
     run_dir = resolve_run_dir(path)
     parts: list[pd.DataFrame] = []
     family_stats: dict[str, list[str]] = {}
-    chosen = [(rank, rdir) for rank, rdir in ranked_dirs(run_dir) if ranks is None or rank in ranks]
-    names = {f for _, rdir in chosen for f in runs.family_files(rdir) if families is None or f in families}
+    every = ranked_dirs(run_dir)
+    files = {rank: runs.family_files(rdir) for rank, rdir in every}
+    if not any(files.values()):
+        raise RunDirError(f"{run_dir}: nothing recorded (its rank folders hold no <family>_<a>-<b>.csv file)")
+    on_disk = tuple(sorted({f for fams in files.values() for f in fams}, key=lambda f: (family_rank(f), f)))
+    chosen = [(rank, rdir) for rank, rdir in every if ranks is None or rank in ranks]
+    names = {f for rank, _ in chosen for f in files[rank] if families is None or f in families}
     # Known families by flow; unknown ones after them, by name: one integer sort key.
     order = {f: i for i, f in enumerate(sorted(names, key=lambda f: (family_rank(f), f)))}
     for rank, rdir in chosen:
-        for family in runs.family_files(rdir):
+        for family in files[rank]:
             if family not in order:
                 continue
             frame, stats = read_stats_family(rdir, family)
@@ -178,4 +187,5 @@ def load_run(path: str | Path, *, families: Sequence[str] | None = None,
         frame = pd.concat(parts, ignore_index=True, sort=False)
         frame = frame.sort_values(list(FLOW_KEYS), kind="mergesort", ignore_index=True)
     ordered = sorted(family_stats, key=lambda fam: (family_rank(fam), fam))
-    return RunTable(path=run_dir, frame=frame, family_stats={f: tuple(family_stats[f]) for f in ordered})
+    return RunTable(path=run_dir, frame=frame, family_stats={f: tuple(family_stats[f]) for f in ordered},
+                    families_on_disk=on_disk, ranks_on_disk=tuple(rank for rank, _ in every))

@@ -32,7 +32,9 @@ def _tensor_rows(frame: pd.DataFrame, stats: Sequence[str]) -> pd.Series:
     # msprobe-style rows for non-tensor inputs have no dtype and only NaN stats: nothing to judge.
     no_dtype = frame["dtype"].fillna("").astype(str).str.strip().isin(["", "None", "nan"])
     all_nan = frame[list(stats)].isna().all(axis=1) if stats else True
-    return ~(no_dtype & all_nan)
+    # A tensor with no elements has no mean/min/max (NaN by definition): never a finding.
+    empty = frame["numel"] == 0 if "numel" in frame else False
+    return ~(no_dtype & all_nan) & ~empty
 
 
 def _result(sub: pd.DataFrame, family: str, op: pd.Series | str, value, rule: str,

@@ -22,7 +22,7 @@ from pathlib import Path
 
 __all__ = ["RUN_META", "ALERTS_FILE", "MODEL_META", "STACK_INFO_FILE", "SIMILARITIES_FILE", "SIMILARITY_SUMMARY_PNG",
            "TB_DIRNAME", "NOT_RUNS", "FamilyFile", "rank_dir_name",
-           "parse_rank_dir", "window_bounds", "family_file_name", "parse_family_file"]
+           "parse_rank_dir", "window_bounds", "family_file_name", "parse_family_file", "partial_file_name"]
 
 RUN_META = "run.json"
 ALERTS_FILE = "anomalies.jsonl"
@@ -70,6 +70,12 @@ def window_bounds(step: int, steps_per_file: int) -> tuple[int, int]:
 def family_file_name(family: str, a: int, b: int, k: int = 0, ext: str = "csv") -> str:
     """``{family}_{a}-{b}.csv``, or ``{family}_{a}-{b}.{k}.csv`` for the k-th header variant."""
     return f"{family}_{a}-{b}.{ext}" if k == 0 else f"{family}_{a}-{b}.{k}.{ext}"
+
+
+def partial_file_name(name: str, pid: int) -> str:
+    """The hidden name a file is written under before it gets ``name`` (never parsed as a family
+    file: a leftover after a kill is ignored by every reader)."""
+    return f".{name}.{int(pid)}.tmp"
 
 
 def parse_family_file(path: Path) -> FamilyFile | None:

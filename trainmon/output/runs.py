@@ -12,19 +12,23 @@ from __future__ import annotations
 
 import csv
 import functools
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
+from trainmon.errors import DamagedFileError
 from trainmon.families import FAMILIES
 from trainmon.output.layout import NOT_RUNS, FamilyFile, parse_family_file, parse_rank_dir
+from trainmon.output.validate import EXTRA_FIELD, check_header, validate_family_frame
 from trainmon.stats.table import STAT_NAMES
 
 if TYPE_CHECKING:
     import pandas as pd
 
 __all__ = ["FamilyFile", "ColumnRoles", "find_runs", "is_run_dir", "rank_dirs", "rank_of",
-           "family_files", "read_csv", "read_family", "column_roles", "KEY_COLUMNS", "FAMILY_STATS"]
+           "family_files", "read_csv", "read_family", "column_roles", "KEY_COLUMNS", "FAMILY_STATS",
+           "DamagedFileError"]
 
 KEY_COLUMNS = ("vpp_stage", "name", "step", "micro_step")
 # Statistics some families have besides ``STAT_NAMES`` (their own value columns).
@@ -34,6 +38,8 @@ _TRAILING = ("shape", "dtype")
 # Spellings of NaN the CSV sink (repr) and pandas/numpy writers produce.  Only these are NaN:
 # a tensor called "NA" or "null" must stay a name.
 _NAN_TEXT = ["nan", "NaN", "-nan", ""]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -109,47 +115,151 @@ def _exact_float_option() -> dict:
 
 
 def _header(path: Path) -> list[str]:
-    with open(path, newline="", encoding="utf-8") as fh:
-        return next(csv.reader(fh), [])
+    """The header of a family file, checked (:func:`trainmon.output.validate.check_header`)."""
+    return _load_text(path)[0]
+
+
+def _position(raw: bytes, offset: int) -> tuple[int, int]:
+    """1-based line and column (in characters of that line's valid prefix) of byte ``offset``."""
+    start = raw.rfind(b"\n", 0, offset) + 1
+    return raw.count(b"\n", 0, offset) + 1, len(raw[start:offset].decode("utf-8", "replace")) + 1
+
+
+def _load_text(path: Path) -> tuple[list[str], str]:
+    """``(header, body)`` of a family file, where ``body`` holds whole rows only.
+
+    Raises :class:`DamagedFileError` for what the CSV sink never writes: an empty file, a NUL
+    byte, bytes that are not UTF-8, a header that is not trainmon's.  A last line without its
+    newline is a row cut short (a run killed while writing, or a file still being written): it
+    is left out, with one warning naming it.
+    """
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as exc:
+        raise DamagedFileError(path, f"cannot read it ({exc.strerror or exc})") from None
+    if not raw:
+        raise DamagedFileError(path, "empty file (0 bytes): no header and no rows")
+    nul = raw.find(b"\0")
+    if nul >= 0:
+        line, col = _position(raw, nul)
+        raise DamagedFileError(path, "NUL byte (the file is damaged)", line, col)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line, col = _position(raw, exc.start)
+        raise DamagedFileError(path, f"byte 0x{raw[exc.start]:02x} is not UTF-8 text", line, col) from None
+    first, _, body = text.partition("\n")
+    header = next(csv.reader([first.rstrip("\r")]), [])
+    check_header(header, path)
+    if body and not body.endswith("\n"):
+        cut = body.rfind("\n") + 1
+        log.warning("trainmon: %s line %d is cut short (no end of line: the run was killed while writing it, "
+                    "or is still writing); that line is left out", path, 2 + body.count("\n", 0, cut))
+        body = body[:cut]
+    return header, body
 
 
 def read_csv(path: str | Path) -> "pd.DataFrame":
     """One family file with exact floats; ``name``/``shape``/``dtype`` always text.
 
-    An empty file or one holding only a header gives an empty frame with its columns.
+    A file holding only a header gives an empty frame with its columns; a damaged file raises
+    :class:`DamagedFileError` (file, line, column).
     """
-    import pandas as pd
-
     path = Path(path)
-    header = _header(path)
-    if not header:
-        return pd.DataFrame()
-    return _parse(path, header)
+    header, body = _load_text(path)
+    return _parse_checked(path, header, body)
 
 
 def _parse(source, header: Sequence[str]) -> "pd.DataFrame":
+    """Parse ``source`` (its first line: :func:`_header_line`); a field beyond the file's last
+    column lands in ``EXTRA_FIELD``."""
     import pandas as pd
 
     na = {c: _NAN_TEXT for c in header if c not in _TEXT_COLUMNS}
-    return pd.read_csv(source, dtype={c: str for c in _TEXT_COLUMNS if c in header},
+    return pd.read_csv(source, index_col=False,
+                       dtype={EXTRA_FIELD: str, **{c: str for c in _TEXT_COLUMNS if c in header}},
                        keep_default_na=False, na_values=na, **_exact_float_option())
 
 
-def _read_same_header(paths: Sequence[Path], header: Sequence[str]) -> "pd.DataFrame":
-    """Files sharing one header parsed in one go: one parse per file costs ~28x more on runs
-    with one file per step (msprobe's default layout)."""
+def _parse_checked(path: Path, header: Sequence[str], body: str) -> "pd.DataFrame":
+    """The rows of one file, validated; every problem raised with this file's line numbers."""
     import io
 
+    import pandas as pd
+
+    text = _header_line(header) + body
+    try:
+        frame = _parse(io.StringIO(text), header)
+    except pd.errors.ParserError as exc:
+        raise _parser_error(path, header, text, exc) from None
+    validate_family_frame(frame, path, line_of=lambda i: _line_of_record(text, i))
+    return frame.drop(columns=[EXTRA_FIELD])
+
+
+def _header_line(header: Sequence[str]) -> str:
+    """The header to parse under: the file's, plus ``EXTRA_FIELD`` to catch one field too many."""
+    return ",".join(_quote_name(c) for c in [*header, EXTRA_FIELD]) + "\n"
+
+
+def _quote_name(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"' if any(ch in name for ch in ',"\r\n') else name
+
+
+def _line_of_record(text: str, index: int) -> int:
+    """The line where data record ``index`` (0 = the first after the header) starts; exact with
+    quoted names that hold line breaks.  Runs only when a problem is reported."""
+    reader = csv.reader(io_lines(text))
+    next(reader, None)
+    line = reader.line_num + 1
+    for i, _ in enumerate(reader):
+        if i == index:
+            return line
+        line = reader.line_num + 1
+    return line
+
+
+def io_lines(text: str):
+    import io
+
+    return io.StringIO(text, newline="")
+
+
+def _parser_error(path: Path, header: Sequence[str], text: str, exc: Exception) -> DamagedFileError:
+    """The first record whose field count is not the header's, else pandas' own words."""
+    reader = csv.reader(io_lines(text))
+    try:
+        next(reader, None)
+        start = reader.line_num + 1
+        for fields in reader:
+            if len(fields) != len(header):
+                many = "more" if len(fields) > len(header) else "fewer"
+                return DamagedFileError(path, f"{len(fields)} fields, {many} than the header's {len(header)} columns",
+                                        start, min(len(fields), len(header) + 1))
+            start = reader.line_num + 1
+    except csv.Error as err:
+        return DamagedFileError(path, f"not CSV ({err})", reader.line_num)
+    return DamagedFileError(path, f"not CSV ({str(exc).strip().splitlines()[-1]})")
+
+
+def _read_same_header(paths: Sequence[Path], header: Sequence[str], bodies: Sequence[str]) -> "pd.DataFrame":
+    """Files sharing one header parsed in one go: one parse per file costs ~28x more on runs
+    with one file per step (msprobe's default layout).  A problem is reported with the file and
+    line it is in (the files are then parsed one by one to find it)."""
+    import io
+
+    import pandas as pd
+
     if len(paths) == 1:
-        return _parse(paths[0], header)
-    parts = []
-    for path in paths:
-        body = path.read_text(encoding="utf-8").split("\n", 1)
-        if len(body) == 2 and body[1]:
-            parts.append(body[1] if body[1].endswith("\n") else body[1] + "\n")
-    head = io.StringIO()
-    csv.writer(head, lineterminator="\n").writerow(header)   # labels such as "(-inf, -1]" hold commas
-    return _parse(io.StringIO(head.getvalue() + "".join(parts)), header)
+        return _parse_checked(paths[0], header, bodies[0])
+    text = _header_line(header) + "".join(bodies)
+    try:
+        frame = _parse(io.StringIO(text), header)
+        validate_family_frame(frame, paths[0])
+    except (pd.errors.ParserError, DamagedFileError) as exc:
+        for path, body in zip(paths, bodies, strict=True):
+            _parse_checked(path, header, body)  # raises with this file's line
+        raise DamagedFileError(paths[0], f"unreadable family files ({exc})") from None
+    return frame.drop(columns=[EXTRA_FIELD])
 
 
 def read_family(rank_dir: str | Path, family: str) -> "pd.DataFrame":
@@ -160,12 +270,12 @@ def read_family(rank_dir: str | Path, family: str) -> "pd.DataFrame":
     """
     import pandas as pd
 
-    by_header: dict[tuple[str, ...], list[Path]] = {}
+    by_header: dict[tuple[str, ...], list[tuple[Path, str]]] = {}
     for f in family_files(rank_dir).get(family, []):
-        header = tuple(_header(Path(f.path)) or ())
-        if header:
-            by_header.setdefault(header, []).append(Path(f.path))
-    frames = [_read_same_header(paths, header) for header, paths in by_header.items()]
+        header, body = _load_text(Path(f.path))
+        by_header.setdefault(tuple(header), []).append((Path(f.path), body))
+    frames = [_read_same_header([p for p, _ in files], header, [b for _, b in files])
+              for header, files in by_header.items()]
     if not frames:
         return pd.DataFrame()
     df = pd.concat(frames, ignore_index=True, sort=False)

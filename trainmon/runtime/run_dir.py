@@ -1,7 +1,8 @@
 """Where a run's files go: ``$MONITOR_OUTPUT_DIR/<run_id>/rank<R>/``.
 
-All ranks of one run share ``<run_id>``: rank 0 picks it (a local timestamp, or
-``$TRAINMON_RUN_ID``) and the others receive it through the process group.
+All ranks of one run share ``<run_id>``: rank 0 claims it (a local timestamp, suffixed
+``-1``, ``-2``, ... when another run took it, or ``$TRAINMON_RUN_ID``) and the others receive it
+through the process group.
 """
 from __future__ import annotations
 
@@ -24,26 +25,59 @@ def output_root() -> Path:
     return Path(os.environ.get("MONITOR_OUTPUT_DIR") or "./monitor_output")
 
 
-def _new_run_id(root: Path) -> str:
-    base = os.environ.get("TRAINMON_RUN_ID") or time.strftime("%Y%m%d-%H%M%S")
-    if os.environ.get("TRAINMON_RUN_ID"):
-        return base  # a chosen id may be reused on purpose (resumed runs append)
-    run_id, k = base, 1
-    while (root / run_id).exists():
-        run_id, k = f"{base}-{k}", k + 1
-    return run_id
+RUN_ID_ENV = "TRAINMON_RUN_ID"
+
+
+def _timestamp() -> str:
+    return time.strftime("%Y%m%d-%H%M%S")
+
+
+def run_id_problem(run_id: str) -> str | None:
+    """Why ``run_id`` cannot name a folder directly under the output root, or None.  A chosen id
+    is one path component: a separator or ``..`` would write outside the output folder."""
+    if not run_id.strip():
+        return "is empty"
+    if run_id in (".", ".."):
+        return f"is {run_id!r}"
+    bad = [c for c in ("/", "\\", os.sep, os.altsep or "/", "\0") if c in run_id]
+    if bad:
+        return f"contains {bad[0]!r}; it must be one folder name (no path separators)"
+    return None
+
+
+def _make_run_dir(root: Path) -> str:
+    """Create ``root/<run_id>`` and return the id.  A chosen ``$TRAINMON_RUN_ID`` may be reused on
+    purpose (a resumed run appends); a timestamp id is claimed with an atomic ``mkdir``, so runs
+    started in the same second get ``-1``, ``-2``, ... and never share a folder."""
+    root.mkdir(parents=True, exist_ok=True)
+    chosen = os.environ.get(RUN_ID_ENV)
+    if chosen:
+        problem = run_id_problem(chosen)
+        if problem is None:
+            (root / chosen).mkdir(exist_ok=True)
+            return chosen
+        log.warning("trainmon: %s=%r %s; using a timestamp run id instead", RUN_ID_ENV, chosen, problem)
+    base = _timestamp()
+    for k in range(100_000):
+        run_id = base if k == 0 else f"{base}-{k}"
+        try:
+            (root / run_id).mkdir()
+        except FileExistsError:
+            continue
+        return run_id
+    raise OSError(f"no free run id {base}-<k> under {root}")
 
 
 def create_run_dir(root: Path, group: Any = None, meta: dict | None = None) -> Path | None:
     """Agree on the run dir across ranks and create it; None (after one warning) if unwritable.
 
-    This is a collective when torch.distributed is initialized: every rank must call it.
+    Rank 0 claims the folder and broadcasts its id, so all ranks of one job share it and no two
+    jobs do.  This is a collective when torch.distributed is initialized: every rank must call it.
     """
     run_id = None
     if _dist.rank(group) == 0:
         try:
-            run_id = _new_run_id(root)
-            (root / run_id).mkdir(parents=True, exist_ok=True)
+            run_id = _make_run_dir(root)
             _write_meta(root / run_id, meta or {}, run_id)
         except OSError as exc:
             log.warning("trainmon: cannot create output directory under %s (%s); nothing will be "

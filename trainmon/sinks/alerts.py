@@ -89,7 +89,10 @@ def _spike_rule(args: Mapping[str, object]) -> SpikeRule:
 
 
 def _is_tensor_row(row: StatRow) -> bool:
-    # Mirrors the offline scan: rows without a dtype and with only NaN stats describe no tensor.
+    # Mirrors the offline scan: rows without a dtype and with only NaN stats describe no tensor,
+    # and a tensor with no elements (NaN mean/min/max by definition) is never a finding.
+    if row.shape and math.prod(row.shape) == 0:
+        return False
     if row.dtype and row.dtype != "None":
         return True
     return not all(isinstance(v, float) and math.isnan(v) for v in row.stats.values())

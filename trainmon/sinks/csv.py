@@ -24,7 +24,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Sequence
 
-from trainmon.output.layout import family_file_name, window_bounds
+from trainmon.output.layout import family_file_name, partial_file_name, window_bounds
 from trainmon.stats.rows import RowBlock, StepRows, paced
 from trainmon.sinks.base import Sink, SinkOptions, register_sink
 
@@ -32,7 +32,7 @@ __all__ = ["CsvSink"]
 
 logger = logging.getLogger(__name__)
 
-_OPEN_FLAGS = os.O_RDWR | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
+_OPEN_FLAGS = os.O_RDWR | os.O_APPEND | getattr(os, "O_CLOEXEC", 0)
 _CACHE_LIMIT = 100_000  # distinct names/shapes remembered; tensor names repeat every step
 
 # (family, window start, columns): the identity of one header-compatible file.
@@ -63,14 +63,12 @@ class _Formatter:
             return repr(value) if self._spec is None else format(value, self._spec)
         if isinstance(value, float):
             return self._float(value)
-        if isinstance(value, bool):
-            return str(value)
-        if isinstance(value, numbers.Integral):
+        if isinstance(value, numbers.Integral):  # bool too: a statistic cell holds numbers only
             return str(int(value))
         try:
             return self._float(float(value))  # numpy / torch scalars
         except (TypeError, ValueError):
-            return _quote(str(value))
+            return "nan"  # not a number (None, text): what the TensorBoard sink records too
 
     def cell(self, value: object) -> str:
         """An ``extra`` value: numbers as numbers, anything else as (quoted) text."""
@@ -129,6 +127,26 @@ def _close_quietly(fd: int) -> None:
         os.close(fd)
     except OSError:
         pass
+
+
+def _unlink_quietly(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _publish(tmp: Path, path: Path) -> None:
+    """Give the finished ``tmp`` its real name, never replacing a file that appeared meanwhile;
+    on a file system without hard links, a rename."""
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        raise
+    except OSError:
+        os.replace(tmp, path)
+        return
+    os.unlink(tmp)
 
 
 class _TailDamaged(OSError):
@@ -192,6 +210,7 @@ class CsvSink(Sink):
         self._lost_rows = 0
         self._reported_lost = 0
         self._first_error: str | None = None
+        self._warned_removed = False
 
     # -- Sink interface -------------------------------------------------------------------
 
@@ -280,20 +299,24 @@ class CsvSink(Sink):
                 or self._dir / family_file_name(family, *window_bounds(a, self._steps_per_file)))
         try:
             path, fd, is_new = self._open_for(family, a, columns, header)
-            _write_all(fd, header + body if is_new else body)
+            if fd is None:
+                self._create(path, header + body)
+            else:
+                _write_all(fd, header + body if is_new else body)
         except OSError as exc:
             self._failed(path, exc, len(lines))
 
     def _open_for(self, family: str, a: int, columns: tuple[str, ...],
-                  header: bytes) -> tuple[Path, int, bool]:
-        """The fd to append rows with these columns to, and whether it still needs the header."""
+                  header: bytes) -> tuple[Path, int | None, bool]:
+        """The fd to append rows with these columns to (None: the file does not exist yet, create
+        it with its first rows), and whether it still needs the header."""
         key = (family, a, columns)
         path = self._paths.get(key)
         if path is not None and path not in self._retired:
             fd = self._fds.get(path)
-            if fd is not None:
+            if fd is not None and not self._unlinked(path, fd):
                 return path, fd, False
-            opened = self._try_open(path, header)  # reopened after LRU eviction
+            opened = self._try_open(path, header)  # reopened after LRU eviction or removal
             if opened is not None:
                 return path, opened[0], opened[1]
             del self._paths[key]  # replaced behind our back: pick a fresh name below
@@ -310,10 +333,28 @@ class CsvSink(Sink):
                 self._paths[key] = path
                 return path, opened[0], opened[1]
 
-    def _try_open(self, path: Path, header: bytes) -> tuple[int, bool] | None:
-        """Open ``path`` for appending rows under ``header``: (fd, is_new), or None if the
-        file already holds a different header."""
-        fd = self._open(path)
+    def _unlinked(self, path: Path, fd: int) -> bool:
+        """True (after one warning per sink) when the open file was deleted, e.g. with the whole
+        output folder: rows appended to it would be lost without a trace, so it is made again."""
+        try:
+            if os.fstat(fd).st_nlink > 0:
+                return False
+        except OSError:
+            pass
+        self._fds.drop(path)
+        if not self._warned_removed:
+            self._warned_removed = True
+            logger.warning("trainmon: monitor output %s was deleted while this run writes it (folder "
+                           "removed?); recreating it, rows from now on are kept", path)
+        return True
+
+    def _try_open(self, path: Path, header: bytes) -> tuple[int | None, bool] | None:
+        """Open ``path`` for appending rows under ``header``: (fd, is_new), (None, True) if it does
+        not exist yet, or None if the file already holds a different header."""
+        try:
+            fd = os.open(path, _OPEN_FLAGS)
+        except FileNotFoundError:
+            return None, True
         try:
             size = os.fstat(fd).st_size
             if size and os.pread(fd, len(header), 0) != header:
@@ -325,13 +366,26 @@ class CsvSink(Sink):
         self._fds.put(path, fd)
         return fd, size == 0
 
-    def _open(self, path: Path) -> int:
+    def _create(self, path: Path, data: bytes) -> None:
+        """Make ``path`` with its header and first rows in one step: written under a hidden
+        temporary name, then linked into place, so a full disk or a kill never leaves an empty
+        or header-only file under a family file's name."""
+        tmp = path.with_name(partial_file_name(path.name, os.getpid()))
+        _unlink_quietly(tmp)  # left by a killed process that had this pid
         try:
-            return os.open(path, _OPEN_FLAGS, 0o644)
+            fd = os.open(tmp, _OPEN_FLAGS | os.O_CREAT | os.O_EXCL, 0o644)
         except FileNotFoundError:
             # First file of the run, or the directory was removed while running.
             self._dir.mkdir(parents=True, exist_ok=True)
-            return os.open(path, _OPEN_FLAGS, 0o644)
+            fd = os.open(tmp, _OPEN_FLAGS | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            _write_all(fd, data)
+            _publish(tmp, path)
+        except BaseException:
+            _close_quietly(fd)
+            _unlink_quietly(tmp)
+            raise
+        self._fds.put(path, fd)
 
     def _failed(self, path: Path, exc: OSError, n_rows: int) -> None:
         self._lost_rows += n_rows

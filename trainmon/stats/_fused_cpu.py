@@ -4,7 +4,7 @@ The eager CPU path runs four ATen reductions per tensor (sum, sum of squares, am
 a separate pass over memory plus dispatch overhead.  This kernel reads each tensor once.  It is
 plain C (no torch headers): the first use compiles it with the system C compiler in ~0.3 s into
 ``~/.cache/trainmon`` (``TRAINMON_CACHE_DIR`` to move it), later processes load the cached
-library, and it is called through ``ctypes`` with the tensor's data pointer.  On by default for
+library only after the ownership, mode and content-hash checks of ``_kernel_cache``, and it is called through ``ctypes`` with the tensor's data pointer.  On by default for
 CPU tensors; ``TRAINMON_FUSED_CPU=0`` turns it off.  No compiler, or a failed build, means one
 log line and the eager path (same values, slower).
 
@@ -24,11 +24,12 @@ import os
 import platform
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 from typing import Sequence
 
 import torch
+
+from trainmon.stats import _kernel_cache
 
 __all__ = ["enabled", "partials_f32", "partials_into", "FUSED_DTYPES", "ENV"]
 
@@ -172,7 +173,7 @@ def _function():
     if "fn" not in _state:
         _state["fn"] = None
         try:
-            lib = ctypes.CDLL(str(_built_library()))
+            lib = _kernel_cache.load(_library_name(), _compile)
             fn = lib.trainmon_partials
             fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
                            ctypes.c_int64, ctypes.c_void_p]
@@ -181,18 +182,11 @@ def _function():
         except Exception as exc:  # noqa: BLE001 -- any build/load failure means: eager path
             _state["error"] = f"{type(exc).__name__}: {exc}"
             explicit = os.environ.get(ENV, "").strip().lower() not in ("", *_OFF)
-            (log.warning if explicit else log.info)(
+            unsafe = isinstance(exc, _kernel_cache.UnsafeCache)
+            (log.warning if explicit or unsafe else log.info)(
                 "trainmon: the fused CPU stats kernel is unavailable (%s); CPU tensors use the "
                 "eager path (same values, slower)", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
     return _state["fn"]
-
-
-def _cache_dir() -> Path:
-    configured = os.environ.get("TRAINMON_CACHE_DIR")
-    if configured:
-        return Path(configured)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "trainmon"
 
 
 def _compiler() -> str:
@@ -202,41 +196,29 @@ def _compiler() -> str:
     return cc
 
 
-def _built_library() -> Path:
-    """The compiled kernel for this source, compiler and CPU, building it on first use.  Built
-    under a temporary name and renamed into place, so concurrent processes never load half a
-    file and a killed build leaves nothing that blocks the next one."""
+def _library_name() -> str:
+    """One name per source, compiler flags and CPU, so a cache shared with another CPU never
+    loads code it cannot run."""
     key = hashlib.sha1("\0".join([_C_SOURCE, _cpu_flags(), platform.machine()]).encode()).hexdigest()
-    target = _cache_dir() / f"trainmon_fused_{key[:16]}.so"
-    if target.exists():
-        return target
+    return f"trainmon_fused_{key[:16]}.so"
+
+
+def _compile(tmp: Path) -> Path:
+    """Build the kernel inside the private temporary folder ``tmp``; the cache (see
+    ``_kernel_cache``) checks, loads and renames it into place, so concurrent processes never
+    load half a file and a killed build leaves nothing that blocks the next one."""
     cc = _compiler()
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-    except OSError:  # e.g. a read-only home directory: a private temporary cache instead
-        private = Path(tempfile.gettempdir()) / f"trainmon-cache-{os.getuid()}"
-        private.mkdir(mode=0o700, exist_ok=True)
-        info = private.lstat()
-        if private.is_symlink() or info.st_uid != os.getuid() or info.st_mode & 0o022:
-            # Someone else's folder in a shared /tmp: never load a library from it.
-            raise RuntimeError(f"{private} is not a private folder of this user") from None
-        target = private / target.name
-        if target.exists():
-            return target
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        src, lib = Path(tmp) / "kernel.c", Path(tmp) / "kernel.so"
-        src.write_text(_C_SOURCE)
-        errors = []
-        # -march=native: this CPU's vector width; the name above holds its flags, so a cache
-        # shared with another CPU never loads code it cannot run.  Without it if unsupported.
-        for arch in (["-march=native"], []):
-            proc = subprocess.run([cc, "-O3", *arch, "-shared", "-fPIC", "-o", str(lib), str(src)],
-                                  capture_output=True, text=True, timeout=120)
-            if proc.returncode == 0:
-                os.replace(lib, target)
-                return target
-            errors.append(proc.stderr.strip().splitlines()[-1:] or [f"exit {proc.returncode}"])
-        raise RuntimeError(f"{cc} failed: {errors[-1][0]}")
+    src, lib = tmp / "kernel.c", tmp / "kernel.so"
+    src.write_text(_C_SOURCE)
+    errors = []
+    # -march=native: this CPU's vector width (its flags are in the name).  Without it if unsupported.
+    for arch in (["-march=native"], []):
+        proc = subprocess.run([cc, "-O3", *arch, "-shared", "-fPIC", "-o", str(lib), str(src)],
+                              capture_output=True, text=True, timeout=120)
+        if proc.returncode == 0:
+            return lib
+        errors.append(proc.stderr.strip().splitlines()[-1:] or [f"exit {proc.returncode}"])
+    raise RuntimeError(f"{cc} failed: {errors[-1][0]}")
 
 
 def _cpu_flags() -> str:

@@ -1,0 +1,38 @@
+"""Checks of command options shared by the commands: one clear line (a ``CommandError``, exit
+code 2) for a bad value, never a traceback, and never a silent no-op."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from trainmon.cli import CommandError
+
+__all__ = ["rank_list", "non_negative", "check_recorded"]
+
+
+def rank_list(text: str | None, option: str = "--ranks") -> list[int] | None:
+    """``"0,2,4"`` -> [0, 2, 4]; None stays None."""
+    if text is None:
+        return None
+    ranks = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        if not part.isdigit():
+            raise CommandError(f"{option}: '{part}' is not a rank number (expected a comma list like 0,2,3)")
+        ranks.append(int(part))
+    if not ranks:
+        raise CommandError(f"{option}: no rank given (expected a comma list like 0,2,3)")
+    return ranks
+
+
+def non_negative(value: int | None, option: str) -> None:
+    if value is not None and value < 0:
+        raise CommandError(f"{option} must be >= 0 (0 = all), got {value}")
+
+
+def check_recorded(wanted: Sequence | None, recorded: Sequence, what: str, path: object) -> None:
+    """Every name or rank asked for is in the run; else name the first missing one and what is there."""
+    for name in wanted or ():
+        if name not in recorded:
+            have = ", ".join(map(str, recorded)) or "none"
+            raise CommandError(f"no {what} '{name}' in {path} (recorded: {have})")
