@@ -80,6 +80,30 @@ class Agreement:
         dist.broadcast_object_list(box, src=self.src, group=self.group)
         return box[0]
 
+    def max(self, value: int) -> int:
+        """The largest ``value`` of all ranks (one all-reduce of one int64)."""
+        if self.local:
+            return value
+        self._flag[0] = int(value)
+        dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self.group)
+        return int(self._flag.item())
+
+    def value_from(self, value: Any, group_rank: int) -> Any:
+        """``value`` of the rank ``group_rank`` of the group (any picklable object)."""
+        if self.local:
+            return value
+        box = [value if dist.get_rank(self.group) == group_rank else None]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, group_rank), group=self.group)
+        return box[0]
+
+    @property
+    def size(self) -> int:
+        return 1 if self.local else dist.get_world_size(self.group)
+
+    @property
+    def group_rank(self) -> int:
+        return 0 if self.local else dist.get_rank(self.group)
+
     def all_true(self, ok: bool) -> bool:
         if self.local:
             return ok
@@ -120,6 +144,7 @@ class DynamicDriver:
         self.config_file: Path = builder.config_file
         self.step = start_iteration            # the step that runs next
         self.agreement = Agreement(builder.process_group, settings.timeout_s)
+        builder.agreement = self.agreement  # escalations (runtime.escalation) agree over it too
         self.stager: ConfigStager | None = None
         self.watcher: ConfigWatcher | None = None
         self.session: Session | None = None
