@@ -58,10 +58,11 @@ def _train(out: Path | None, config: dict | None, nan_rank: int, rank: int, tmp:
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _three_runs(rank: int, world: int, tmp: str, nan_rank: int) -> bool:
+def _three_runs(rank: int, world: int, tmp: str, nan_rank: int, dynamic: bool = False) -> bool:
     tmp_path = Path(tmp)
-    watched = _train(tmp_path / "escalating", ESCALATING, nan_rank, rank, tmp_path)
-    _train(tmp_path / "reference", REFERENCE, nan_rank, rank, tmp_path)
+    on = {"dynamic_on": True} if dynamic else {}
+    watched = _train(tmp_path / "escalating", {**ESCALATING, **on}, nan_rank, rank, tmp_path)
+    _train(tmp_path / "reference", {**REFERENCE, **on}, nan_rank, rank, tmp_path)
     plain = _train(None, None, nan_rank, rank, tmp_path)
     # bitwise, NaN included: compare the bits
     return all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(watched, plain))
@@ -101,8 +102,14 @@ def _check_run(tmp_path: Path, world: int, nan_rank: int) -> None:
 
 
 @pytest.mark.slow
-def test_a_nan_escalates_for_exactly_n_steps_at_most_k_times_with_the_rows_before_it(tmp_path):
-    assert _three_runs(0, 1, str(tmp_path), nan_rank=0), "training changed"
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_a_nan_escalates_for_exactly_n_steps_at_most_k_times_with_the_rows_before_it(tmp_path, monkeypatch,
+                                                                                    dynamic):
+    if dynamic:
+        monkeypatch.setenv("DYNAMIC_MONITOR", "1")
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path))  # _train sets these per run; restored after
+    monkeypatch.setenv("TRAINMON_RUN_ID", "run")
+    assert _three_runs(0, 1, str(tmp_path), 0, dynamic), "training changed"
     _check_run(tmp_path, 1, nan_rank=0)
 
 
