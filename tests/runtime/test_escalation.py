@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests._support.distributed import run_distributed
-from tests._support.runs import read_family
+from tests._support.runs import read_family, run_cli
 from trainmon.testing.tiny_gpt import GPTConfig, TinyGPT, synthetic_batches
 
 TINY = GPTConfig(vocab=16, seq=4, dim=8, heads=2, layers=1)
@@ -111,6 +111,21 @@ def test_a_nan_escalates_for_exactly_n_steps_at_most_k_times_with_the_rows_befor
     monkeypatch.setenv("TRAINMON_RUN_ID", "run")
     assert _three_runs(0, 1, str(tmp_path), 0, dynamic), "training changed"
     _check_run(tmp_path, 1, nan_rank=0)
+    if not dynamic:
+        _check_anomalies_command(tmp_path / "escalating" / "run")
+
+
+def _check_anomalies_command(run: Path) -> None:
+    text = run_cli("anomalies", str(run), "--limit", "1")
+    assert text.returncode == 0, text.stderr
+    lines = text.stdout.splitlines()
+    at = lines.index("escalations: 2")
+    assert lines[at + 1].split() == ["#", "window", "history", "alert", "step", "rank", "rule", "kind", "name"]
+    assert lines[at + 2].split()[:6] == ["1", "5..7", "2..4", "4", "0", "nonfinite"]
+    assert lines[at + 3].split()[:6] == ["2", "9..11", "8..8", "8", "0", "nonfinite"]
+    data = json.loads(run_cli("anomalies", str(run / "rank0"), "--json").stdout)
+    assert [(e["first_step"], e["last_step"], e["trigger"]["step"]) for e in data["escalations"]] == [
+        (5, 7, 4), (9, 11, 8)]
 
 
 @pytest.mark.slow

@@ -3,7 +3,8 @@
 ::
 
     $MONITOR_OUTPUT_DIR/<run_id>/
-        run.json                                  what ran (written once by rank 0)
+        run.json                                  what ran (written by rank 0; its "escalations"
+                                                  list is appended to, atomically, on each escalation)
         rank<R>/<family>_<a>-<b>[.<k>].csv        one file per family per step window
         rank<R>/anomalies.jsonl                   run-time alerts
         tensorboard/rank<R>/events.out.tfevents.* TensorBoard events (see ``tb_tags``)
@@ -18,10 +19,11 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["RUN_META", "ALERTS_FILE", "TB_DIRNAME", "NOT_RUNS", "FamilyFile", "rank_dir_name",
+__all__ = ["RUN_META", "RUN_ESCALATIONS", "ALERTS_FILE", "TB_DIRNAME", "NOT_RUNS", "FamilyFile", "rank_dir_name",
            "parse_rank_dir", "window_bounds", "family_file_name", "parse_family_file"]
 
 RUN_META = "run.json"
+RUN_ESCALATIONS = "escalations"   # key of run.json: one object per escalation (docs/escalation.md)
 ALERTS_FILE = "anomalies.jsonl"
 TB_DIRNAME = "tensorboard"
 # Directories that hold rank<R>/ folders but are not runs (event files of a run).

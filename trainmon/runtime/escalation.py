@@ -33,15 +33,15 @@ from trainmon.config import AlertConfig, CommConfig, MonitorConfig
 from trainmon.core import dist as _dist
 from trainmon.core.hooks import Handle, wrap_optimizer_step
 from trainmon.diagnosis.escalation import AlertLatch, Trigger
+from trainmon.output.layout import RUN_ESCALATIONS
 from trainmon.runtime.dynamic_driver import Agreement
 from trainmon.runtime.run_dir import append_to_meta
 from trainmon.runtime.session import Session
 
-__all__ = ["EscalatingSession", "recorder_config", "window_config", "ESCALATIONS_KEY"]
+__all__ = ["EscalatingSession", "recorder_config", "window_config"]
 
 log = logging.getLogger(__name__)
 
-ESCALATIONS_KEY = "escalations"   # the list in run.json
 _STEP_CODE = 1 << 40              # alert steps are encoded as (_STEP_CODE - step) * size + (size - 1 - rank)
 _FLAGS = ("wg_distribution", "mv_distribution", "param_distribution", "ur_distribution", "xy_distribution")
 
@@ -211,7 +211,7 @@ class EscalatingSession:
                         trigger.rule, trigger.rank, trigger.step, trigger.kind, trigger.name, trigger.op, first,
                         last, f"; flight recorder wrote steps {kept[0]}..{kept[-1]}" if kept else "")
             if self.builder.run_dir is not None and _dist.rank(self.builder.process_group) == 0:
-                append_to_meta(self.builder.run_dir, ESCALATIONS_KEY, entry)
+                append_to_meta(self.builder.run_dir, RUN_ESCALATIONS, entry)
 
     def _end_window(self, next_step: int) -> None:
         window, self.window, self.window_end = self.window, None, None
