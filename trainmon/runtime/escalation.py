@@ -34,7 +34,7 @@ from trainmon.core import dist as _dist
 from trainmon.core.hooks import Handle, wrap_optimizer_step
 from trainmon.diagnosis.escalation import AlertLatch, Trigger
 from trainmon.output.layout import RUN_ESCALATIONS
-from trainmon.runtime.dynamic_driver import Agreement
+from trainmon.runtime.agreement import Agreement
 from trainmon.runtime.run_dir import append_to_meta
 from trainmon.runtime.session import Session
 
