@@ -30,7 +30,8 @@ from trainmon.dynamic import ConfigStager, ConfigWatcher, Decision, WatchSetting
 from trainmon.errors import ConfigError
 from trainmon.runtime.agreement import Agreement
 from trainmon.runtime.builder import SessionBuilder
-from trainmon.core.hooks import Handle, wrap_optimizer_step
+from trainmon.core.hooks import Handle
+from trainmon.integrations.amp import wrap_step_with_scaler
 from trainmon.runtime.session import Session
 
 __all__ = ["Agreement", "DynamicDriver", "describe"]
@@ -80,7 +81,7 @@ class DynamicDriver:
         optimizer = builder.attachment.optimizer
         self._handle: Handle | None = None
         if optimizer is not None:
-            self._handle = wrap_optimizer_step(optimizer, self.before_step, self.after_step)
+            self._handle = wrap_step_with_scaler(optimizer, self.before_step, self.after_step)
         self._decide()
 
     # -- the step boundary ----------------------------------------------------------------------

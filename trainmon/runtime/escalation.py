@@ -31,7 +31,8 @@ from typing import Any
 
 from trainmon.config import AlertConfig, CommConfig, MonitorConfig
 from trainmon.core import dist as _dist
-from trainmon.core.hooks import Handle, wrap_optimizer_step
+from trainmon.core.hooks import Handle
+from trainmon.integrations.amp import wrap_step_with_scaler
 from trainmon.diagnosis.escalation import AlertLatch, Trigger
 from trainmon.output.layout import RUN_ESCALATIONS
 from trainmon.runtime.agreement import Agreement
@@ -123,7 +124,7 @@ class EscalatingSession:
         self._broken = False
         self._handle: Handle | None = None
         if step_optimizer is not None:
-            self._handle = wrap_optimizer_step(step_optimizer, self.before_step, self.after_step)
+            self._handle = wrap_step_with_scaler(step_optimizer, self.before_step, self.after_step)
 
     def _ring_of(self, sink: Any) -> Any:
         from trainmon.sinks.ring import RingSink

@@ -10,10 +10,15 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
+
 from trainmon.collectors import Collector, CollectorContext, collector_classes
 from trainmon.collectors.base import Guard
-from trainmon.core.hooks import Handle, wrap_optimizer_step
+from trainmon.core.hooks import Handle
+from trainmon.families import Family
+from trainmon.integrations import amp
 from trainmon.sinks.base import Sink
+from trainmon.stats.engine import Meta
 
 __all__ = ["Session"]
 
@@ -31,7 +36,7 @@ class Session:
         for c in list(self.collectors):
             ctx.guard.run(c, c.attach)
         if optimizer is not None:
-            self._step_handle = wrap_optimizer_step(optimizer, self.before_step, self.after_step)
+            self._step_handle = amp.wrap_step_with_scaler(optimizer, self.before_step, self.after_step)
         if ctx.clock.finished:
             self.go_idle()
 
@@ -39,19 +44,34 @@ class Session:
     def clock(self):
         return self.ctx.clock
 
+    def _step_collectors(self) -> list[Collector]:
+        if amp.skipping():   # the loss scaler skipped the optimizer step: nothing it changes is recorded
+            return [c for c in self.collectors if c.runs_on_skipped_steps]
+        return list(self.collectors)
+
     def before_step(self) -> None:
         if self.clock.collecting:
-            for c in list(self.collectors):
+            for c in self._step_collectors():
                 self.ctx.guard.run(c, c.on_step_begin)
 
     def after_step(self) -> None:
         if self.clock.collecting:
-            for c in list(self.collectors):
+            for c in self._step_collectors():
                 self.ctx.guard.run(c, c.on_step_end)
+            self._capture_step_row()
             self._emit(self.clock.step)
         self.clock.advance()
         if self.clock.finished and self.collectors:
             self.go_idle()
+
+    def _capture_step_row(self) -> None:
+        """The ``steps`` row of a loss-scaled step (no host sync: copied with the step's stats)."""
+        scale = amp.current_scale(self.ctx.optimizer)
+        if scale is None or not self.collectors:
+            return
+        skipped = torch.ones_like(scale.reshape(-1)[:1]) if amp.skipping() else torch.zeros_like(scale.reshape(-1)[:1])
+        self.ctx.engine.capture_values(Family.STEPS, [Meta(Family.STEPS, "optimizer", 0, (), "")],
+                                       [torch.cat([skipped, scale.reshape(-1)[:1]])], ("skipped", "loss_scale"))
 
     def _emit(self, step: int) -> None:
         try:

@@ -1,0 +1,100 @@
+"""Steps a real ``torch.amp.GradScaler`` skips, with fp16 autocast on the CPU.
+
+A large initial loss scale makes the fp16 backward overflow for the first iterations (the scaler
+skips them and halves the scale each time, as in any AMP run's first steps); one more Inf is
+injected into a grad later.  The truth comes from the training loop itself: a step was skipped
+when the params did not change, and the grads' Inf/NaN counts are counted in the test.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+
+from tests._support.runs import read_family, only_run_dir
+
+STEPS, INJECT = 14, 10
+CONFIG = {"wg_distribution": True, "param_distribution": True, "mv_distribution": True,
+          "ops": ["norm", "nans", "infs"]}
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def _train(model, monitor=None):
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    if monitor is not None:
+        monitor.set_monitor(model, optimizer=opt)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 18, growth_interval=1000)
+    gen = torch.Generator().manual_seed(1)
+    truth = []
+    for step in range(STEPS):
+        x, y = torch.randn(4, 8, generator=gen), torch.randn(4, 4, generator=gen)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = nn.functional.mse_loss(model(x).float(), y)
+        scaler.scale(loss).backward()
+        if step == INJECT:
+            model[0].weight.grad[0, 0] = float("inf")
+        before = [p.detach().clone() for p in model.parameters()]
+        scale = scaler.get_scale()
+        scaler.step(opt)
+        skipped = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        bad = {n: (int(torch.isnan(p.grad).sum()), int(torch.isinf(p.grad).sum()))
+               for n, p in model.named_parameters()}
+        truth.append((skipped, scale, bad))
+        scaler.update()
+        opt.zero_grad()
+    return truth
+
+
+def test_skipped_steps_keep_their_number_their_grads_and_no_param_rows(tmp_path, monkeypatch):
+    from trainmon import TrainerMon
+
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    plain = _model()
+    expected = _train(plain)
+    skipped = [s for s, (sk, _, _) in enumerate(expected) if sk]
+    assert skipped[:2] == [0, 1] and INJECT in skipped and len(skipped) < STEPS - 3  # the setup is real
+    (tmp_path / "c.json").write_text(json.dumps(CONFIG))
+    model, mon = _model(), TrainerMon(tmp_path / "c.json")
+    truth = _train(model, mon)
+    assert mon.current_step == STEPS
+    mon.close()
+    assert [t[:2] for t in truth] == [e[:2] for e in expected]                   # same skips, same scales
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), plain.parameters()))  # bitwise
+    rank = only_run_dir(tmp_path / "out") / "rank0"
+    steps = read_family(rank, "steps").sort_values("step")
+    assert list(steps["step"]) == list(range(STEPS)) and set(steps["name"]) == {"optimizer"}
+    assert list(steps["skipped"]) == [int(sk) for sk, _, _ in truth]
+    assert list(steps["loss_scale"]) == [scale for _, scale, _ in truth]
+    done = [s for s in range(STEPS) if s not in skipped]
+    for family in ("param_origin", "param_updated", "exp_avg", "exp_avg_sq"):
+        assert sorted(read_family(rank, family)["step"].unique()) == done, family
+    grads = read_family(rank, "grad_reduced")
+    assert sorted(grads["step"].unique()) == list(range(STEPS))
+    for step, (_, _, bad) in enumerate(truth):       # each iteration's own grads, under its own number
+        rows = grads[grads["step"] == step].set_index("name")
+        for name, (nans, infs) in bad.items():
+            assert (rows.loc[name, "nans"], rows.loc[name, "infs"]) == (nans, infs), (step, name)
+    assert grads[grads["step"] == INJECT].set_index("name").loc["0.weight", "infs"] >= 1
+    unreduced = read_family(rank, "grad_unreduced")
+    assert sorted(unreduced["step"].unique()) == list(range(STEPS))
+    assert len(unreduced) == 4 * STEPS                 # one row per param per step: nothing merged
+
+
+def test_the_grad_scaler_patch_is_removed_with_the_last_monitor(tmp_path, monkeypatch):
+    from trainmon import TrainerMon
+
+    original = torch.amp.GradScaler.step
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    (tmp_path / "c.json").write_text(json.dumps(CONFIG))
+    mon = TrainerMon(tmp_path / "c.json")
+    model = _model()
+    mon.set_monitor(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    assert torch.amp.GradScaler.step is not original
+    mon.close()
+    assert torch.amp.GradScaler.step is original
