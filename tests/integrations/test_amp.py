@@ -13,11 +13,11 @@ import pytest
 import torch
 import torch.nn as nn
 
-from tests._support.runs import read_family, only_run_dir
+from tests._support.runs import only_run_dir, read_family, run_cli
 
 STEPS, INJECT = 14, 10
 CONFIG = {"wg_distribution": True, "param_distribution": True, "mv_distribution": True,
-          "ops": ["norm", "nans", "infs"]}
+          "ops": ["norm", "nans", "infs"], "alert": {"rules": [{"rule_name": "AnomalyNan"}]}}
 
 
 def _model() -> nn.Module:
@@ -98,3 +98,29 @@ def test_the_grad_scaler_patch_is_removed_with_the_last_monitor(tmp_path, monkey
     assert torch.amp.GradScaler.step is not original
     mon.close()
     assert torch.amp.GradScaler.step is original
+
+
+def test_anomalies_report_skipped_steps_as_such_and_a_run_of_them_as_a_finding(tmp_path, monkeypatch):
+    from trainmon import TrainerMon
+
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    (tmp_path / "c.json").write_text(json.dumps(CONFIG))
+    mon = TrainerMon(tmp_path / "c.json")
+    truth = _train(_model(), mon)
+    mon.close()
+    skipped = [s for s, (sk, _, _) in enumerate(truth) if sk]
+    assert skipped == [0, 1, INJECT]
+    expect = [(0, "skipped", truth[0][1]), (1, "skipped_run", truth[1][1]), (INJECT, "skipped", truth[INJECT][1])]
+    run = only_run_dir(tmp_path / "out")
+    # the run-time alerts: the skip is reported once, on the steps row; its Inf grads are not
+    lines = [json.loads(x) for x in (run / "rank0" / "anomalies.jsonl").read_text().splitlines()]
+    assert [(a["step"], a["rule"], a["value"]) for a in lines] == expect
+    assert {(a["kind"], a["name"], a["op"]) for a in lines} == {("steps", "optimizer", "skipped")}
+    # the offline scan finds the same, and merging the two adds nothing
+    for extra in ((), ("--no-runtime",)):
+        out = run_cli("anomalies", str(run), "--json", *extra)
+        assert out.returncode == 0, out.stderr
+        doc = json.loads(out.stdout)
+        assert [(a["step"], a["rule"], a["value"]) for a in doc["anomalies"]] == expect
+    text = run_cli("anomalies", str(run)).stdout
+    assert "skipped_run" in text and "first: step 0" in text

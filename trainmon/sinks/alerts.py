@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from trainmon.diagnosis.escalation import AlertLatch, Trigger
-from trainmon.diagnosis.rules import (ALERTS_FILE, RATIO_FAMILIES, Anomaly, Rules, SpikeRule, SpikeTracker,
-                                      nonfinite_op)
+from trainmon.diagnosis.rules import (ALERTS_FILE, RATIO_FAMILIES, SKIP_EXPECTED, SKIPPED, SKIPPED_RUN, STEPS_FAMILY,
+                                      Anomaly, Rules, SpikeRule, SpikeTracker, nonfinite_op)
 from trainmon.stats.rows import StatRow, StepRows, paced
 from trainmon.sinks.base import Sink, SinkOptions
 
@@ -107,6 +107,7 @@ class AlertSink(Sink):
         self._fd: int | None = None
         self._seen: Counter[tuple[str, str]] = Counter()
         self._io_failed = 0
+        self._prev_skipped = False   # the previous recorded step was skipped by the loss scaler
 
     # ------------------------------------------------------------------ rules
 
@@ -117,6 +118,7 @@ class AlertSink(Sink):
         positions: dict[tuple, int] = {}
         occurrences: dict[tuple, int] = {}
         found: list[Anomaly] = []
+        skipped = _skipped(rows)
         for row in paced(rows):
             # Per-row work is kept small: this runs on the writer thread, which shares the GIL.
             pos_key = (row.family, row.micro_step)
@@ -129,7 +131,10 @@ class AlertSink(Sink):
                 continue
             hits: list[tuple[str, float, str, float | None]] = []
             stats = row.stats
-            if rules.nonfinite and row.family not in RATIO_FAMILIES:
+            if row.family == STEPS_FAMILY and skipped:
+                rule = SKIPPED_RUN if self._prev_skipped else SKIPPED
+                hits.append(("skipped", float(stats.get("loss_scale", math.nan)), rule, None))
+            elif rules.nonfinite and row.family not in RATIO_FAMILIES and not (skipped and row.family in SKIP_EXPECTED):
                 op = nonfinite_op(stats)
                 if op is not None:
                     hits.append((op, float(stats[op]), "nonfinite", None))
@@ -148,6 +153,8 @@ class AlertSink(Sink):
                               value=value, rule=rule, micro_step=row.micro_step, vpp_stage=row.vpp_stage,
                               baseline=base, position=position, occurrence=occurrence, source="runtime")
                       for op, value, rule, base in hits]
+        if skipped is not None:
+            self._prev_skipped = skipped
         return sorted(found, key=Anomaly.sort_key)
 
     # ------------------------------------------------------------------ sink
@@ -155,8 +162,9 @@ class AlertSink(Sink):
     def write(self, rows: StepRows, step: int) -> None:
         try:
             found = self.check(rows, step)
-            if found and self.latch is not None:
-                a = found[0]
+            findings = [a for a in found if a.rule != SKIPPED]   # a lone skip is expected: no escalation
+            if findings and self.latch is not None:
+                a = findings[0]
                 self.latch.fire(Trigger(step=a.step, rank=a.rank, rule=a.rule, kind=str(a.kind), name=a.name,
                                         op=a.op))
         finally:  # judged (or failed): the boundary waiting for this step must not wait longer
@@ -222,7 +230,18 @@ class AlertSink(Sink):
                         f" ({self._io_failed} could not be written)" if self._io_failed else "")
 
 
+def _skipped(rows: Sequence[StatRow]) -> bool | None:
+    """Whether the loss scaler skipped this step (its ``steps`` row); None when there is none."""
+    for row in reversed(rows):   # the steps row is captured last
+        if row.family == STEPS_FAMILY:
+            return bool(row.stats.get("skipped", 0))
+    return None
+
+
 def _why(a: Anomaly) -> str:
+    if a.rule in (SKIPPED, SKIPPED_RUN):
+        return (" (the loss scaler skipped the optimizer step: Inf/NaN grads; expected now and then)"
+                if a.rule == SKIPPED else " (the loss scaler skipped this step AND the one before: a run of skips)")
     if a.rule == "spike":
         return f" (spike: running baseline {a.baseline:.6g})"
     if a.rule == "threshold":
