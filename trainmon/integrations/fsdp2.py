@@ -5,7 +5,11 @@ rank measures its own local shard (``to_local()``, maybe empty) and the engine m
 partials over the shard group, so ``grad_reduced``, ``param_*`` and ``exp_avg*`` rows are the
 statistics of the full tensor (the squares of the ``grad_reduced`` norms sum to the square of
 ``clip_grad_norm_``'s total norm).  With HSDP (replicate x shard mesh) the merge runs over the
-shard dimension only, so replicas are not counted twice.
+shard dimension only, so replicas are not counted twice.  With tensor parallelism as well (the
+torchtitan layout: ``parallelize_module`` over a TP mesh dimension, ``fully_shard`` over the DP
+one: 2-D DTensors), a tensor split over several mesh dimensions is merged over the group of all of
+them (the flattened sub-mesh, built once per mesh and set of dimensions), and one replicated over
+TP (a RowwiseParallel bias) over its DP dimension only.
 
 Pre-reduce grads: FSDP2 runs a sharded param's post-accumulate-grad hooks *after* the
 reduce-scatter, so the generic hooks would see reduced shards: they are not used.  The local,
@@ -50,13 +54,38 @@ def _shard_group(dt: Any) -> Any:
     """The process group over which ``dt`` is split, or None when it is not split."""
     from torch.distributed.tensor import Shard
 
-    dims = [i for i, p in enumerate(dt.placements) if isinstance(p, Shard)]
+    dims = tuple(i for i, p in enumerate(dt.placements) if _splits(p, Shard))
     if not dims:
         return None
-    if len(dims) > 1:
-        raise NotImplementedError(f"DTensor sharded over {len(dims)} mesh dimensions "
-                                  f"({dt.placements}); trainmon merges over one")
-    return dt.device_mesh.get_group(dims[0])
+    if len(dims) == 1:
+        return dt.device_mesh.get_group(dims[0])
+    return _flat_group(dt.device_mesh, dims)
+
+
+def _splits(placement: Any, shard: type) -> bool:
+    """Whether a placement splits the tensor over its mesh dimension: ``Shard``, and FSDP2's
+    ``_StridedShard`` (dim 0 over DP when TP already split dim 0; not a ``Shard`` subclass in
+    every torch).  Either way the local pieces of all ranks partition the full tensor."""
+    return isinstance(placement, shard) or type(placement).__name__ == "_StridedShard"
+
+
+_FLAT_GROUPS: dict[tuple[int, tuple[int, ...]], Any] = {}
+
+
+def _flat_group(mesh: Any, dims: tuple[int, ...]) -> Any:
+    """The process group spanning mesh dimensions ``dims`` (the shards of one tensor split over all
+    of them).  Building it is a collective of every rank of the mesh: the first capture of such a
+    tensor happens on every rank at the same point (FSDP2 needs every rank's shard anyway)."""
+    key = (id(mesh), dims)
+    group = _FLAT_GROUPS.get(key)
+    if group is None:
+        names = mesh.mesh_dim_names
+        if len(dims) < mesh.ndim and names is None:
+            raise NotImplementedError(f"a DTensor sharded over mesh dimensions {dims} of a {mesh.ndim}-D mesh "
+                                      "without dimension names; name them (init_device_mesh(mesh_dim_names=...))")
+        sub = mesh if len(dims) == mesh.ndim else mesh[tuple(names[d] for d in dims)]
+        group = _FLAT_GROUPS[key] = sub._flatten().get_group()
+    return group
 
 
 def sharded_view(t: torch.Tensor) -> View:

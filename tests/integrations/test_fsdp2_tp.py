@@ -1,0 +1,87 @@
+"""FSDP2 over tensor parallelism (the torchtitan layout) on a 2x2 gloo mesh: ``parallelize_module``
+over the "tp" dimension, ``fully_shard`` over "dp".  Every param, reduced grad and Adam moment is
+reported as the statistics of the full tensor (merged over both mesh dimensions, or over "dp" alone
+for a TP-replicated bias), under the names of the unwrapped model, against a single-process
+reference trained on the global batch."""
+from __future__ import annotations
+
+import copy
+import math
+import os
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from tests._support.dist_checks import (MB, batch, check_family, check_param_families, expected_step, rank_dir,
+                                        reference_state, tiny_model, write_config)
+from tests._support.distributed import run_distributed
+from tests._support.runs import read_family
+from trainmon import TrainerMon
+
+pytestmark = pytest.mark.slow   # a real 4-process gloo job
+
+STEPS, DP, TP = 2, 2, 2
+
+
+def _full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _job(rank, world, tmp):
+    os.environ["TRAINMON_RUN_ID"] = "fsdp-tp"
+    cfg = write_config(tmp / "fsdp-tp.json", wg_distribution=True, mv_distribution=True, param_distribution=True,
+                       ops=["norm", "mean", "min", "max"])
+    mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+    dp_rank = mesh.get_local_rank("dp")
+    model = tiny_model()
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.05)
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    placements = {n: tuple(type(p).__name__ for p in param.placements) for n, param in model.named_parameters()}
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    mon = TrainerMon(cfg)
+    mon.set_monitor(model, optimizer=opt)
+    out, expected, clip = rank_dir("fsdp-tp", rank), [], []
+    for step in range(STEPS):
+        origin = {n: p.detach().clone() for n, p in ref.named_parameters()}
+        _, full = expected_step(ref, step, DP, 1, dp_rank, no_sync=True)
+        x, y = batch(step, DP * MB)
+        xb, yb = x[dp_rank * MB:(dp_rank + 1) * MB], y[dp_rank * MB:(dp_rank + 1) * MB]
+        torch.nn.functional.mse_loss(model(xb), yb).backward()
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(_full(p.grad), full[n], rtol=1e-5, atol=1e-7)
+        clip.append(_full(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e9)).item())
+        for n, p in ref.named_parameters():
+            p.grad = full[n].clone()
+        ref_opt.step()
+        opt.step()
+        opt.zero_grad()
+        updated, moments = reference_state(ref, ref_opt)
+        expected.append((full, origin, updated, moments))
+    mon.close()
+    for step, (full, origin, updated, moments) in enumerate(expected):
+        check_family(out, "grad_reduced", step, full)
+        check_param_families(out, step, origin, updated, moments)
+        reduced = read_family(out, "grad_reduced")
+        total = math.sqrt((reduced[reduced["step"] == step]["norm"] ** 2).sum())
+        assert math.isclose(total, clip[step], rel_tol=1e-5), (total, clip[step])
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(_full(p.detach()), q.detach(), rtol=1e-5, atol=1e-7, msg=n)
+    return placements
+
+
+def test_fsdp2_over_tp_reports_full_tensor_stats_of_every_param_grad_and_moment(output_root, tmp_path):
+    placements = run_distributed(_job, world_size=DP * TP, timeout=300, args=(tmp_path,))
+    # the layout is really 2-D: weights sharded over both dims, the row-parallel bias over dp only
+    w0 = placements[0]["0.weight"]
+    assert len(w0) == 2 and all("Shard" in p for p in w0), w0
+    assert "Replicate" in placements[0]["2.bias"][1], placements[0]["2.bias"]
+    assert sorted(p.name for p in (output_root / "fsdp-tp").iterdir() if p.is_dir()) == \
+        [f"rank{r}" for r in range(DP * TP)]
