@@ -21,6 +21,7 @@ from tests._support.dist_checks import (MB, batch, check_family, check_param_fam
 from tests._support.distributed import run_distributed
 from tests._support.runs import read_family
 from trainmon import TrainerMon
+from trainmon.integrations.fsdp2 import PRE_REDUCE_ENV
 
 pytestmark = pytest.mark.slow   # a real 4-process gloo job
 
@@ -31,9 +32,10 @@ def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _job(rank, world, tmp):
-    os.environ["TRAINMON_RUN_ID"] = "fsdp-tp"
-    cfg = write_config(tmp / "fsdp-tp.json", wg_distribution=True, mv_distribution=True, param_distribution=True,
+def _job(rank, world, tmp, run_id, pre_reduce):
+    os.environ["TRAINMON_RUN_ID"] = run_id
+    os.environ[PRE_REDUCE_ENV] = "1" if pre_reduce else "0"
+    cfg = write_config(tmp / f"{run_id}.json", wg_distribution=True, mv_distribution=True, param_distribution=True,
                        ops=["norm", "mean", "min", "max"])
     mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
     dp_rank = mesh.get_local_rank("dp")
@@ -48,10 +50,10 @@ def _job(rank, world, tmp):
     opt = torch.optim.Adam(model.parameters(), lr=0.05)
     mon = TrainerMon(cfg)
     mon.set_monitor(model, optimizer=opt)
-    out, expected, clip = rank_dir("fsdp-tp", rank), [], []
+    out, expected, clip = rank_dir(run_id, rank), [], []
     for step in range(STEPS):
         origin = {n: p.detach().clone() for n, p in ref.named_parameters()}
-        _, full = expected_step(ref, step, DP, 1, dp_rank, no_sync=True)
+        local, full = expected_step(ref, step, DP, 1, dp_rank, no_sync=True)
         x, y = batch(step, DP * MB)
         xb, yb = x[dp_rank * MB:(dp_rank + 1) * MB], y[dp_rank * MB:(dp_rank + 1) * MB]
         torch.nn.functional.mse_loss(model(xb), yb).backward()
@@ -64,9 +66,11 @@ def _job(rank, world, tmp):
         opt.step()
         opt.zero_grad()
         updated, moments = reference_state(ref, ref_opt)
-        expected.append((full, origin, updated, moments))
+        expected.append((local, full, origin, updated, moments))
     mon.close()
-    for step, (full, origin, updated, moments) in enumerate(expected):
+    for step, (local, full, origin, updated, moments) in enumerate(expected):
+        if pre_reduce:   # this DP rank's own grad (its half of the batch), whole over TP
+            check_family(out, "grad_unreduced", step, local)
         check_family(out, "grad_reduced", step, full)
         check_param_families(out, step, origin, updated, moments)
         reduced = read_family(out, "grad_reduced")
@@ -74,14 +78,21 @@ def _job(rank, world, tmp):
         assert math.isclose(total, clip[step], rel_tol=1e-5), (total, clip[step])
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(_full(p.detach()), q.detach(), rtol=1e-5, atol=1e-7, msg=n)
+    if not pre_reduce:
+        assert read_family(out, "grad_unreduced").empty
     return placements
 
 
+def _body(rank, world, tmp):
+    return [_job(rank, world, tmp, "fsdp-tp", False), _job(rank, world, tmp, "fsdp-tp-pre", True)]
+
+
 def test_fsdp2_over_tp_reports_full_tensor_stats_of_every_param_grad_and_moment(output_root, tmp_path):
-    placements = run_distributed(_job, world_size=DP * TP, timeout=300, args=(tmp_path,))
+    placements = [p[0] for p in run_distributed(_body, world_size=DP * TP, timeout=300, args=(tmp_path,))]
     # the layout is really 2-D: weights sharded over both dims, the row-parallel bias over dp only
     w0 = placements[0]["0.weight"]
     assert len(w0) == 2 and all("Shard" in p for p in w0), w0
     assert "Replicate" in placements[0]["2.bias"][1], placements[0]["2.bias"]
-    assert sorted(p.name for p in (output_root / "fsdp-tp").iterdir() if p.is_dir()) == \
-        [f"rank{r}" for r in range(DP * TP)]
+    for run in ("fsdp-tp", "fsdp-tp-pre"):
+        assert sorted(p.name for p in (output_root / run).iterdir() if p.is_dir()) == \
+            [f"rank{r}" for r in range(DP * TP)]

@@ -177,7 +177,8 @@ class FSDP2Integration(Integration):
 
     def local_grad(self, tp: TrackedParam) -> View | None:
         g = self._unreduced.get(id(tp.param))
-        return None if g is None else View(g)
+        # Under TP the unsharded (DP-gathered) grad is still a DTensor split over TP: merged over it.
+        return None if g is None else sharded_view(g)
 
     # -- at and after the optimizer step -----------------------------------------------------
     def reduced_grad(self, tp: TrackedParam) -> View | None:
