@@ -6,6 +6,7 @@ reference trained on the global batch."""
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import os
 
@@ -36,13 +37,14 @@ def _job(rank, world, tmp, run_id, pre_reduce):
     os.environ["TRAINMON_RUN_ID"] = run_id
     os.environ[PRE_REDUCE_ENV] = "1" if pre_reduce else "0"
     cfg = write_config(tmp / f"{run_id}.json", wg_distribution=True, mv_distribution=True, param_distribution=True,
-                       ops=["norm", "mean", "min", "max"])
+                       ops=["norm", "mean", "min", "max"], xy_distribution=not pre_reduce, all_xy=True)
     mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
     dp_rank = mesh.get_local_rank("dp")
     model = tiny_model()
     ref = copy.deepcopy(model)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=0.05)
-    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    # layer 0's output stays a DTensor (sharded over tp) into Tanh and the row-parallel layer 2
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(use_local_output=False), "2": RowwiseParallel()})
     for layer in (model[0], model[2]):
         fully_shard(layer, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
@@ -56,6 +58,7 @@ def _job(rank, world, tmp, run_id, pre_reduce):
         local, full = expected_step(ref, step, DP, 1, dp_rank, no_sync=True)
         x, y = batch(step, DP * MB)
         xb, yb = x[dp_rank * MB:(dp_rank + 1) * MB], y[dp_rank * MB:(dp_rank + 1) * MB]
+        acts = _activations(ref, xb, yb)
         torch.nn.functional.mse_loss(model(xb), yb).backward()
         for n, p in model.named_parameters():
             torch.testing.assert_close(_full(p.grad), full[n], rtol=1e-5, atol=1e-7)
@@ -66,9 +69,12 @@ def _job(rank, world, tmp, run_id, pre_reduce):
         opt.step()
         opt.zero_grad()
         updated, moments = reference_state(ref, ref_opt)
-        expected.append((local, full, origin, updated, moments))
+        expected.append((local, full, origin, updated, moments, acts))
     mon.close()
-    for step, (local, full, origin, updated, moments) in enumerate(expected):
+    for step, (local, full, origin, updated, moments, (actv, actv_grad)) in enumerate(expected):
+        if not pre_reduce:   # activations: whole over TP whether DTensors (merged) or replicated plain tensors
+            check_family(out, "actv", step, actv)
+            check_family(out, "actv_grad", step, actv_grad)
         if pre_reduce:   # this DP rank's own grad (its half of the batch), whole over TP
             check_family(out, "grad_unreduced", step, local)
         check_family(out, "grad_reduced", step, full)
@@ -81,6 +87,28 @@ def _job(rank, world, tmp, run_id, pre_reduce):
     if not pre_reduce:
         assert read_family(out, "grad_unreduced").empty
     return placements
+
+
+def _activations(ref, xb, yb):
+    """Inputs/outputs of every submodule of the reference on this DP rank's batch, and their grads."""
+    model = copy.deepcopy(ref)
+    actv, grads, handles = {}, {}, []
+
+    def keep(label, kind, t):
+        actv[f"{label}.{kind}"] = t.detach().clone()
+        if t.requires_grad:
+            t.register_hook(lambda g: grads.__setitem__(f"{label}.{kind}", g.detach().clone()))
+
+    def hook(label, _m, args, out):
+        keep(label, "input", args[0])
+        keep(label, "output", out)
+
+    for label, m in model.named_children():
+        handles.append(m.register_forward_hook(functools.partial(hook, label)))
+    torch.nn.functional.mse_loss(model(xb), yb).backward()
+    for h in handles:
+        h.remove()
+    return actv, grads
 
 
 def _body(rank, world, tmp):

@@ -35,7 +35,7 @@ from trainmon.core.hooks import Handle
 from trainmon.integrations.base import Integration, View, register_integration
 from trainmon.core.naming import TrackedParam
 
-__all__ = ["FSDP2Integration", "PRE_REDUCE_ENV"]
+__all__ = ["FSDP2Integration", "PRE_REDUCE_ENV", "dtensor_view", "sharded_view"]
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +97,18 @@ def sharded_view(t: torch.Tensor) -> View:
     local = t.to_local().detach()
     group = _shard_group(t)
     return View(local, group, tuple(t.shape)) if group is not None else View(local)
+
+
+def dtensor_view(t: torch.Tensor) -> View:
+    """``sharded_view`` of an activation DTensor; a ``Partial`` placement (not yet reduced) is
+    reduced first, a collective of its mesh group (whose ranks all run the same hook)."""
+    from torch.distributed.tensor import Partial, Replicate
+
+    t = t.detach()
+    if any(isinstance(p, Partial) for p in t.placements):
+        with torch.no_grad():
+            t = t.redistribute(t.device_mesh, [Replicate() if isinstance(p, Partial) else p for p in t.placements])
+    return sharded_view(t)
 
 
 @register_integration
