@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from trainmon.core.dtensor import dtensor_parts
 from trainmon.families import Family
 from trainmon.stats.engine import Tracked
 from trainmon.collectors.base import Collector, register_collector
@@ -267,15 +268,12 @@ class ActivationCollector(Collector):
         full tensor's stats, from this rank's shard merged over the TP group like a sharded param
         (a ``Partial`` one, not yet reduced, is reduced first: a collective of the TP group, which
         runs this same hook).  Plain tensors of the same call are recorded as they are."""
-        from trainmon.integrations.fsdp2 import dtensor_view
-
         for name, t in zip(names, tensors):
             if not _is_dtensor(t):
                 self._capture(family, vpp, [name], [t], micro)
                 continue
-            view = dtensor_view(t)
-            item = Tracked(name, view.tensor, vpp, view.shape)
-            self.ctx.engine.capture(family, [item], micro_step=micro, group=view.group)
+            local, group, shape = dtensor_parts(t, reduce_partial=True)
+            self.ctx.engine.capture(family, [Tracked(name, local, vpp, shape)], micro_step=micro, group=group)
 
     def on_step_end(self) -> None:
         self._cache.clear()

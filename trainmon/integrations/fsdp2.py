@@ -31,6 +31,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 
+from trainmon.core.dtensor import dtensor_parts
 from trainmon.core.hooks import Handle
 from trainmon.integrations.base import Integration, View, register_integration
 from trainmon.core.naming import TrackedParam
@@ -50,65 +51,16 @@ def _fsdp_module_class() -> type | None:
     return FSDPModule
 
 
-def _shard_group(dt: Any) -> Any:
-    """The process group over which ``dt`` is split, or None when it is not split."""
-    from torch.distributed.tensor import Shard
-
-    dims = tuple(i for i, p in enumerate(dt.placements) if _splits(p, Shard))
-    if not dims:
-        return None
-    if len(dims) == 1:
-        return dt.device_mesh.get_group(dims[0])
-    return _flat_group(dt.device_mesh, dims)
-
-
-def _splits(placement: Any, shard: type) -> bool:
-    """Whether a placement splits the tensor over its mesh dimension: ``Shard``, and FSDP2's
-    ``_StridedShard`` (dim 0 over DP when TP already split dim 0; not a ``Shard`` subclass in
-    every torch).  Either way the local pieces of all ranks partition the full tensor."""
-    return isinstance(placement, shard) or type(placement).__name__ == "_StridedShard"
-
-
-_FLAT_GROUPS: dict[tuple[int, tuple[int, ...]], Any] = {}
-
-
-def _flat_group(mesh: Any, dims: tuple[int, ...]) -> Any:
-    """The process group spanning mesh dimensions ``dims`` (the shards of one tensor split over all
-    of them).  Building it is a collective of every rank of the mesh: the first capture of such a
-    tensor happens on every rank at the same point (FSDP2 needs every rank's shard anyway)."""
-    key = (id(mesh), dims)
-    group = _FLAT_GROUPS.get(key)
-    if group is None:
-        names = mesh.mesh_dim_names
-        if len(dims) < mesh.ndim and names is None:
-            raise NotImplementedError(f"a DTensor sharded over mesh dimensions {dims} of a {mesh.ndim}-D mesh "
-                                      "without dimension names; name them (init_device_mesh(mesh_dim_names=...))")
-        sub = mesh if len(dims) == mesh.ndim else mesh[tuple(names[d] for d in dims)]
-        group = _FLAT_GROUPS[key] = sub._flatten().get_group()
-    return group
-
-
 def sharded_view(t: torch.Tensor) -> View:
     """A View of a (maybe) DTensor: its local shard, merged over its shard group."""
-    from torch.distributed.tensor import DTensor
-
-    if not isinstance(t, DTensor):
-        return View(t.detach())
-    local = t.to_local().detach()
-    group = _shard_group(t)
-    return View(local, group, tuple(t.shape)) if group is not None else View(local)
+    local, group, shape = dtensor_parts(t)
+    return View(local, group, shape) if group is not None else View(local)
 
 
 def dtensor_view(t: torch.Tensor) -> View:
-    """``sharded_view`` of an activation DTensor; a ``Partial`` placement (not yet reduced) is
-    reduced first, a collective of its mesh group (whose ranks all run the same hook)."""
-    from torch.distributed.tensor import Partial, Replicate
-
-    t = t.detach()
-    if any(isinstance(p, Partial) for p in t.placements):
-        with torch.no_grad():
-            t = t.redistribute(t.device_mesh, [Replicate() if isinstance(p, Partial) else p for p in t.placements])
-    return sharded_view(t)
+    """``sharded_view`` of an activation DTensor (``core.dtensor.dtensor_parts(reduce_partial=True)``)."""
+    local, group, shape = dtensor_parts(t, reduce_partial=True)
+    return View(local, group, shape) if group is not None else View(local)
 
 
 @register_integration
