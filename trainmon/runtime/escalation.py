@@ -197,8 +197,15 @@ class EscalatingSession:
     def _start(self, trigger: Trigger, first: int) -> None:
         self.times += 1
         last = first + self.spec.steps - 1
+        window = self._build_window(first)
+        if not self.agreement.all_true(window is not None):   # every rank escalates, or none does
+            if window is not None:
+                window.close()
+            log.error("trainmon: escalation %d/%d for the alert at step %d is NOT applied: building it failed "
+                      "on some rank (see that rank's log)", self.times, self.spec.max_times, trigger.step)
+            return
         kept = self.ring.dump() if self.ring is not None else []
-        self.window = self.builder.build_session(window_config(self.cfg, first), first)
+        self.window = window
         self.window_end = last + 1
         self._held = [_Hold(s) for s in (self.base, self.recorder) if s is not None]
         entry = {"trigger": trigger.to_json(), "first_step": first, "last_step": last, "times": self.times,
@@ -213,6 +220,13 @@ class EscalatingSession:
                         last, f"; flight recorder wrote steps {kept[0]}..{kept[-1]}" if kept else "")
             if self.builder.run_dir is not None and _dist.rank(self.builder.process_group) == 0:
                 append_to_meta(self.builder.run_dir, RUN_ESCALATIONS, entry)
+
+    def _build_window(self, first: int) -> Session | None:
+        try:
+            return self.builder.build_session(window_config(self.cfg, first), first)
+        except Exception:  # noqa: BLE001 - the monitor must never take the run down
+            log.exception("trainmon: escalation: building the escalation window failed on this rank")
+            return None
 
     def _end_window(self, next_step: int) -> None:
         window, self.window, self.window_end = self.window, None, None
