@@ -8,6 +8,7 @@ when the params did not change, and the grads' Inf/NaN counts are counted in the
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -124,3 +125,43 @@ def test_anomalies_report_skipped_steps_as_such_and_a_run_of_them_as_a_finding(t
         assert [(a["step"], a["rule"], a["value"]) for a in doc["anomalies"]] == expect
     text = run_cli("anomalies", str(run)).stdout
     assert "skipped_run" in text and "first: step 0" in text
+
+
+def test_a_step_megatrons_loss_scaler_skips_has_its_grads_and_no_param_rows(tmp_path, monkeypatch):
+    """The Megatron stand-in (tests/_support/fake_megatron.py: the real classes' names and step()
+    contract, (False, None, None) on an fp16 overflow) with a constant loss scale of 8."""
+    from tests._support import fake_megatron as fm
+    from trainmon import TrainerMon
+
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    (tmp_path / "c.json").write_text(json.dumps(CONFIG))
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    opt = fm.Float16OptimizerWithFloat16Params(torch.optim.Adam(model.parameters(), lr=0.1),
+                                               fm.optimizer_config(fp16=True), fm.ConstantGradScaler(8.0))
+    mon = TrainerMon(tmp_path / "c.json", params_have_main_grad=True)
+    mon.set_monitor(model, optimizer=opt)
+    gen = torch.Generator().manual_seed(2)
+    results, grads = [], []
+    for step in range(4):
+        x = torch.randn(5, 3, generator=gen)
+        model.zero_grad()
+        (model(x).pow(2).mean() * 8.0).backward()          # Megatron scales the loss by the scale
+        for p in model.parameters():
+            p.main_grad = p.grad.detach().clone()
+        if step == 2:
+            model.weight.main_grad[0, 0] = float("inf")
+        grads.append({n: p.main_grad / 8.0 for n, p in model.named_parameters()})
+        results.append(opt.step()[0])
+    mon.close()
+    assert results == [True, True, False, True]
+    rank = only_run_dir(tmp_path / "out") / "rank0"
+    steps = read_family(rank, "steps").sort_values("step")
+    assert list(steps["skipped"]) == [0, 0, 1, 0] and list(steps["loss_scale"]) == [8.0] * 4
+    for family in ("param_origin", "param_updated", "exp_avg", "exp_avg_sq"):
+        assert sorted(read_family(rank, family)["step"].unique()) == [0, 1, 3], family
+    reduced = read_family(rank, "grad_reduced")
+    assert sorted(reduced["step"].unique()) == [0, 1, 2, 3]
+    at2 = reduced[reduced["step"] == 2].set_index("name")
+    assert at2.loc["weight", "infs"] == 1 and at2.loc["bias", "infs"] == 0
+    assert math.isclose(at2.loc["bias", "norm"], grads[2]["bias"].double().norm().item(), rel_tol=1e-6)

@@ -10,25 +10,34 @@ under its own step number, no param/moment rows, and one row of the ``steps`` fa
 
 ``GradScaler.step`` is patched on the class once, while some monitored optimizer exists, and
 only looks at optimizers registered here; the patch costs a dict lookup per ``scaler.step``.
+Megatron's mixed-precision optimizers (a leaf with a ``grad_scaler``) do the found-inf test inside
+their own ``step()`` and return ``(False, None, None)`` when they skip: their ``step`` is wrapped
+(inside the monitor's own wrapper) to note that, so the boundary's ``after`` half knows the step
+was skipped (:func:`skipped`); the ``before`` half has run by then, so the session drops the
+optimizer-phase rows of such a step when it writes it.
+
 Not covered: optimizers that do the inf check themselves (``_step_supports_amp_scaling``, the
 fused/capturable ones): ``GradScaler`` always calls their ``step()``, so their skipped steps are
-recorded as normal ones.
+recorded as normal ones; DeepSpeed's fp16 loss scaler.
 """
 from __future__ import annotations
 
 import threading
+import types
 from typing import Any, Callable
 
 import torch
 
 from trainmon.core.hooks import Handle, wrap_optimizer_step
 
-__all__ = ["wrap_step_with_scaler", "skipping", "current_scale"]
+__all__ = ["wrap_step_with_scaler", "skipping", "skipped", "current_scale"]
 
 _lock = threading.Lock()
 _watchers: dict[int, list[tuple[Callable[[], None], Callable[[], None]]]] = {}
 _state = threading.local()          # .scalers: {id(optimizer): scaler} during scaler.step; .skipping
 _original: Callable | None = None
+_own_skipped: set[int] = set()                       # optimizers whose own scaler skipped the last step
+_own_scales: dict[int, Callable[[], torch.Tensor]] = {}   # id(optimizer) -> its get_loss_scale
 
 
 def skipping() -> bool:
@@ -36,17 +45,29 @@ def skipping() -> bool:
     return getattr(_state, "skipping", False)
 
 
+def skipped(optimizer: Any) -> bool:
+    """After ``optimizer``'s step: True when a loss scaler (GradScaler or its own) skipped it."""
+    return skipping() or id(optimizer) in _own_skipped
+
+
 def current_scale(optimizer: Any) -> torch.Tensor | None:
-    """The loss scale (a 1-element tensor, not synced) of the GradScaler stepping ``optimizer`` now."""
+    """The loss scale (a 1-element tensor, not synced) of the loss scaler stepping ``optimizer``."""
     scaler = getattr(_state, "scalers", {}).get(id(optimizer))
-    return None if scaler is None else getattr(scaler, "_scale", None)
+    if scaler is not None:
+        return getattr(scaler, "_scale", None)
+    own = _own_scales.get(id(optimizer))
+    return None if own is None else own()
 
 
 def wrap_step_with_scaler(optimizer: Any, before: Callable[[], None], after: Callable[[], None]) -> Handle:
-    """``core.hooks.wrap_optimizer_step``, plus the boundary of steps a GradScaler skips."""
-    step = wrap_optimizer_step(optimizer, before, after)
+    """``core.hooks.wrap_optimizer_step``, plus the boundary of steps a loss scaler skips."""
     if not isinstance(optimizer, torch.optim.Optimizer):
-        return step
+        own = _watch_own_scaler(optimizer) if _has_own_scaler(optimizer) else None
+        wrapped = wrap_optimizer_step(optimizer, before, after)
+        if own is None:
+            return wrapped
+        return Handle(lambda: (wrapped.remove(), own.remove()))
+    step = wrap_optimizer_step(optimizer, before, after)
     key, entry = id(optimizer), (before, after)
     with _lock:
         _watchers.setdefault(key, []).append(entry)
@@ -62,6 +83,50 @@ def wrap_step_with_scaler(optimizer: Any, before: Callable[[], None], after: Cal
                 _watchers.pop(key, None)
             if not _watchers:
                 _uninstall()
+
+    return Handle(undo)
+
+
+def _leaves(optimizer: Any):
+    inner = getattr(optimizer, "chained_optimizers", None)
+    if inner is None:
+        yield optimizer
+        return
+    for o in inner:
+        yield from _leaves(o)
+
+
+def _has_own_scaler(optimizer: Any) -> bool:
+    """A Megatron-style optimizer with a loss scaler: ``get_loss_scale()`` and a leaf ``grad_scaler``."""
+    return callable(getattr(optimizer, "get_loss_scale", None)) and any(
+        getattr(o, "grad_scaler", None) is not None for o in _leaves(optimizer))
+
+
+def _watch_own_scaler(optimizer: Any) -> Handle:
+    """Wrap ``optimizer.step`` (on the instance) to note a skip: Megatron returns ``(False, None,
+    None)`` when its found-inf test fails."""
+    key = id(optimizer)
+    had_own = "step" in vars(optimizer)
+    original = vars(optimizer).get("step")
+    inner = optimizer.step
+
+    def step(self, *args, **kwargs):
+        _own_skipped.discard(key)
+        result = inner(*args, **kwargs)
+        if isinstance(result, tuple) and result and result[0] is False:
+            _own_skipped.add(key)
+        return result
+
+    optimizer.step = types.MethodType(step, optimizer)
+    _own_scales[key] = optimizer.get_loss_scale
+
+    def undo() -> None:
+        if had_own:
+            optimizer.step = original
+        else:
+            vars(optimizer).pop("step", None)
+        _own_skipped.discard(key)
+        _own_scales.pop(key, None)
 
     return Handle(undo)
 

@@ -7,6 +7,7 @@ thread does the I/O) -> clock advances.  When ``collect_times`` is reached every
 """
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -15,10 +16,11 @@ import torch
 from trainmon.collectors import Collector, CollectorContext, collector_classes
 from trainmon.collectors.base import Guard
 from trainmon.core.hooks import Handle
-from trainmon.families import Family
+from trainmon.families import FAMILIES, Family, Phase
 from trainmon.integrations import amp
 from trainmon.sinks.base import Sink
 from trainmon.stats.engine import Meta
+from trainmon.stats.rows import RowBlock, StepRows
 
 __all__ = ["Session"]
 
@@ -44,42 +46,46 @@ class Session:
     def clock(self):
         return self.ctx.clock
 
-    def _step_collectors(self) -> list[Collector]:
-        if amp.skipping():   # the loss scaler skipped the optimizer step: nothing it changes is recorded
+    def _step_collectors(self, skipped: bool) -> list[Collector]:
+        if skipped:   # the loss scaler skipped the optimizer step: nothing it changes is recorded
             return [c for c in self.collectors if c.runs_on_skipped_steps]
         return list(self.collectors)
 
     def before_step(self) -> None:
         if self.clock.collecting:
-            for c in self._step_collectors():
+            for c in self._step_collectors(amp.skipping()):
                 self.ctx.guard.run(c, c.on_step_begin)
 
     def after_step(self) -> None:
         if self.clock.collecting:
-            for c in self._step_collectors():
+            skipped = amp.skipped(self.ctx.optimizer)
+            for c in self._step_collectors(skipped):
                 self.ctx.guard.run(c, c.on_step_end)
-            self._capture_step_row()
-            self._emit(self.clock.step)
+            self._capture_step_row(skipped)
+            self._emit(self.clock.step, skipped)
         self.clock.advance()
         if self.clock.finished and self.collectors:
             self.go_idle()
 
-    def _capture_step_row(self) -> None:
+    def _capture_step_row(self, skipped: bool) -> None:
         """The ``steps`` row of a loss-scaled step (no host sync: copied with the step's stats)."""
-        scale = amp.current_scale(self.ctx.optimizer)
+        scale = amp.current_scale(self.ctx.optimizer) if self.ctx.optimizer is not None else None
         if scale is None or not self.collectors:
             return
-        skipped = torch.ones_like(scale.reshape(-1)[:1]) if amp.skipping() else torch.zeros_like(scale.reshape(-1)[:1])
+        scale = scale.detach().reshape(-1)[:1].double()
+        flag = torch.ones_like(scale) if skipped else torch.zeros_like(scale)
         self.ctx.engine.capture_values(Family.STEPS, [Meta(Family.STEPS, "optimizer", 0, (), "")],
-                                       [torch.cat([skipped, scale.reshape(-1)[:1]])], ("skipped", "loss_scale"))
+                                       [torch.cat([flag, scale])], ("skipped", "loss_scale"))
 
-    def _emit(self, step: int) -> None:
+    def _emit(self, step: int, skipped: bool = False) -> None:
         try:
             rows = self.ctx.engine.finish_step(step)
         except Exception:  # noqa: BLE001
             log.exception("trainmon: computing the stats of step %d failed; that step is not recorded", step)
             self.ctx.engine.discard()
             return
+        if skipped:  # captured before the step was known to be skipped (Megatron): not written
+            rows = StepRows(functools.partial(_without_optimizer_rows, rows))
         self.sink.write(rows, step)
 
     def _drop_collector(self, collector: Collector) -> None:
@@ -106,3 +112,11 @@ class Session:
         if self.ctx.engine.has_pending():
             self._emit(self.clock.step)
         self.sink.close()
+
+
+_OPTIMIZER_FAMILIES = frozenset(str(f) for f, info in FAMILIES.items() if info.phase == Phase.OPTIMIZER) - {str(Family.STEPS)}
+
+
+def _without_optimizer_rows(rows: StepRows) -> list[RowBlock]:
+    """The blocks of a skipped step, less what the optimizer step would have changed."""
+    return [b for b in rows.blocks() if b.family not in _OPTIMIZER_FAMILIES]
