@@ -165,3 +165,50 @@ def test_a_step_megatrons_loss_scaler_skips_has_its_grads_and_no_param_rows(tmp_
     at2 = reduced[reduced["step"] == 2].set_index("name")
     assert at2.loc["weight", "infs"] == 1 and at2.loc["bias", "infs"] == 0
     assert math.isclose(at2.loc["bias", "norm"], grads[2]["bias"].double().norm().item(), rel_tol=1e-6)
+
+
+def _deepspeed_job(rank, world, root):
+    import os
+
+    import deepspeed
+
+    from trainmon import TrainerMon
+
+    torch.manual_seed(0)
+    model = nn.Linear(5, 3)
+    ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 9,
+          "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True,
+          "bf16": {"enabled": True, "check_grad_overflow": True}}
+    engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=0.1),
+                                             config=ds)
+    os.environ["MONITOR_OUTPUT_DIR"] = str(root / "out")
+    (root / "c.json").write_text(json.dumps(CONFIG))
+    mon = TrainerMon(root / "c.json").set_monitor(engine, optimizer=opt)
+    gen = torch.Generator().manual_seed(3)
+    skipped = []
+    for step in range(4):
+        loss = engine(torch.randn(2, 5, generator=gen).to(torch.bfloat16)).float().pow(2).mean()
+        engine.backward(loss * float("inf") if step == 2 else loss)
+        before = [p.detach().clone() for p in model.parameters()]
+        engine.step()
+        skipped.append(all(torch.equal(a, b) for a, b in zip(before, model.parameters())))
+    mon.close()
+    return skipped
+
+
+@pytest.mark.slow
+def test_a_step_deepspeeds_overflow_check_skips_is_recorded_as_skipped(tmp_path):
+    """Real DeepSpeed ZeRO-1 (bf16 with check_grad_overflow, which runs on the CPU): an Inf loss at
+    step 2 makes DeepSpeed skip that step ("OVERFLOW! Skipping step")."""
+    from tests._support.distributed import run_distributed
+
+    [skipped] = run_distributed(_deepspeed_job, 1, timeout=240, args=(tmp_path,))
+    assert skipped == [False, False, True, False]
+    rank = only_run_dir(tmp_path / "out") / "rank0"
+    steps = read_family(rank, "steps").sort_values("step")
+    assert list(steps["skipped"]) == [0, 0, 1, 0] and list(steps["loss_scale"]) == [1.0] * 4
+    for family in ("param_origin", "param_updated", "exp_avg", "exp_avg_sq"):
+        assert sorted(read_family(rank, family)["step"].unique()) == [0, 1, 3], family
+    reduced = read_family(rank, "grad_reduced")
+    assert sorted(reduced["step"].unique()) == [0, 1, 2, 3]
+    assert (reduced[reduced["step"] == 2]["nans"] + reduced[reduced["step"] == 2]["infs"] > 0).all()

@@ -18,7 +18,8 @@ optimizer-phase rows of such a step when it writes it.
 
 Not covered: optimizers that do the inf check themselves (``_step_supports_amp_scaling``, the
 fused/capturable ones): ``GradScaler`` always calls their ``step()``, so their skipped steps are
-recorded as normal ones; DeepSpeed's fp16 loss scaler.
+recorded as normal ones.  DeepSpeed's ZeRO optimizers (stages 1-3) skip the same way and say so
+in their ``overflow`` attribute: their ``step`` is wrapped likewise.
 """
 from __future__ import annotations
 
@@ -97,14 +98,33 @@ def _leaves(optimizer: Any):
 
 
 def _has_own_scaler(optimizer: Any) -> bool:
-    """A Megatron-style optimizer with a loss scaler: ``get_loss_scale()`` and a leaf ``grad_scaler``."""
-    return callable(getattr(optimizer, "get_loss_scale", None)) and any(
+    """A Megatron-style optimizer with a loss scaler (``get_loss_scale()`` and a leaf ``grad_scaler``),
+    or a DeepSpeed ZeRO one (``overflow``, set by its ``step()``, and ``loss_scale``)."""
+    megatron = callable(getattr(optimizer, "get_loss_scale", None)) and any(
         getattr(o, "grad_scaler", None) is not None for o in _leaves(optimizer))
+    return megatron or _is_deepspeed(optimizer)
+
+
+def _is_deepspeed(optimizer: Any) -> bool:
+    return hasattr(optimizer, "overflow") and hasattr(optimizer, "loss_scale") and \
+        type(optimizer).__module__.startswith("deepspeed.")
+
+
+def _skip_of(optimizer: Any, result: Any) -> bool:
+    """Megatron returns ``(False, None, None)`` on a skip; DeepSpeed sets ``overflow``."""
+    if isinstance(result, tuple) and result and result[0] is False:
+        return True
+    return _is_deepspeed(optimizer) and getattr(optimizer, "overflow", False) is True
+
+
+def _loss_scale_of(optimizer: Any) -> Callable[[], torch.Tensor]:
+    if callable(getattr(optimizer, "get_loss_scale", None)):
+        return optimizer.get_loss_scale
+    return lambda: torch.tensor([float(optimizer.loss_scale)])
 
 
 def _watch_own_scaler(optimizer: Any) -> Handle:
-    """Wrap ``optimizer.step`` (on the instance) to note a skip: Megatron returns ``(False, None,
-    None)`` when its found-inf test fails."""
+    """Wrap ``optimizer.step`` (on the instance) to note a skip (``_skip_of``)."""
     key = id(optimizer)
     had_own = "step" in vars(optimizer)
     original = vars(optimizer).get("step")
@@ -113,12 +133,12 @@ def _watch_own_scaler(optimizer: Any) -> Handle:
     def step(self, *args, **kwargs):
         _own_skipped.discard(key)
         result = inner(*args, **kwargs)
-        if isinstance(result, tuple) and result and result[0] is False:
+        if _skip_of(optimizer, result):
             _own_skipped.add(key)
         return result
 
     optimizer.step = types.MethodType(step, optimizer)
-    _own_scales[key] = optimizer.get_loss_scale
+    _own_scales[key] = _loss_scale_of(optimizer)
 
     def undo() -> None:
         if had_own:

@@ -35,6 +35,7 @@ class Session:
         self.collectors: list[Collector] = [cls(ctx) for cls in collector_classes()
                                             if collect and cls.enabled(ctx.config)]
         self._step_handle: Handle | None = None
+        self._scale: Any = None   # loss scale at step entry (integrations.amp)
         for c in list(self.collectors):
             ctx.guard.run(c, c.attach)
         if optimizer is not None:
@@ -53,6 +54,9 @@ class Session:
 
     def before_step(self) -> None:
         if self.clock.collecting:
+            # the scale this iteration ran with, before the scaler updates it (a device tensor)
+            scale = amp.current_scale(self.ctx.optimizer) if self.ctx.optimizer is not None else None
+            self._scale = None if scale is None else scale.detach().reshape(-1)[:1].clone()
             for c in self._step_collectors(amp.skipping()):
                 self.ctx.guard.run(c, c.on_step_begin)
 
@@ -69,10 +73,10 @@ class Session:
 
     def _capture_step_row(self, skipped: bool) -> None:
         """The ``steps`` row of a loss-scaled step (no host sync: copied with the step's stats)."""
-        scale = amp.current_scale(self.ctx.optimizer) if self.ctx.optimizer is not None else None
+        scale, self._scale = self._scale, None
         if scale is None or not self.collectors:
             return
-        scale = scale.detach().reshape(-1)[:1].double()
+        scale = scale.double()
         flag = torch.ones_like(scale) if skipped else torch.zeros_like(scale)
         self.ctx.engine.capture_values(Family.STEPS, [Meta(Family.STEPS, "optimizer", 0, (), "")],
                                        [torch.cat([flag, scale])], ("skipped", "loss_scale"))
