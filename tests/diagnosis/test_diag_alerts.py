@@ -25,7 +25,6 @@ from trainmon.stats.rows import StatRow, StepRows
 from trainmon.sinks.alerts import ALERTS_FILE, AlertSettings, AlertSink
 from trainmon.sinks.async_writer import AsyncSink
 from trainmon.sinks.base import SinkOptions
-from trainmon.stats.rows import StepRows
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -101,6 +101,7 @@ def test_the_grad_scaler_patch_is_removed_with_the_last_monitor(tmp_path, monkey
     assert torch.amp.GradScaler.step is original
 
 
+@pytest.mark.slow   # runs the command in fresh processes
 def test_anomalies_report_skipped_steps_as_such_and_a_run_of_them_as_a_finding(tmp_path, monkeypatch):
     from trainmon import TrainerMon
 
