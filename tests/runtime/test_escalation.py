@@ -130,7 +130,10 @@ def _check_anomalies_command(run: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_a_nan_on_one_of_four_ranks_escalates_every_rank_on_the_same_steps(tmp_path):
-    unchanged = run_distributed(_three_runs, 4, timeout=360, args=(str(tmp_path), 2))
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_a_nan_on_one_of_four_ranks_escalates_every_rank_on_the_same_steps(tmp_path, dynamic):
+    # dynamic: the escalation agrees over the dynamic driver's own gloo group; static: over its own
+    env = {"DYNAMIC_MONITOR": "1", "TRAINMON_DYNAMIC_TIMEOUT": "60"} if dynamic else {}
+    unchanged = run_distributed(_three_runs, 4, timeout=360, args=(str(tmp_path), 2, dynamic), env=env)
     assert unchanged == [True] * 4, "training changed"
     _check_run(tmp_path, 4, nan_rank=2)
