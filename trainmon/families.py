@@ -57,6 +57,7 @@ class Family(_StrEnum):
     EXP_AVG_SQ = "exp_avg_sq"
     PARAM_UPDATED = "param_updated"
     UPDATE_RATIO = "update_ratio"
+    STEPS = "steps"
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,10 @@ FAMILIES: dict[Family, FamilyInfo] = {
     Family.PARAM_UPDATED: FamilyInfo(Phase.OPTIMIZER, "param_distribution", replicated=True),
     Family.UPDATE_RATIO: FamilyInfo(Phase.OPTIMIZER, "ur_distribution", replicated=True,
                                     own_stats=("update_ratio",), ratio=True),
+    # One row (name "optimizer") per recorded step of a loss-scaled run: skipped 1 when the loss
+    # scaler skipped the optimizer step (Inf/NaN grads), else 0; loss_scale: the scale it ran with.
+    # Written whenever a GradScaler steps the optimizer (no config flag: docs/escalation.md).
+    Family.STEPS: FamilyInfo(Phase.OPTIMIZER, None, replicated=True, own_stats=("skipped", "loss_scale")),
 }
 
 NOT_SCALAR: frozenset[str] = frozenset(str(f) for f, i in FAMILIES.items() if not i.scalar)

@@ -27,7 +27,8 @@ def _run(capsys, *argv):
 def test_json_lists_the_blown_grad_first(capsys):
     code, out, _ = _run(capsys, "anomalies", str(named_run("blow")), "--json")
     doc = json.loads(out)
-    assert code == 0 and set(doc) == {"run_dir", "ranks", "families", "count", "by_rule", "anomalies"}
+    assert code == 0 and set(doc) == {"run_dir", "ranks", "families", "count", "by_rule", "anomalies",
+                                      "escalations"}
     first = doc["anomalies"][0]
     assert set(first) == FIELDS
     assert (first["step"], first["phase"], first["kind"], first["name"], first["rank"], first["op"],

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from trainmon.config import (KNOWN_FORMATS, AlertConfig, AlertRule, CommConfig, GradProbeConfig, MonitorConfig,
-                             load_config, parse_config)
+from trainmon.config import (ESCALATION_KEYS, KNOWN_FORMATS, AlertConfig, AlertRule, AnomalyConfig, CommConfig,
+                             GradProbeConfig, MonitorConfig, load_config, parse_config)
 from trainmon.errors import ConfigError, Problem
 
 REPO = Path(__file__).resolve().parents[2]
@@ -22,7 +22,7 @@ TOP_KEYS = ("targets, start_step, step_interval, collect_times, format, ops, eps
             "wg_distribution, mv_distribution, param_distribution, ur_distribution, xy_distribution, "
             "forward_only, backward_only, all_xy, print_struct, squash_name, dynamic_on, global_layer_names, "
             "monitor_mbs_grad, stack_info, recording_l2_features, "
-            "loss_alignment, module_ranks, step_count_per_record, cc_distribution, alert, l2_targets, sa_order, grad_probe")
+            "loss_alignment, module_ranks, step_count_per_record, cc_distribution, alert, l2_targets, sa_order, grad_probe, on_anomaly")
 
 
 def problems_of(data: object) -> list[tuple[str, str]]:
@@ -113,6 +113,8 @@ FULL = {
                         {"rule_name": "AnomalyNan", "args": {"threshold": 1}},
                         {"rule_name": "AnomalyNan"}],
               "dump": True},
+    "on_anomaly": {"config": {"param_distribution": True, "ops": ["norm"]}, "steps": 5, "max_times": 2,
+                   "history_steps": 3},
 }
 
 
@@ -135,7 +137,9 @@ def test_full_config_round_trip(tmp_path):
         cc_distribution=CommConfig(enable=True, cc_codeline=(r"layers\.\d+", "^train$"), cc_pre_hook=True),
         alert=AlertConfig(rules=(AlertRule("AnomalyTurbulence", {"threshold": 0.5}),
                                  AlertRule("AnomalyNan", {"threshold": 1.0}),
-                                 AlertRule("AnomalyNan", {})), dump=True))
+                                 AlertRule("AnomalyNan", {})), dump=True),
+        on_anomaly=AnomalyConfig(config={"param_distribution": True, "ops": ("norm",)}, steps=5, max_times=2,
+                                 history_steps=3))
     # args are plain dicts, not the loader's own dict subclass
     assert all(type(rule.args) is dict for rule in cfg.alert.rules)
     # to_dict is plain JSON that loads back to an equal config, and it carries every key of FULL
@@ -373,6 +377,58 @@ def test_nested_problems_are_all_reported():
     ]
 
 
+NAN_RULE = {"rules": [{"rule_name": "AnomalyNan"}]}
+
+
+def test_on_anomaly_parses_its_partial_config_with_the_top_level_parsers():
+    cfg = parse_config({"wg_distribution": True, "targets": ["layers.0"], "alert": NAN_RULE, "on_anomaly": {
+        "config": {"xy_distribution": True, "ops": ["norm", "nans"], "cc_distribution": {"enable": True}},
+        "steps": 4, "max_times": 3, "history_steps": 8}}, "cfg.json")
+    assert cfg.on_anomaly == AnomalyConfig(config={"xy_distribution": True, "ops": ("norm", "nans"),
+                                                   "cc_distribution": CommConfig(enable=True)},
+                                           steps=4, max_times=3, history_steps=8)
+    merged = cfg.escalated()
+    assert (merged.wg_distribution, merged.xy_distribution, merged.ops, merged.targets, merged.on_anomaly) == (
+        True, True, ("norm", "nans"), ("layers.0",), None)
+    assert merged.cc_distribution.enable and merged.alert == cfg.alert
+    assert parse_config(cfg.to_dict(), "again.json") == cfg           # round trip through JSON
+    hash(cfg)
+    short = parse_config({"alert": NAN_RULE, "on_anomaly": {"config": {}, "steps": 1}}, "cfg.json")
+    assert short.on_anomaly == AnomalyConfig(config={}, steps=1, max_times=1, history_steps=0)
+    assert parse_config({"on_anomaly": None}, "cfg.json").on_anomaly is None
+
+
+def test_on_anomaly_problems_are_all_reported_with_their_key_paths():
+    allowed = ", ".join(ESCALATION_KEYS)
+    data = {"on_anomaly": {"config": {"xy_distribution": True, "start_step": 3, "wg_distrbution": True,
+                                      "ops": ["nrom"]},
+                           "max_time": 2, "history_steps": -1}}
+    assert problems_of(data) == [
+        ("on_anomaly.max_time", "unknown key (did you mean 'max_times'?)"),
+        ("on_anomaly.steps", "missing (how many steps to record it for, integer >= 1)"),
+        ("on_anomaly.history_steps", "-1 is out of range (integer >= 0)"),
+        ("on_anomaly.config.start_step", "cannot be changed by an escalation (its window sets the schedule; "
+                                         f"outputs, ranks and alert rules stay the base config's); allowed: {allowed}"),
+        ("on_anomaly.config.wg_distrbution", "unknown key (did you mean 'wg_distribution'?)"),
+        ("on_anomaly.config.ops[0]", f"unknown stat 'nrom' (did you mean 'norm'? allowed: {STATS})"),
+        ("on_anomaly", "needs alert.rules: an escalation starts when a run-time alert fires "
+                       "(e.g. \"alert\": {\"rules\": [{\"rule_name\": \"AnomalyNan\"}]})"),
+        ("on_anomaly.config.xy_distribution", "true needs targets (the modules to record) or all_xy: true "
+                                              "(every module) (in the base config merged with on_anomaly.config)"),
+    ]
+    assert problems_of({"alert": NAN_RULE, "on_anomaly": {"config": [], "steps": 0}}) == [
+        ("on_anomaly.steps", "0 is out of range (integer >= 1)"),
+        ("on_anomaly.config", f"[] is not an object (a partial config with keys among: {allowed})")]
+    # a combination only the merge makes is the partial config's problem; one of the base is not repeated
+    assert problems_of({"forward_only": True, "alert": NAN_RULE,
+                        "on_anomaly": {"config": {"backward_only": True}, "steps": 2}}) == [
+        ("on_anomaly.config.backward_only", "true together with forward_only: true records nothing (set at "
+                                            "most one of them) (in the base config merged with on_anomaly.config)")]
+    assert problems_of({"forward_only": True, "backward_only": True, "alert": NAN_RULE,
+                        "on_anomaly": {"config": {}, "steps": 2}}) == [
+        ("backward_only", "true together with forward_only: true records nothing (set at most one of them)")]
+
+
 def test_repeated_json_keys_are_problems(tmp_path):
     path = write(tmp_path, '{"ops": ["norm"], "targets": {"a": {}, "a": {}},'
                            ' "alert": {"dump": true, "dump": false}, "ops": ["max"]}')
@@ -469,6 +525,7 @@ def test_docs_table_lists_every_key():
     nested = {f"cc_distribution.{f.name}" for f in dataclasses.fields(CommConfig)}
     nested |= {f"alert.{f.name}" for f in dataclasses.fields(AlertConfig)}
     nested |= {f"grad_probe.{f.name}" for f in dataclasses.fields(GradProbeConfig)}
+    nested |= {f"on_anomaly.{f.name}" for f in dataclasses.fields(AnomalyConfig)}
     assert fields | nested <= documented
     assert documented - {"cc_distribution.cc_log_only"} <= fields | nested
     # every top-level key the docs list is one the loader accepts

@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import pytest
 
 from tests._support.simulate import FAULT_RANK, FAULT_STEP, named_run
 from trainmon.config import parse_config
-from trainmon.diagnosis.escalation import Escalation
+from trainmon.diagnosis.escalation import AlertLatch
 from trainmon.diagnosis.reader import load_run
 from trainmon.diagnosis.rules import COUNT_OPS, Anomaly, Rules, SpikeRule
 from trainmon.diagnosis.scan import read_alert_files, scan
@@ -26,7 +25,6 @@ from trainmon.stats.rows import StatRow, StepRows
 from trainmon.sinks.alerts import ALERTS_FILE, AlertSettings, AlertSink
 from trainmon.sinks.async_writer import AsyncSink
 from trainmon.sinks.base import SinkOptions
-from trainmon.stats.rows import StepRows
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -143,29 +141,26 @@ def test_settings_from_the_config_loader():
     assert s.rules == Rules(nonfinite=True, spike=SpikeRule(factor=1.5), threshold=100, ops=("norm",))
     nan_only = AlertSettings.from_alert_config(parse_config(
         {"alert": {"rules": [{"rule_name": "AnomalyNan"}]}}, "t.json").alert)
-    assert nan_only.rules.spike is None and nan_only.rules.nonfinite and nan_only.escalate_steps == 0
+    assert nan_only.rules.spike is None and nan_only.rules.nonfinite
     # proposed extra args, read by name so the loader can grow them
     extended = AlertSettings.from_alert_config({"rules": [{"rule_name": "AnomalyTurbulence", "args": {
-        "factor": 4, "floor": 1e-3, "warmup": 3, "window": 8, "ops": ["norm", "max"]}}],
-        "escalate": {"steps": 3, "config": {"xy_distribution": True}}})
+        "factor": 4, "floor": 1e-3, "warmup": 3, "window": 8, "ops": ["norm", "max"]}}]})
     assert extended.rules.spike == SpikeRule(4.0, 1e-3, 3, 8) and extended.rules.ops == ("norm", "max")
-    assert extended.escalate_steps == 3 and extended.escalate_config == {"xy_distribution": True}
 
 
-def test_escalation_latch_across_threads(tmp_path):
-    esc = Escalation(steps=3)
-    assert esc.poll(0) is None
-    t = threading.Thread(target=lambda: esc.request(7))
-    t.start()
-    t.join()
-    assert esc.requested_at == 7 and not esc.request(8)
-    assert [esc.poll(s) for s in range(8, 13)] == ["start", None, None, "stop", None]
-    assert esc.history == [(8, 10)] and not esc.active
-    assert not esc.request(20) and esc.poll(21) is None             # once per run by default
-    # the sink asks on its first alert, from the writer thread
-    sink = AsyncSink(AlertSink(SinkOptions(rank_dir=tmp_path), AlertSettings(escalate_steps=2)))
-    sink.write(StepRows.of(_nan_rows(5, n=1)), 5)
-    sink.flush()
-    alert_sink = sink.inner
-    assert alert_sink.escalation.requested_at == 5 and alert_sink.escalation.poll(6) == "start"
+def test_the_alert_latch_holds_the_first_alert_written_on_the_writer_thread(tmp_path):
+    latch = AlertLatch()
+    sink = AsyncSink(AlertSink(SinkOptions(rank_dir=tmp_path, rank=2), AlertSettings(), latch=latch))
+    assert latch.attached
+    sink.write(StepRows.of([]), 4)                      # a healthy step is judged too
+    assert latch.wait_checked(4, 30) and latch.first is None
+    sink.write(StepRows.of(_nan_rows(5, n=2)), 5)
+    sink.write(StepRows.of(_nan_rows(6, n=1)), 6)
+    assert latch.wait_checked(6, 30)
+    first = latch.first
+    assert (first.step, first.rank, first.rule, first.kind, first.name, first.op) == (
+        5, 2, "nonfinite", "grad_reduced", "p0", "nans")
+    assert not latch.wait_checked(7, 0.05)              # step 7 was never written: no judging
+    latch.clear()
+    assert latch.first is None
     sink.close()

@@ -10,6 +10,7 @@ from trainmon.diagnosis.reader import RunDirError, load_run
 from trainmon.diagnosis.report import dump_json, parse_name_list, table
 from trainmon.diagnosis.rules import Anomaly, Rules, SpikeRule
 from trainmon.diagnosis.scan import merge_runtime, scan
+from trainmon.output.runs import escalations
 
 HELP = "list NaN/Inf and spikes of a run, earliest first in training-flow order"
 _RULES = ("nonfinite", "spike", "threshold")
@@ -87,14 +88,16 @@ def run(args: argparse.Namespace) -> int:
     limit = args.limit if args.limit is not None else (0 if args.json else _TEXT_LIMIT)
     shown = found if limit == 0 else found[:limit]
     by_rule = dict(Counter(a.rule for a in found))
+    windows = escalations(run_table.path)
     if args.json:
         dump_json({"run_dir": str(run_table.path), "ranks": list(run_table.ranks),
                    "families": list(run_table.families), "count": len(found), "by_rule": by_rule,
-                   "anomalies": [a.to_json() for a in shown]})
+                   "anomalies": [a.to_json() for a in shown], "escalations": windows})
         return 0
     rules_text = ", ".join(f"{k} {v}" for k, v in by_rule.items())
     print(f"run: {run_table.path}  ranks: {','.join(map(str, run_table.ranks)) or '-'}  "
           f"anomalies: {len(found)}" + (f" ({rules_text})" if found else ""))
+    _print_escalations(windows)
     if not found:
         print("no anomalies")
         return 0
@@ -107,3 +110,18 @@ def run(args: argparse.Namespace) -> int:
     if len(shown) < len(found):
         print(f"... {len(found) - len(shown)} more (--limit 0 shows all; --json for machines)")
     return 0
+
+
+def _print_escalations(windows: list[dict]) -> None:
+    """The escalation windows of run.json: what fired, where, and which steps were recorded more."""
+    if not windows:
+        return
+    print(f"escalations: {len(windows)}")
+    rows = []
+    for e in windows:
+        t = e.get("trigger") or {}
+        held = e.get("history")
+        rows.append((e.get("times"), f"{e.get('first_step')}..{e.get('last_step')}",
+                     f"{held[0]}..{held[1]}" if isinstance(held, list) and len(held) == 2 else "-",
+                     t.get("step"), t.get("rank"), t.get("rule"), t.get("kind"), t.get("name")))
+    table(["#", "window", "history", "alert step", "rank", "rule", "kind", "name"], rows)

@@ -49,7 +49,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from trainmon.core.dtensor import dtensor_parts
 from trainmon.families import Family
+from trainmon.stats.engine import Tracked
 from trainmon.collectors.base import Collector, register_collector
 from trainmon.collectors.module_io import (HookedModule, hook_fn, in_backward, io_names, pick,
                                            replace_tensors, select_modules, tensors_of, uses_compile)
@@ -103,6 +105,20 @@ class _HookedTensors:
 
     def clear(self) -> None:
         self._names.clear()
+
+
+_PLAIN = (torch.Tensor, nn.Parameter)
+
+
+def _waited(t: torch.Tensor) -> torch.Tensor:
+    """The values of an ``AsyncCollectiveTensor`` (the output of a tensor-parallel module whose
+    reduction is still in flight): its data is not there until waited on."""
+    wait = getattr(t, "trigger_wait", None) if type(t).__name__ == "AsyncCollectiveTensor" else None
+    return wait() if wait is not None else t
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "DTensor"
 
 
 def _same_elements_base(t: torch.Tensor) -> torch.Tensor | None:
@@ -305,6 +321,11 @@ class ActivationCollector(Collector):
     # -- stats -----------------------------------------------------------------------------
     def _capture(self, family: str, vpp: int, names: list[str], tensors: list[torch.Tensor],
                  micro: int, shape: tuple[int, ...] | None = None) -> None:
+        if any(type(t) not in _PLAIN for t in tensors):
+            tensors = [_waited(t) for t in tensors]
+        if any(_is_dtensor(t) for t in tensors):
+            self._capture_dtensors(family, vpp, names, tensors, micro)
+            return
         cache, engine = self._cache, self.ctx.engine
         rows = [cache.get(t) for t in tensors]
         missing: dict[int, list[int]] = {}   # distinct tensor -> its positions: reduced once
@@ -318,6 +339,19 @@ class ActivationCollector(Collector):
                     rows[i] = row
                 cache.put(tensors[at[0]], row)
         engine.capture_tensors(family, vpp, names, tensors, rows, micro_step=micro, shape=shape)
+
+    def _capture_dtensors(self, family: str, vpp: int, names: list[str], tensors: list[torch.Tensor],
+                          micro: int) -> None:
+        """Outputs of tensor-parallel modules kept as DTensors (``use_local_output=False``): the
+        full tensor's stats, from this rank's shard merged over the TP group like a sharded param
+        (a ``Partial`` one, not yet reduced, is reduced first: a collective of the TP group, which
+        runs this same hook).  Plain tensors of the same call are recorded as they are."""
+        for name, t in zip(names, tensors):
+            if not _is_dtensor(t):
+                self._capture(family, vpp, [name], [t], micro)
+                continue
+            local, group, shape = dtensor_parts(t, reduce_partial=True)
+            self.ctx.engine.capture(family, [Tracked(name, local, vpp, shape)], micro_step=micro, group=group)
 
     def on_step_end(self) -> None:
         self._cache.clear()

@@ -75,6 +75,7 @@ def adapter_for(optimizer: Any) -> MomentAdapter | None:
 class OptimizerStateCollector(Collector):
     name = "optimizer_state"
     priority = 30
+    runs_on_skipped_steps = False
 
     @staticmethod
     def enabled(config) -> bool:

@@ -36,6 +36,7 @@ __all__ = ["ParamCollector"]
 class ParamCollector(Collector):
     name = "params"
     priority = 40
+    runs_on_skipped_steps = False
 
     @staticmethod
     def enabled(config) -> bool:

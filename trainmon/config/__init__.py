@@ -21,8 +21,9 @@ from trainmon.config.reader import _Reader, _at, _did_you_mean, _join, _json_typ
 from trainmon.errors import ConfigError, Problem
 from trainmon.stats.table import DEFAULT_OPS, STAT_NAMES
 
-__all__ = ["KNOWN_FORMATS", "KNOWN_RULES", "GRAD_LEVELS", "CommConfig", "AlertRule", "AlertConfig",
-           "GradProbeConfig", "MonitorConfig", "IoSelect", "SPEC_KEYS", "io_select", "load_config", "parse_config"]
+__all__ = ["KNOWN_FORMATS", "KNOWN_RULES", "GRAD_LEVELS", "CommConfig", "AlertRule", "AlertConfig", "AnomalyConfig",
+           "ESCALATION_KEYS", "GradProbeConfig", "MonitorConfig", "IoSelect", "SPEC_KEYS", "io_select", "load_config",
+           "parse_config"]
 
 KNOWN_FORMATS: tuple[str, ...] = ("csv", "tensorboard")
 
@@ -107,6 +108,28 @@ class GradProbeConfig:
 
 
 @dataclass(frozen=True)
+class AnomalyConfig:
+    """``on_anomaly``: what to record for ``steps`` steps after a run-time alert (docs/escalation.md).
+
+    ``config`` holds the partial config's keys, parsed by the same section parsers as the top level
+    (so ``MonitorConfig.escalated`` is ``dataclasses.replace`` of them); ``history_steps`` > 0 keeps
+    that many steps before the alert in memory (the flight recorder) and writes them on an alert.
+    """
+
+    config: Mapping[str, object] = field(default_factory=dict, hash=False)
+    steps: int = 1
+    max_times: int = 1
+    history_steps: int = 0
+
+
+# What an escalation's partial config may change: what is recorded, not when or where (the window
+# is the schedule; outputs, ranks and alert rules stay the base config's).
+ESCALATION_KEYS: tuple[str, ...] = (
+    "targets", "ops", "eps", "wg_distribution", "mv_distribution", "param_distribution", "ur_distribution",
+    "xy_distribution", "forward_only", "backward_only", "all_xy", "squash_name", "cc_distribution")
+
+
+@dataclass(frozen=True)
 class MonitorConfig:
     """A validated monitor config.  docs/configuration.md lists every key."""
 
@@ -144,6 +167,7 @@ class MonitorConfig:
     alert: AlertConfig = AlertConfig()
     grad_probe: GradProbeConfig | None = None   # None: off
     loss_alignment: bool = False       # model metadata, hyperparams and model_input families
+    on_anomaly: AnomalyConfig | None = None
     source: str = field(default="", compare=False)
 
     def to_dict(self) -> dict[str, object]:
@@ -166,6 +190,13 @@ class MonitorConfig:
     def unrecorded_keys(self) -> tuple[str, ...]:
         """msprobe keys this config sets that trainmon accepts but records nothing for."""
         return tuple(k for k in L2_KEYS if getattr(self, k))
+
+    def escalated(self) -> MonitorConfig:
+        """This config with ``on_anomaly.config`` applied (its keys replace the base's), without
+        ``on_anomaly``: what an escalation window records (its schedule is set by the window)."""
+        if self.on_anomaly is None:
+            return self
+        return dataclasses.replace(self, **dict(self.on_anomaly.config), on_anomaly=None)
 
 
 # ----------------------------------------------------------------------------- sections
@@ -469,6 +500,63 @@ def _parse_alert(r: _Reader, key: str, value: object, default: AlertConfig) -> A
                        dump=r.boolean(_join(key, "dump"), obj.get("dump", False), False))
 
 
+# ----------------------------------------------------------------------------- on_anomaly
+
+_ANOMALY_KEYS = ("config", "steps", "max_times", "history_steps")
+
+
+def _parse_on_anomaly(r: _Reader, key: str, value: object, default: AnomalyConfig | None) -> AnomalyConfig | None:
+    if value is None:
+        return None
+    obj = r.obj(key, value, _ANOMALY_KEYS)
+    if obj is None:
+        return default
+    for name in ("config", "steps"):
+        if name not in obj:
+            r.bad(_join(key, name), "missing (" + ("the partial config to record, e.g. {\"xy_distribution\": true, "
+                                                   "\"all_xy\": true}" if name == "config"
+                                                   else "how many steps to record it for, integer >= 1") + ")")
+    steps = r.integer(_join(key, "steps"), obj.get("steps", 1), 1, minimum=1)
+    times = r.integer(_join(key, "max_times"), obj.get("max_times", 1), 1, minimum=1)
+    history = r.integer(_join(key, "history_steps"), obj.get("history_steps", 0), 0, minimum=0)
+    partial = _parse_partial(r, _join(key, "config"), obj.get("config", {}))
+    return AnomalyConfig(config=partial, steps=steps or 1, max_times=times or 1, history_steps=history or 0)
+
+
+def _parse_partial(r: _Reader, key: str, value: object) -> dict[str, object]:
+    """The partial config's keys, each parsed by its top-level parser (same checks, same messages)."""
+    if not isinstance(value, dict):
+        r.bad(key, f"{_show(value)} is not an object (a partial config with keys among: {', '.join(ESCALATION_KEYS)})")
+        return {}
+    r.dupes(lambda name: _join(key, name), value)
+    out: dict[str, object] = {}
+    for name, item in value.items():
+        path = key + "." + str(name)
+        if name in ESCALATION_KEYS:
+            out[name] = _SECTIONS[name](r, path, item, getattr(_DEFAULTS, name))
+        elif name in _SECTIONS:
+            r.bad(path, "cannot be changed by an escalation (its window sets the schedule; outputs, ranks and "
+                        f"alert rules stay the base config's); allowed: {', '.join(ESCALATION_KEYS)}")
+        else:
+            r.unknown(path, str(name), ESCALATION_KEYS, ESCALATION_KEYS)
+    return out
+
+
+def _check_on_anomaly(r: _Reader, values: Mapping[str, object]) -> None:
+    spec = values.get("on_anomaly")
+    if not isinstance(spec, AnomalyConfig):
+        return
+    alert = values.get("alert")
+    if not isinstance(alert, AlertConfig) or not alert.rules:
+        r.bad("on_anomaly", "needs alert.rules: an escalation starts when a run-time alert fires "
+                            "(e.g. \"alert\": {\"rules\": [{\"rule_name\": \"AnomalyNan\"}]})")
+    merged = _Reader()
+    _check_combinations(merged, {**values, **spec.config})
+    for p in merged.problems:  # a combination only the merge makes: name the partial config
+        if p not in r.problems:
+            r.bad("on_anomaly.config." + p.key, p.message + " (in the base config merged with on_anomaly.config)")
+
+
 # ----------------------------------------------------------------------------- top level
 
 _BOOLS = ("wg_distribution", "mv_distribution", "param_distribution", "ur_distribution",
@@ -493,6 +581,7 @@ _SECTIONS: dict[str, Callable] = {
     "l2_targets": _parse_l2_targets,
     "sa_order": _parse_sa_order,
     "grad_probe": _parse_grad_probe,
+    "on_anomaly": _parse_on_anomaly,
 }
 
 _DEFAULTS = MonitorConfig()
@@ -525,6 +614,7 @@ def parse_config(data: object, source: str) -> MonitorConfig:
         else:
             r.unknown(str(name), str(name), tuple(_SECTIONS) + _MSPROBE_ONLY, tuple(_SECTIONS))
     _check_combinations(r, values)
+    _check_on_anomaly(r, values)
     if r.problems:
         raise ConfigError(source, r.problems)
     return MonitorConfig(**values, **r.derived, source=source)

@@ -1,62 +1,70 @@
-"""Escalation: after the first alert, record a richer config for K steps, then go back.
+"""The alert latch: how the alert sink (writer thread) tells the training thread that an alert fired.
 
-The alert sink runs on the writer thread and only *requests*; the monitor applies changes on
-the training thread at a step boundary by calling ``poll(step)`` before the step's collection:
+The alert sink judges a step's rows on the writer thread, after the step.  It can only *record*
+here; the step driver's escalator (``trainmon.runtime.escalation``) reads the latch at a step
+boundary on the training thread, agrees with the other ranks and switches the recording.
 
-* ``"start"``: switch to the escalation config for steps ``step .. step + steps - 1``;
-* ``"stop"``:  restore the config that was active before;
-* ``None``:    nothing to do.
-
-With several ranks the monitor must agree on the decision (e.g. all-reduce ``poll() == "start"``
-as a MAX from rank 0's point of view) so every rank switches on the same step.
+``checked(step)`` is called for every step the sink has judged, alert or not, so the boundary can
+wait until the step that just ran has been judged (``wait_checked``): that makes the escalation
+start at the step right after the alert's, on every rank, however far behind the writer is.
 """
 from __future__ import annotations
 
 import threading
-from typing import Literal
+from dataclasses import dataclass
 
-__all__ = ["Escalation"]
+__all__ = ["AlertLatch", "Trigger"]
 
 
-class Escalation:
-    """A thread-safe latch: ``request`` from any thread, ``poll`` from the training thread."""
+@dataclass(frozen=True)
+class Trigger:
+    """The first alert of a rank since the latch was last cleared."""
 
-    def __init__(self, steps: int, *, max_times: int = 1):
-        if steps < 1 or max_times < 1:
-            raise ValueError(f"escalation needs steps >= 1 and max_times >= 1, got {steps}, {max_times}")
-        self.steps = steps
-        self.max_times = max_times
-        self._lock = threading.Lock()
-        self._pending: int | None = None   # step of the alert that asked for it
-        self._end: int | None = None       # first step after the escalated window
-        self._used = 0
-        self.history: list[tuple[int, int]] = []   # (first, last) escalated steps
+    step: int
+    rank: int
+    rule: str
+    kind: str
+    name: str
+    op: str
 
-    @property
-    def active(self) -> bool:
-        return self._end is not None
+    def to_json(self) -> dict[str, object]:
+        return {"step": self.step, "rank": self.rank, "rule": self.rule, "kind": self.kind,
+                "name": self.name, "op": self.op}
 
-    @property
-    def requested_at(self) -> int | None:
-        return self._pending
 
-    def request(self, alert_step: int) -> bool:
-        """Ask for an escalation because of an alert at ``alert_step``; False if not granted."""
-        with self._lock:
-            if self._end is not None or self._pending is not None or self._used >= self.max_times:
+class AlertLatch:
+    """Thread-safe: ``fire``/``checked`` from the writer thread, the rest from the training thread."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._first: Trigger | None = None
+        self._checked = -1          # highest step the sink has judged
+        self.attached = False       # an alert sink feeds this latch (this rank writes)
+
+    def fire(self, trigger: Trigger) -> bool:
+        """Record an alert; True if it is the first since the last ``clear``."""
+        with self._cond:
+            if self._first is not None:
                 return False
-            self._pending = alert_step
+            self._first = trigger
             return True
 
-    def poll(self, step: int) -> Literal["start", "stop"] | None:
-        with self._lock:
-            if self._end is not None and step >= self._end:
-                self.history.append((self._end - self.steps, self._end - 1))
-                self._end = None
-                return "stop"
-            if self._end is None and self._pending is not None:
-                self._pending = None
-                self._used += 1
-                self._end = step + self.steps
-                return "start"
-            return None
+    def checked(self, step: int) -> None:
+        with self._cond:
+            if step > self._checked:
+                self._checked = step
+                self._cond.notify_all()
+
+    def wait_checked(self, step: int, timeout_s: float) -> bool:
+        """Block until the rows of ``step`` are judged; False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._checked >= step, timeout_s)
+
+    @property
+    def first(self) -> Trigger | None:
+        with self._cond:
+            return self._first
+
+    def clear(self) -> None:
+        with self._cond:
+            self._first = None

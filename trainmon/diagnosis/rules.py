@@ -40,6 +40,17 @@ COUNT_OPS: tuple[str, ...] = ("nans", "infs")
 # grad families), so the nonfinite rule skips them.
 RATIO_FAMILIES: frozenset[str] = frozenset(str(f) for f, info in FAMILIES.items() if info.ratio)
 
+# A step the AMP loss scaler skipped had Inf/NaN grads by definition: on such a step the
+# non-finite values of these families (everything from the backward pass to the reduced grads)
+# are what the skip reports, not separate findings.  The skip itself is reported once, on the
+# ``steps`` row: rule SKIPPED for a lone skip (expected: the scaler lowers the loss scale and goes
+# on), SKIPPED_RUN for each skip that follows another recorded skip (the scale did not recover:
+# a finding).
+SKIPPED, SKIPPED_RUN = "skipped", "skipped_run"
+STEPS_FAMILY = "steps"
+SKIP_EXPECTED: frozenset[str] = frozenset(str(f) for f, info in FAMILIES.items()
+                                          if info.phase in ("backward", "pre_reduce", "comm", "post_reduce"))
+
 
 @dataclass(frozen=True)
 class SpikeRule:

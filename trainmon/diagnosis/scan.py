@@ -14,7 +14,8 @@ import numpy as np
 import pandas as pd
 
 from trainmon.diagnosis.reader import RunTable, load_run, ranked_dirs, resolve_run_dir
-from trainmon.diagnosis.rules import ALERTS_FILE, COUNT_OPS, RATIO_FAMILIES, Anomaly, Rules, SpikeRule
+from trainmon.diagnosis.rules import (ALERTS_FILE, COUNT_OPS, RATIO_FAMILIES, SKIP_EXPECTED, SKIPPED, SKIPPED_RUN,
+                                      STEPS_FAMILY, Anomaly, Rules, SpikeRule)
 
 __all__ = ["nonfinite", "spikes", "over_threshold", "scan", "read_alert_files", "merge_runtime",
            "find_anomalies"]
@@ -150,8 +151,39 @@ def scan(table: RunTable, rules: Rules = Rules()) -> list[Anomaly]:
         parts.append(spikes(table, rules.spike, rules.ops))
     if rules.threshold is not None:
         parts.append(over_threshold(table, rules.threshold, rules.ops))
-    found = _concat([p for p in parts if not p.empty])
+    skips = skipped_steps(table)
+    found = _without_expected(_concat([p for p in parts if not p.empty]), skips)
+    found = _concat([p for p in (found, skips) if not p.empty])
     return sorted((_to_anomaly(r) for r in found.itertuples(index=False)), key=Anomaly.sort_key)
+
+
+def skipped_steps(table: RunTable) -> pd.DataFrame:
+    """One row per step the loss scaler skipped (``steps`` family): rule ``skipped`` when the rank's
+    previous recorded step was not skipped, ``skipped_run`` when it was; value: the loss scale."""
+    sub = table.family(STEPS_FAMILY)
+    if sub.empty or "skipped" not in sub:
+        return pd.DataFrame(columns=_COLUMNS)
+    sub = sub.sort_values(["rank", "step"], kind="mergesort")
+    skipped = sub["skipped"].astype(float) > 0
+    previous = skipped.groupby(sub["rank"]).shift(1, fill_value=False).astype(bool)
+    hit = sub[skipped]
+    if hit.empty:
+        return pd.DataFrame(columns=_COLUMNS)
+    rules = np.where(previous[skipped].to_numpy(), SKIPPED_RUN, SKIPPED)
+    scale = hit["loss_scale"].astype(float) if "loss_scale" in hit else np.full(len(hit), np.nan)
+    out = _result(hit, STEPS_FAMILY, "skipped", scale, SKIPPED)
+    out["rule"] = rules
+    return out
+
+
+def _without_expected(found: pd.DataFrame, skips: pd.DataFrame) -> pd.DataFrame:
+    """``found`` minus the non-finite grads of skipped steps (the skip reports them)."""
+    if found.empty or skips.empty:
+        return found
+    skipped = set(zip(skips["rank"].astype(int), skips["step"].astype(int)))
+    on_skip = np.array([(int(r), int(s)) in skipped for r, s in zip(found["rank"], found["step"])], dtype=bool)
+    expected = (found["rule"] == "nonfinite").to_numpy() & found["kind"].isin(SKIP_EXPECTED).to_numpy() & on_skip
+    return found[~expected]
 
 
 def _to_anomaly(r) -> Anomaly:

@@ -5,7 +5,11 @@ rank measures its own local shard (``to_local()``, maybe empty) and the engine m
 partials over the shard group, so ``grad_reduced``, ``param_*`` and ``exp_avg*`` rows are the
 statistics of the full tensor (the squares of the ``grad_reduced`` norms sum to the square of
 ``clip_grad_norm_``'s total norm).  With HSDP (replicate x shard mesh) the merge runs over the
-shard dimension only, so replicas are not counted twice.
+shard dimension only, so replicas are not counted twice.  With tensor parallelism as well (the
+torchtitan layout: ``parallelize_module`` over a TP mesh dimension, ``fully_shard`` over the DP
+one: 2-D DTensors), a tensor split over several mesh dimensions is merged over the group of all of
+them (the flattened sub-mesh, built once per mesh and set of dimensions), and one replicated over
+TP (a RowwiseParallel bias) over its DP dimension only.
 
 Pre-reduce grads: FSDP2 runs a sharded param's post-accumulate-grad hooks *after* the
 reduce-scatter, so the generic hooks would see reduced shards: they are not used.  The local,
@@ -27,11 +31,12 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 
+from trainmon.core.dtensor import dtensor_parts
 from trainmon.core.hooks import Handle
 from trainmon.integrations.base import Integration, View, register_integration
 from trainmon.core.naming import TrackedParam
 
-__all__ = ["FSDP2Integration", "PRE_REDUCE_ENV"]
+__all__ = ["FSDP2Integration", "PRE_REDUCE_ENV", "dtensor_view", "sharded_view"]
 
 log = logging.getLogger(__name__)
 
@@ -46,28 +51,16 @@ def _fsdp_module_class() -> type | None:
     return FSDPModule
 
 
-def _shard_group(dt: Any) -> Any:
-    """The process group over which ``dt`` is split, or None when it is not split."""
-    from torch.distributed.tensor import Shard
-
-    dims = [i for i, p in enumerate(dt.placements) if isinstance(p, Shard)]
-    if not dims:
-        return None
-    if len(dims) > 1:
-        raise NotImplementedError(f"DTensor sharded over {len(dims)} mesh dimensions "
-                                  f"({dt.placements}); trainmon merges over one")
-    return dt.device_mesh.get_group(dims[0])
-
-
 def sharded_view(t: torch.Tensor) -> View:
     """A View of a (maybe) DTensor: its local shard, merged over its shard group."""
-    from torch.distributed.tensor import DTensor
+    local, group, shape = dtensor_parts(t)
+    return View(local, group, shape) if group is not None else View(local)
 
-    if not isinstance(t, DTensor):
-        return View(t.detach())
-    local = t.to_local().detach()
-    group = _shard_group(t)
-    return View(local, group, tuple(t.shape)) if group is not None else View(local)
+
+def dtensor_view(t: torch.Tensor) -> View:
+    """``sharded_view`` of an activation DTensor (``core.dtensor.dtensor_parts(reduce_partial=True)``)."""
+    local, group, shape = dtensor_parts(t, reduce_partial=True)
+    return View(local, group, shape) if group is not None else View(local)
 
 
 @register_integration
@@ -148,7 +141,8 @@ class FSDP2Integration(Integration):
 
     def local_grad(self, tp: TrackedParam) -> View | None:
         g = self._unreduced.get(id(tp.param))
-        return None if g is None else View(g)
+        # Under TP the unsharded (DP-gathered) grad is still a DTensor split over TP: merged over it.
+        return None if g is None else sharded_view(g)
 
     # -- at and after the optimizer step -----------------------------------------------------
     def reduced_grad(self, tp: TrackedParam) -> View | None:

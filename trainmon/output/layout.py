@@ -3,7 +3,8 @@
 ::
 
     $MONITOR_OUTPUT_DIR/<run_id>/
-        run.json                                  what ran (written once by rank 0)
+        run.json                                  what ran (written by rank 0; its "escalations"
+                                                  list is appended to, atomically, on each escalation)
         rank<R>/<family>_<a>-<b>[.<k>].csv        one file per family per step window
         rank<R>/anomalies.jsonl                   run-time alerts
         rank<R>/model_meta.json                   the model as monitoring began (loss_alignment)
@@ -20,11 +21,12 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["RUN_META", "ALERTS_FILE", "MODEL_META", "STACK_INFO_FILE", "SIMILARITIES_FILE", "SIMILARITY_SUMMARY_PNG",
+__all__ = ["RUN_META", "RUN_ESCALATIONS", "ALERTS_FILE", "MODEL_META", "STACK_INFO_FILE", "SIMILARITIES_FILE", "SIMILARITY_SUMMARY_PNG",
            "TB_DIRNAME", "NOT_RUNS", "FamilyFile", "rank_dir_name",
            "parse_rank_dir", "window_bounds", "family_file_name", "parse_family_file", "partial_file_name"]
 
 RUN_META = "run.json"
+RUN_ESCALATIONS = "escalations"   # key of run.json: one object per escalation (docs/escalation.md)
 ALERTS_FILE = "anomalies.jsonl"
 MODEL_META = "model_meta.json"
 STACK_INFO_FILE = "stack_info.csv"   # columns vpp_stage,name,stack (frames outermost first, one per line)

@@ -11,6 +11,7 @@ back to the same float64.
 from __future__ import annotations
 
 import csv
+import json
 import functools
 import logging
 from dataclasses import dataclass
@@ -19,14 +20,14 @@ from typing import TYPE_CHECKING, Sequence
 
 from trainmon.errors import DamagedFileError
 from trainmon.families import FAMILIES
-from trainmon.output.layout import NOT_RUNS, FamilyFile, parse_family_file, parse_rank_dir
+from trainmon.output.layout import NOT_RUNS, RUN_ESCALATIONS, RUN_META, FamilyFile, parse_family_file, parse_rank_dir
 from trainmon.output.validate import EXTRA_FIELD, check_header, validate_family_frame
 from trainmon.stats.table import STAT_NAMES
 
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["FamilyFile", "ColumnRoles", "find_runs", "is_run_dir", "rank_dirs", "rank_of",
+__all__ = ["FamilyFile", "ColumnRoles", "escalations", "find_runs", "is_run_dir", "rank_dirs", "rank_of",
            "family_files", "read_csv", "read_family", "column_roles", "KEY_COLUMNS", "FAMILY_STATS",
            "DamagedFileError"]
 
@@ -49,6 +50,22 @@ class ColumnRoles:
     keys: tuple[str, ...]
     extras: tuple[str, ...]
     stats: tuple[str, ...]
+
+
+def escalations(run_dir: str | Path) -> list[dict]:
+    """The escalations ``run.json`` records (docs/escalation.md); [] when none or no readable file.
+
+    ``run_dir`` may also be one of its rank directories."""
+    path = Path(run_dir)
+    for meta in (path / RUN_META, path.parent / RUN_META):
+        if meta.is_file():
+            try:
+                info = json.loads(meta.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                return []
+            items = info.get(RUN_ESCALATIONS, []) if isinstance(info, dict) else []
+            return [e for e in items if isinstance(e, dict)] if isinstance(items, list) else []
+    return []
 
 
 def rank_of(rank_dir: str | Path) -> int | None:

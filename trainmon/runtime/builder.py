@@ -53,6 +53,7 @@ class SessionBuilder:
         self.process_group = process_group
         self.params_have_main_grad = params_have_main_grad
         self.run_dir: Path | None = None
+        self.agreement: Any = None   # the dynamic driver's Agreement, shared with escalations
         chunks = attachment.chunks
         self._names = module_names(chunks) + [(p.vpp_stage, p.name) for p in tracked_params(chunks)]
 
@@ -86,12 +87,24 @@ class SessionBuilder:
         """A session collecting ``cfg`` from step ``first_step``.
 
         With ``step_optimizer`` the session wraps that optimizer's step itself; without, whoever
-        owns the step boundary (``monitor.step()``, the dynamic driver) drives it.
+        owns the step boundary (``monitor.step()``, the dynamic driver) drives it.  A config with
+        ``on_anomaly`` gets an ``EscalatingSession`` (``runtime.escalation``), which looks like one.
         """
+        if cfg.on_anomaly is not None:
+            from trainmon.runtime.escalation import EscalatingSession
+
+            return EscalatingSession(self, cfg, first_step, step_optimizer)  # type: ignore[return-value]
+        return self.build_session(cfg, first_step, step_optimizer)
+
+    def build_session(self, cfg: MonitorConfig, first_step: int, step_optimizer: Any = None, *,
+                      latch: Any = None, wrap_sink: Callable[[Sink], Sink] | None = None) -> Session:
+        """One plain session; ``latch`` (an ``AlertLatch``) is fed by its alert sink, ``wrap_sink``
+        wraps its sink (the flight recorder's ring)."""
         matcher = self.check_targets(cfg, cfg.source or str(self.config_file))
         self._warn_unrecorded(cfg)
         ctx = self._context(cfg, matcher, first_step)
-        return Session(ctx, self._make_sink(cfg), step_optimizer,
+        sink = self._make_sink(cfg, latch)
+        return Session(ctx, wrap_sink(sink) if wrap_sink is not None else sink, step_optimizer,
                        collect=self._records_here(cfg, ctx.integration))
 
     def _warn_unrecorded(self, cfg: MonitorConfig) -> None:
@@ -126,7 +139,7 @@ class SessionBuilder:
         ranks = cfg.module_ranks
         return not ranks or self.rank in ranks or integration.needs_all_ranks
 
-    def _make_sink(self, cfg: MonitorConfig) -> Sink:
+    def _make_sink(self, cfg: MonitorConfig, latch: Any = None) -> Sink:
         if cfg.module_ranks and self.rank not in cfg.module_ranks:
             return NullSink()
         path = rank_dir(self.run_dir, self.rank) if self.run_dir is not None else None
@@ -134,12 +147,12 @@ class SessionBuilder:
             return NullSink()
         options = SinkOptions(rank_dir=path, rank=self.rank, ndigits=cfg.ndigits,
                               step_count_per_record=cfg.step_count_per_record)
-        return create_sink(cfg.format, options, extra_sinks=_alert_sinks(cfg, options))
+        return create_sink(cfg.format, options, extra_sinks=_alert_sinks(cfg, options, latch))
 
 
-def _alert_sinks(cfg: MonitorConfig, options: SinkOptions) -> list[Sink]:
+def _alert_sinks(cfg: MonitorConfig, options: SinkOptions, latch: Any = None) -> list[Sink]:
     if not cfg.alert.rules:
         return []
     from trainmon.sinks.alerts import AlertSettings, AlertSink
 
-    return [AlertSink(options, AlertSettings.from_alert_config(cfg.alert))]
+    return [AlertSink(options, AlertSettings.from_alert_config(cfg.alert), latch=latch)]

@@ -22,78 +22,21 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
-from trainmon.core import dist as _dist
 from trainmon.config import MonitorConfig
 from trainmon.dynamic import ConfigStager, ConfigWatcher, Decision, WatchSettings
 from trainmon.errors import ConfigError
+from trainmon.runtime.agreement import Agreement
 from trainmon.runtime.builder import SessionBuilder
-from trainmon.core.hooks import Handle, wrap_optimizer_step
+from trainmon.core.hooks import Handle
+from trainmon.integrations.amp import wrap_step_with_scaler
 from trainmon.runtime.session import Session
 
 __all__ = ["Agreement", "DynamicDriver", "describe"]
 
 log = logging.getLogger(__name__)
-
-
-class Agreement:
-    """Rank 0's values on every rank of ``group``; a no-op in a single process."""
-
-    def __init__(self, group: Any = None, timeout_s: float = 1800.0):
-        self.local = not _dist.initialized() or _dist.world_size(group) == 1
-        self.group = None
-        self.is_source = True
-        if self.local:
-            return
-        kwargs: dict[str, Any] = {"backend": "gloo", "timeout": timedelta(seconds=timeout_s)}
-        if group is not None:
-            # Only the members build it, so a job whose other ranks never monitor still works.
-            kwargs.update(ranks=dist.get_process_group_ranks(group), use_local_synchronization=True)
-        # A CPU (gloo) group of its own: no device sync at the boundary, and a timeout of its own.
-        self.group = dist.new_group(**kwargs)
-        self.src = dist.get_global_rank(self.group, 0)
-        self.is_source = dist.get_rank(self.group) == 0
-        self._pair = torch.zeros(2, dtype=torch.int64)
-        self._flag = torch.zeros(1, dtype=torch.int64)
-
-    def version(self, version: int, step: int) -> tuple[int, int]:
-        """Rank 0's (version, step)."""
-        if self.local:
-            return version, step
-        if self.is_source:
-            self._pair[0], self._pair[1] = version, step
-        dist.broadcast(self._pair, src=self.src, group=self.group)
-        v, s = self._pair.tolist()
-        return v, s
-
-    def value(self, value: Any) -> Any:
-        """Rank 0's ``value`` (any picklable object)."""
-        if self.local:
-            return value
-        box = [value if self.is_source else None]
-        dist.broadcast_object_list(box, src=self.src, group=self.group)
-        return box[0]
-
-    def all_true(self, ok: bool) -> bool:
-        if self.local:
-            return ok
-        self._flag[0] = int(bool(ok))
-        dist.all_reduce(self._flag, op=dist.ReduceOp.MIN, group=self.group)
-        return bool(self._flag.item())
-
-    def close(self) -> None:
-        if self.group is not None:
-            group, self.group = self.group, None
-            try:
-                dist.destroy_process_group(group)
-            except Exception:  # noqa: BLE001 - the default group may already be gone at exit
-                pass
 
 
 def describe(cfg: MonitorConfig) -> str:
@@ -120,6 +63,7 @@ class DynamicDriver:
         self.config_file: Path = builder.config_file
         self.step = start_iteration            # the step that runs next
         self.agreement = Agreement(builder.process_group, settings.timeout_s)
+        builder.agreement = self.agreement  # escalations (runtime.escalation) agree over it too
         self.stager: ConfigStager | None = None
         self.watcher: ConfigWatcher | None = None
         self.session: Session | None = None
@@ -137,8 +81,8 @@ class DynamicDriver:
         optimizer = builder.attachment.optimizer
         self._handle: Handle | None = None
         if optimizer is not None:
-            self._handle = wrap_optimizer_step(optimizer, self.before_step, self.after_step,
-                                               entry=self.step_entry)
+            self._handle = wrap_step_with_scaler(optimizer, self.before_step, self.after_step,
+                                                 entry=self.step_entry)
         self._decide()
 
     # -- the step boundary ----------------------------------------------------------------------

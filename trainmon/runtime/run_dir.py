@@ -16,7 +16,7 @@ from typing import Any
 from trainmon.output.layout import RUN_META, rank_dir_name
 from trainmon.core import dist as _dist
 
-__all__ = ["output_root", "create_run_dir", "rank_dir", "record_stats_path"]
+__all__ = ["output_root", "create_run_dir", "rank_dir", "record_stats_path", "append_to_meta"]
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +106,24 @@ def record_stats_path(run_dir: Path, paths: dict[str, str]) -> None:
         os.replace(tmp, meta_path)
     except (OSError, ValueError) as exc:
         log.warning("trainmon: cannot record the statistics path in %s (%s)", meta_path, exc)
+
+
+def append_to_meta(run_dir: Path, key: str, entry: dict) -> bool:
+    """Append ``entry`` to the list ``key`` of ``run.json``, atomically (a reader sees the old file or
+    the new one, never half of one).  Rank 0 only; False (after a warning) when it cannot."""
+    path = run_dir / RUN_META
+    try:
+        info = json.loads(path.read_text()) if path.exists() else {}
+        if not isinstance(info, dict):
+            info = {}
+        info.setdefault(key, []).append(entry)
+        tmp = path.with_name(f".{RUN_META}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(info, indent=1, default=str) + "\n")
+        os.replace(tmp, path)
+        return True
+    except (OSError, ValueError) as exc:
+        log.warning("trainmon: cannot record %s in %s (%s); training continues", key, path, exc)
+        return False
 
 
 def rank_dir(run_dir: Path, rank: int) -> Path | None:

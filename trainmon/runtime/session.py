@@ -8,14 +8,21 @@ thread does the I/O) -> clock advances.  When ``collect_times`` is reached every
 """
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
+import torch
+
 from trainmon.collectors import Collector, CollectorContext, collector_classes
 from trainmon.collectors.base import Guard
-from trainmon.core.hooks import Handle, wrap_optimizer_step
+from trainmon.core.hooks import Handle
+from trainmon.families import FAMILIES, Family, Phase
+from trainmon.integrations import amp
 from trainmon.runtime.run_dir import record_stats_path
 from trainmon.sinks.base import Sink
+from trainmon.stats.engine import Meta
+from trainmon.stats.rows import RowBlock, StepRows
 
 __all__ = ["Session"]
 
@@ -32,11 +39,12 @@ class Session:
         self._step_handle: Handle | None = None
         self._entered = False   # on_step_entry ran for the running step
         self._paths_recorded: dict[str, str] = {}
+        self._scale: Any = None   # loss scale at step entry (integrations.amp)
         for c in list(self.collectors):
             ctx.guard.run(c, c.attach)
         if optimizer is not None:
-            self._step_handle = wrap_optimizer_step(optimizer, self.before_step, self.after_step,
-                                                    entry=self.step_entry)
+            self._step_handle = amp.wrap_step_with_scaler(optimizer, self.before_step, self.after_step,
+                                                          entry=self.step_entry)
         if ctx.clock.finished:
             self.go_idle()
 
@@ -48,23 +56,33 @@ class Session:
         """``optimizer.step()`` was entered: no param has changed yet."""
         self._entered = True
         if self.clock.collecting:
-            for c in list(self.collectors):
+            for c in self._step_collectors(amp.skipping()):
                 self.ctx.guard.run(c, c.on_step_entry)
+
+    def _step_collectors(self, skipped: bool) -> list[Collector]:
+        if skipped:   # the loss scaler skipped the optimizer step: nothing it changes is recorded
+            return [c for c in self.collectors if c.runs_on_skipped_steps]
+        return list(self.collectors)
 
     def before_step(self) -> None:
         """The update's grads are final (after the closure, when ``step`` was given one)."""
         if not self._entered:   # a boundary without an entry point (monitor.step(), dynamic driver)
             self.step_entry()
         if self.clock.collecting:
-            for c in list(self.collectors):
+            # the scale this iteration ran with, before the scaler updates it (a device tensor)
+            scale = amp.current_scale(self.ctx.optimizer) if self.ctx.optimizer is not None else None
+            self._scale = None if scale is None else scale.detach().reshape(-1)[:1].clone()
+            for c in self._step_collectors(amp.skipping()):
                 self.ctx.guard.run(c, c.on_step_begin)
 
     def after_step(self) -> None:
         self._entered = False
         if self.clock.collecting:
-            for c in list(self.collectors):
+            skipped = amp.skipped(self.ctx.optimizer)
+            for c in self._step_collectors(skipped):
                 self.ctx.guard.run(c, c.on_step_end)
-            self._emit(self.clock.step)
+            self._capture_step_row(skipped)
+            self._emit(self.clock.step, skipped)
         self.clock.advance()
         if self.clock.finished and self.collectors:
             self.go_idle()
@@ -79,13 +97,25 @@ class Session:
         if late is not None:
             self.sink.write(*late)
 
-    def _emit(self, step: int) -> None:
+    def _capture_step_row(self, skipped: bool) -> None:
+        """The ``steps`` row of a loss-scaled step (no host sync: copied with the step's stats)."""
+        scale, self._scale = self._scale, None
+        if scale is None or not self.collectors:
+            return
+        scale = scale.double()
+        flag = torch.ones_like(scale) if skipped else torch.zeros_like(scale)
+        self.ctx.engine.capture_values(Family.STEPS, [Meta(Family.STEPS, "optimizer", 0, (), "")],
+                                       [torch.cat([flag, scale])], ("skipped", "loss_scale"))
+
+    def _emit(self, step: int, skipped: bool = False) -> None:
         try:
             rows = self.ctx.engine.finish_step(step)
         except Exception:  # noqa: BLE001
             log.exception("trainmon: computing the stats of step %d failed; that step is not recorded", step)
             self.ctx.engine.discard()
             return
+        if skipped:  # captured before the step was known to be skipped (Megatron): not written
+            rows = StepRows(functools.partial(_without_optimizer_rows, rows))
         self.sink.write(rows, step)
         paths = self.ctx.engine.stats_paths
         if paths != self._paths_recorded and self.ctx.rank == 0 and self.ctx.run_dir is not None:
@@ -116,3 +146,11 @@ class Session:
         if self.ctx.engine.has_pending():
             self._emit(self.clock.step)
         self.sink.close()
+
+
+_OPTIMIZER_FAMILIES = frozenset(str(f) for f, info in FAMILIES.items() if info.phase == Phase.OPTIMIZER) - {str(Family.STEPS)}
+
+
+def _without_optimizer_rows(rows: StepRows) -> list[RowBlock]:
+    """The blocks of a skipped step, less what the optimizer step would have changed."""
+    return [b for b in rows.blocks() if b.family not in _OPTIMIZER_FAMILIES]

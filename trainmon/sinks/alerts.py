@@ -8,7 +8,8 @@ writer), judges them with ``trainmon.diagnosis.rules`` and
   run leaves only whole lines and every alert of a finished ``write`` is on disk;
 * logs each (name, rule) once at WARNING, then only counts: at 10, 100, 1000 ... alerts of the
   same pair, and a summary at ``close``; at most ``max_log_lines`` first messages per step;
-* optionally requests an escalation (``trainmon.diagnosis.escalation``) on the first alert.
+* records its first alert in an ``AlertLatch`` (``trainmon.diagnosis.escalation``) when given one,
+  and marks every judged step there, so the step driver can escalate (``runtime.escalation``).
 
 The file is created with the first alert: a healthy run has none.
 """
@@ -23,9 +24,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from trainmon.diagnosis.escalation import Escalation
-from trainmon.diagnosis.rules import (ALERTS_FILE, RATIO_FAMILIES, Anomaly, Rules, SpikeRule, SpikeTracker,
-                                      nonfinite_op)
+from trainmon.diagnosis.escalation import AlertLatch, Trigger
+from trainmon.diagnosis.rules import (ALERTS_FILE, RATIO_FAMILIES, SKIP_EXPECTED, SKIPPED, SKIPPED_RUN, STEPS_FAMILY,
+                                      Anomaly, Rules, SpikeRule, SpikeTracker, nonfinite_op)
 from trainmon.stats.rows import StatRow, StepRows, paced
 from trainmon.sinks.base import Sink, SinkOptions
 
@@ -41,8 +42,6 @@ class AlertSettings:
     """What the alert sink checks and what it does on an alert."""
 
     rules: Rules = field(default_factory=Rules)
-    escalate_steps: int = 0                      # 0 = no escalation
-    escalate_config: Mapping[str, object] | None = None   # overrides the monitor applies
     max_log_lines: int = 5                       # first-time messages per step
 
     @classmethod
@@ -51,8 +50,7 @@ class AlertSettings:
 
         ``AnomalyNan`` -> nonfinite (always on) plus ``threshold``; ``AnomalyTurbulence`` -> the
         spike rule, ``factor`` = 1 + msprobe's relative ``threshold`` unless ``factor`` is given,
-        with optional ``floor``, ``warmup``, ``window``, ``ops``.  ``escalate`` (optional
-        ``{"steps": K, "config": {...}}``) enables escalation.
+        with optional ``floor``, ``warmup``, ``window``, ``ops``.
         """
         threshold, spike, ops = None, None, ("norm",)
         for rule in _get(alert, "rules", ()) or ():
@@ -61,10 +59,7 @@ class AlertSettings:
                 threshold = args.get("threshold", threshold)
             elif name in ("AnomalyTurbulence", "spike"):
                 spike, ops = _spike_rule(args), tuple(args.get("ops", ops))
-        escalate = _get(alert, "escalate", None)
-        steps = int(_get(escalate, "steps", 0) or 0)
-        return cls(rules=Rules(nonfinite=True, spike=spike, threshold=threshold, ops=ops),
-                   escalate_steps=steps, escalate_config=_get(escalate, "config", None))
+        return cls(rules=Rules(nonfinite=True, spike=spike, threshold=threshold, ops=ops))
 
 
 def _get(obj: object, key: str, default):
@@ -102,19 +97,20 @@ class AlertSink(Sink):
     """See the module docstring.  ``count`` is the number of alerts so far."""
 
     def __init__(self, options: SinkOptions, settings: AlertSettings | None = None, *,
-                 escalation: Escalation | None = None):
+                 latch: AlertLatch | None = None):
         super().__init__(options)
         self.settings = settings or AlertSettings()
         rules = self.settings.rules
         self._tracker = SpikeTracker(rules.spike) if rules.spike is not None else None
-        if escalation is None and self.settings.escalate_steps > 0:
-            escalation = Escalation(self.settings.escalate_steps)
-        self.escalation = escalation
+        self.latch = latch
+        if latch is not None:
+            latch.attached = True
         self.path = options.rank_dir / ALERTS_FILE
         self.count = 0
         self._fd: int | None = None
         self._seen: Counter[tuple[str, str]] = Counter()
         self._io_failed = 0
+        self._prev_skipped = False   # the previous recorded step was skipped by the loss scaler
 
     # ------------------------------------------------------------------ rules
 
@@ -125,6 +121,7 @@ class AlertSink(Sink):
         positions: dict[tuple, int] = {}
         occurrences: dict[tuple, int] = {}
         found: list[Anomaly] = []
+        skipped = _skipped(rows)
         for row in paced(rows):
             # Per-row work is kept small: this runs on the writer thread, which shares the GIL.
             pos_key = (row.family, row.micro_step)
@@ -137,7 +134,10 @@ class AlertSink(Sink):
                 continue
             hits: list[tuple[str, float, str, float | None]] = []
             stats = row.stats
-            if rules.nonfinite and row.family not in RATIO_FAMILIES:
+            if row.family == STEPS_FAMILY and skipped:
+                rule = SKIPPED_RUN if self._prev_skipped else SKIPPED
+                hits.append(("skipped", float(stats.get("loss_scale", math.nan)), rule, None))
+            elif rules.nonfinite and row.family not in RATIO_FAMILIES and not (skipped and row.family in SKIP_EXPECTED):
                 op = nonfinite_op(stats)
                 if op is not None:
                     hits.append((op, float(stats[op]), "nonfinite", None))
@@ -156,20 +156,28 @@ class AlertSink(Sink):
                               value=value, rule=rule, micro_step=row.micro_step, vpp_stage=row.vpp_stage,
                               baseline=base, position=position, occurrence=occurrence, source="runtime")
                       for op, value, rule, base in hits]
+        if skipped is not None:
+            self._prev_skipped = skipped
         return sorted(found, key=Anomaly.sort_key)
 
     # ------------------------------------------------------------------ sink
 
     def write(self, rows: StepRows, step: int) -> None:
-        found = self.check(rows, step)
+        try:
+            found = self.check(rows, step)
+            findings = [a for a in found if a.rule != SKIPPED]   # a lone skip is expected: no escalation
+            if findings and self.latch is not None:
+                a = findings[0]
+                self.latch.fire(Trigger(step=a.step, rank=a.rank, rule=a.rule, kind=str(a.kind), name=a.name,
+                                        op=a.op))
+        finally:  # judged (or failed): the boundary waiting for this step must not wait longer
+            if self.latch is not None:
+                self.latch.checked(step)
         if not found:
             return
         self.count += len(found)
         self._append(found)
         self._log(found, step)
-        if self.escalation is not None and self.escalation.request(step):
-            log.warning("trainmon: rank %d: first alert at step %d; escalating for %d steps",
-                        self.options.rank, step, self.escalation.steps)
 
     def _append(self, found: list[Anomaly]) -> None:
         now = round(time.time(), 3)
@@ -225,7 +233,18 @@ class AlertSink(Sink):
                         f" ({self._io_failed} could not be written)" if self._io_failed else "")
 
 
+def _skipped(rows: Sequence[StatRow]) -> bool | None:
+    """Whether the loss scaler skipped this step (its ``steps`` row); None when there is none."""
+    for row in reversed(rows):   # the steps row is captured last
+        if row.family == STEPS_FAMILY:
+            return bool(row.stats.get("skipped", 0))
+    return None
+
+
 def _why(a: Anomaly) -> str:
+    if a.rule in (SKIPPED, SKIPPED_RUN):
+        return (" (the loss scaler skipped the optimizer step: Inf/NaN grads; expected now and then)"
+                if a.rule == SKIPPED else " (the loss scaler skipped this step AND the one before: a run of skips)")
     if a.rule == "spike":
         return f" (spike: running baseline {a.baseline:.6g})"
     if a.rule == "threshold":
