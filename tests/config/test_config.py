@@ -141,7 +141,7 @@ def test_eps_int_is_a_float():
 def test_format_single_string_and_null_optionals():
     cfg = parse_config({"format": "tensorboard", "collect_times": None, "ndigits": None}, "x")
     assert cfg.format == ("tensorboard",) and cfg.collect_times is None and cfg.ndigits is None
-    assert KNOWN_FORMATS == ("csv", "tensorboard")
+    assert KNOWN_FORMATS == ("csv", "tensorboard", "parquet")
 
 
 def test_shipped_example_loads():
@@ -232,12 +232,12 @@ BAD = [
      "True needs targets (the modules to record) or all_xy: True (every module)"),
     ({"xy_distribution": True, "targets": [], "all_xy": False}, "xy_distribution",
      "True needs targets (the modules to record) or all_xy: True (every module)"),
-    ({"format": "parquet"}, "format", "unknown format 'parquet' (allowed: csv, tensorboard)"),
+    ({"format": "parket"}, "format", "unknown format 'parket' (did you mean 'parquet'? allowed: csv, tensorboard, parquet)"),
     ({"format": ["csv", "tensorbord"]}, "format[1]",
-     "unknown format 'tensorbord' (did you mean 'tensorboard'? allowed: csv, tensorboard)"),
-    ({"format": []}, "format", "[] is empty (one of csv, tensorboard, or a non-empty list of them)"),
+     "unknown format 'tensorbord' (did you mean 'tensorboard'? allowed: csv, tensorboard, parquet)"),
+    ({"format": []}, "format", "[] is empty (one of csv, tensorboard, parquet, or a non-empty list of them)"),
     ({"format": ["csv", "csv"]}, "format[1]", "duplicate 'csv' (already at format[0])"),
-    ({"format": 1}, "format", "1 is not a list (one of csv, tensorboard, or a non-empty list of them)"),
+    ({"format": 1}, "format", "1 is not a list (one of csv, tensorboard, parquet, or a non-empty list of them)"),
     ({"targets": "layers.0"}, "targets",
      "'layers.0' is not a list or object (list of names, or {\"name\": {}})"),
     ({"targets": ["a", ""]}, "targets[1]", "'' is empty (non-empty module or parameter name)"),

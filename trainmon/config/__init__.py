@@ -23,7 +23,7 @@ from trainmon.stats.table import DEFAULT_OPS, STAT_NAMES
 __all__ = ["KNOWN_FORMATS", "KNOWN_RULES", "CommConfig", "AlertRule", "AlertConfig",
            "MonitorConfig", "load_config", "parse_config"]
 
-KNOWN_FORMATS: tuple[str, ...] = ("csv", "tensorboard")
+KNOWN_FORMATS: tuple[str, ...] = ("csv", "tensorboard", "parquet")
 
 # msprobe ops that are always written as columns, so asking for them changes nothing.
 _ALWAYS_WRITTEN = ("shape", "dtype")

@@ -21,6 +21,7 @@ logger = logging.getLogger(__name__)
 SINK_MODULES: dict[str, str] = {
     "csv": "trainmon.sinks.csv",
     "tensorboard": "trainmon.sinks.tensorboard",
+    "parquet": "trainmon.sinks.parquet",
 }
 
 
