@@ -5,14 +5,18 @@ import argparse
 from collections import Counter
 
 from trainmon.cli import CommandError
+from trainmon.cli._progress import Progress
+from trainmon.diagnosis import engine
 from trainmon.diagnosis.reader import RunDirError, load_run
 from trainmon.diagnosis.report import dump_json, parse_int_list, parse_name_list, table
 from trainmon.diagnosis.rules import Anomaly, Rules, SpikeRule
 from trainmon.diagnosis.scan import merge_runtime, scan
+from trainmon.output.cells import BadCellError
 
 HELP = "list NaN/Inf and spikes of a run, earliest first in training-flow order"
 _RULES = ("nonfinite", "spike", "threshold")
 _TEXT_LIMIT = 30
+_ENGINES = ("auto", "duckdb", "memory")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ranks", default=None, help="comma list of ranks (default: all)")
     parser.add_argument("--no-runtime", action="store_true",
                         help="ignore the anomalies.jsonl files alerts wrote during the run")
+    parser.add_argument("--engine", choices=_ENGINES, default="auto",
+                        help="duckdb: scan the files in an embedded engine, bounded memory; memory: read the "
+                             "whole run into pandas; auto (default): duckdb when installed")
     parser.add_argument("--limit", type=int, default=None,
                         help=f"show at most N entries (text default {_TEXT_LIMIT}, JSON default all; "
                              "0 = all)")
@@ -66,21 +73,39 @@ def _check_names(wanted, have, what: str, path) -> None:
             raise CommandError(f"no {what} '{name}' in {path} (recorded: {recorded})")
 
 
+def _use_engine(choice: str) -> bool:
+    if choice == "duckdb" and not engine.available():
+        raise CommandError("--engine duckdb needs duckdb: pip install trainmon[engine]")
+    return choice == "duckdb" or (choice == "auto" and engine.available())
+
+
 def find(args: argparse.Namespace) -> tuple[object, list[Anomaly]]:
     rules = _rules(args)
     kinds, ranks = parse_name_list(args.kinds), parse_int_list(args.ranks)
+    use_engine = _use_engine(getattr(args, "engine", "auto"))
     try:
-        run = load_run(args.run_dir, families=kinds, ranks=ranks)
+        run = (engine.run_files(args.run_dir, families=kinds, ranks=ranks) if use_engine
+               else load_run(args.run_dir, families=kinds, ranks=ranks))
     except RunDirError as exc:
         raise CommandError(str(exc)) from None
     _check_names(kinds, run.families, "family", run.path)
     _check_names(ranks, run.ranks, "rank", run.path)
     if (rules.spike is not None or rules.threshold is not None) and run.stats:
         _check_names(rules.ops, run.stats, "stat", run.path)
-    found = scan(run, rules)
+    found = _engine_scan(run, rules, quiet=args.json) if use_engine else scan(run, rules)
     if not args.no_runtime:
         found = merge_runtime(found, run.path, kinds=kinds, ranks=ranks)
     return run, found
+
+
+def _engine_scan(files: engine.RunFiles, rules: Rules, *, quiet: bool) -> list[Anomaly]:
+    progress = Progress("anomalies", sum(len(v) for v in files.files.values()), quiet=quiet)
+    try:
+        return engine.engine_scan(files, rules, progress=progress)
+    except BadCellError as exc:
+        raise CommandError(str(exc)) from None
+    finally:
+        progress.done()
 
 
 def run(args: argparse.Namespace) -> int:
