@@ -248,7 +248,10 @@ class _Family:
         v, w = self._v(op), int(rule.window)
         series = "rank, vpp_stage, name, micro_step, occurrence"
         finite = f"FROM o WHERE {self._tensor_rows()} AND isfinite({v})"
-        slack = 1.0 - 1e-9   # wider than any rounding difference between the two medians
+        # Candidates: a little wider than the rule, since DuckDB's median (lo + (hi - lo) / 2) and
+        # pandas' ((lo + hi) / 2) can differ in the last bit, and the latter overflows near the
+        # float64 maximum (> 8e307); the exact rule is applied below.
+        slack = 1.0 - 1e-9
         floor = float(rule.floor)
         ratio = f"((abs(v) + {floor!r}) / (abs(base) + {floor!r}))"
         candidates = self.con.execute(f"""
@@ -257,7 +260,7 @@ class _Family:
                        median({v}) OVER win AS base, count({v}) OVER win AS n {finite}
                 WINDOW win AS (PARTITION BY {series} ORDER BY step, g ROWS BETWEEN {w} PRECEDING AND 1 PRECEDING))
             SELECT g, step, name, rank, micro_step, vpp_stage, occurrence, v FROM b
-            WHERE n >= {int(rule.warmup)} AND (abs(base) + {floor!r} = 0
+            WHERE n >= {int(rule.warmup)} AND (abs(base) + {floor!r} = 0 OR abs(base) > 8e307
                   OR {ratio} >= {float(rule.factor) * slack!r} OR {ratio} <= {slack / float(rule.factor)!r})
             """).fetchall()
         if not candidates:
@@ -322,7 +325,8 @@ def engine_scan(files: RunFiles, rules: Rules = Rules(), *, threads: int | None 
 
     spill_dir = tempfile.mkdtemp(prefix="trainmon-engine-")
     con = _connect(threads, spill_dir)
-    found: list[Anomaly] = []
+    # Ties in flow order keep the in-memory scan's order: every nonfinite, then spikes, then thresholds.
+    found: dict[str, list[Anomaly]] = {"nonfinite": [], "spike": [], "threshold": []}
     try:
         for family, stats in files.family_stats.items():
             fam = _Family(con, family, files.files[family], stats)
@@ -331,13 +335,16 @@ def engine_scan(files: RunFiles, rules: Rules = Rules(), *, threads: int | None 
             rows: list[tuple] = []
             if rules.nonfinite:
                 rows += fam.nonfinite()
-            for op in (o for o in rules.ops if o in stats):
-                if rules.spike is not None:
+            ops = [o for o in rules.ops if o in stats]
+            if rules.spike is not None:
+                for op in ops:
                     rows += fam.spikes(op, rules.spike)
-                if rules.threshold is not None:
+            if rules.threshold is not None:
+                for op in ops:
                     rows += fam.over_threshold(op, rules.threshold)
             position = fam.positions(rows)
-            found += [_anomaly(family, r, position[r[0]]) for r in rows]
+            for r in rows:
+                found[r[6]].append(_anomaly(family, r, position[r[0]]))
             if progress is not None:
                 n = con.execute("SELECT count(*) FROM o").fetchone()[0]
                 progress.update(files=len(files.files[family]), rows=n)
@@ -345,7 +352,7 @@ def engine_scan(files: RunFiles, rules: Rules = Rules(), *, threads: int | None 
     finally:
         con.close()
         shutil.rmtree(spill_dir, ignore_errors=True)
-    return sorted(found, key=Anomaly.sort_key)
+    return sorted([a for part in found.values() for a in part], key=Anomaly.sort_key)
 
 
 def _anomaly(family: str, r: tuple, position: int) -> Anomaly:
