@@ -139,9 +139,9 @@ def _peak_mb(run: Path, choice: str) -> tuple[int, dict]:
 def test_engine_memory_stays_bounded_where_the_in_memory_scan_needs_much_more(tmp_path):
     from trainmon.testing.synthetic_run import SyntheticRun
 
-    synth = SyntheticRun(ranks=4, steps=100, params=300, steps_per_file=25)   # 720,000 rows
+    synth = SyntheticRun(ranks=4, steps=100, params=500, steps_per_file=25)   # 1,200,000 rows
     run = synth.write(tmp_path / "run", "parquet")
-    limit_mb = 400
+    limit_mb = 550   # measured: engine ~300 MB, in-memory ~900 MB
     engine_mb, engine_doc = _peak_mb(run, "duckdb")
     memory_mb, memory_doc = _peak_mb(run, "memory")
     assert engine_doc == memory_doc
