@@ -128,3 +128,18 @@ def test_progress_draws_on_a_terminal_only_and_clears_its_line():
     p.update(files=1)
     p.done()
     assert quiet.getvalue() == ""
+
+
+def test_reading_a_run_reports_every_family_file_and_row_to_the_progress(csv_run):
+    from trainmon.diagnosis.reader import load_run
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    out = Tty()
+    progress = Progress("reading", 0, out=out, interval_s=0)
+    table = load_run(csv_run, progress=progress)
+    assert progress.total == progress.files == len(list(csv_run.rglob("*.csv")))
+    assert progress.rows == len(table.frame)
+    assert f"{progress.files}/{progress.files} files, {len(table.frame):,} rows" in out.getvalue()

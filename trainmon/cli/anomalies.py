@@ -85,7 +85,7 @@ def find(args: argparse.Namespace) -> tuple[object, list[Anomaly]]:
     use_engine = _use_engine(getattr(args, "engine", "auto"))
     try:
         run = (engine.run_files(args.run_dir, families=kinds, ranks=ranks) if use_engine
-               else load_run(args.run_dir, families=kinds, ranks=ranks))
+               else _load_run(args.run_dir, kinds, ranks, quiet=args.json))
     except RunDirError as exc:
         raise CommandError(str(exc)) from None
     _check_names(kinds, run.families, "family", run.path)
@@ -96,6 +96,14 @@ def find(args: argparse.Namespace) -> tuple[object, list[Anomaly]]:
     if not args.no_runtime:
         found = merge_runtime(found, run.path, kinds=kinds, ranks=ranks)
     return run, found
+
+
+def _load_run(path, kinds, ranks, *, quiet: bool):
+    progress = Progress("reading", 0, quiet=quiet)
+    try:
+        return load_run(path, families=kinds, ranks=ranks, progress=progress)
+    finally:
+        progress.done()
 
 
 def _engine_scan(files: engine.RunFiles, rules: Rules, *, quiet: bool) -> list[Anomaly]:

@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import argparse
 
+from pathlib import Path
+
 from trainmon.cli import CommandError
+from trainmon.cli._progress import Progress
 from trainmon.diagnosis.compare import compare_runs
 from trainmon.diagnosis.reader import RunDirError, load_run
 from trainmon.diagnosis.report import dump_json, parse_int_list, parse_name_list, table
@@ -25,18 +28,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="machine-readable output (README.md)")
 
 
-def _load(path: str, kinds, ranks):
+def _load(path: str, kinds, ranks, quiet: bool = False):
+    progress = Progress(f"reading {Path(path).name}", 0, quiet=quiet)
     try:
-        return load_run(path, families=kinds, ranks=ranks)
+        return load_run(path, families=kinds, ranks=ranks, progress=progress)
     except RunDirError as exc:
         raise CommandError(str(exc)) from None
+    finally:
+        progress.done()
 
 
 def run(args: argparse.Namespace) -> int:
     if not args.rtol >= 0 or not args.atol >= 0:
         raise CommandError("--rtol and --atol must be >= 0")
     kinds, ranks = parse_name_list(args.kinds), parse_int_list(args.ranks)
-    base, target = _load(args.base, kinds, ranks), _load(args.target, kinds, ranks)
+    base, target = _load(args.base, kinds, ranks, args.json), _load(args.target, kinds, ranks, args.json)
     result = compare_runs(base, target, rtol=args.rtol, atol=args.atol,
                           ops=parse_name_list(args.ops), top=args.top)
     if args.json:

@@ -5,6 +5,7 @@ import argparse
 from collections import Counter
 
 from trainmon.cli import CommandError
+from trainmon.cli._progress import Progress
 from trainmon.diagnosis.ranks import CHECKS, check_ranks
 from trainmon.diagnosis.reader import RunDirError, load_run
 from trainmon.diagnosis.report import dump_json, parse_int_list, parse_name_list, table
@@ -37,10 +38,13 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(f"unknown check '{unknown[0]}' (allowed: {', '.join(CHECKS)})")
     if not args.outlier_factor > 1:
         raise CommandError("--outlier-factor must be > 1")
+    progress = Progress("reading", 0, quiet=args.json)
     try:
-        run_table = load_run(args.run_dir, ranks=parse_int_list(args.ranks))
+        run_table = load_run(args.run_dir, ranks=parse_int_list(args.ranks), progress=progress)
     except RunDirError as exc:
         raise CommandError(str(exc)) from None
+    finally:
+        progress.done()
     issues = check_ranks(run_table, rtol=args.rtol, outlier_factor=args.outlier_factor,
                          reduce=args.reduce, checks=checks)
     limit = args.limit if args.limit is not None else (0 if args.json else _TEXT_LIMIT)

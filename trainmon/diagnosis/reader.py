@@ -152,8 +152,12 @@ def _annotate(frame: pd.DataFrame, rank: int, family: str, order: int) -> pd.Dat
 
 
 def load_run(path: str | Path, *, families: Sequence[str] | None = None,
-             ranks: Sequence[int] | None = None) -> RunTable:
-    """Read every (or the chosen) family of every (or the chosen) rank of a run."""
+             ranks: Sequence[int] | None = None, progress=None) -> RunTable:
+    """Read every (or the chosen) family of every (or the chosen) rank of a run.
+
+    ``progress`` (``trainmon.cli._progress.Progress`` or anything with ``total`` and
+    ``update(files=, rows=)``) hears of each (rank, family) read.
+    """
     run_dir = resolve_run_dir(path)
     parts: list[pd.DataFrame] = []
     family_stats: dict[str, list[str]] = {}
@@ -161,11 +165,16 @@ def load_run(path: str | Path, *, families: Sequence[str] | None = None,
     names = {f for _, rdir in chosen for f in runs.family_files(rdir) if families is None or f in families}
     # Known families by flow; unknown ones after them, by name: one integer sort key.
     order = {f: i for i, f in enumerate(sorted(names, key=lambda f: (family_rank(f), f)))}
+    if progress is not None:
+        progress.total = sum(len(fs) for _, rdir in chosen for f, fs in runs.family_files(rdir).items()
+                             if f in order)
     for rank, rdir in chosen:
-        for family in runs.family_files(rdir):
+        for family, files in runs.family_files(rdir).items():
             if family not in order:
                 continue
             frame, stats = read_stats_family(rdir, family)
+            if progress is not None:
+                progress.update(files=len(files), rows=len(frame))
             if frame.empty:
                 continue
             parts.append(_annotate(frame, rank, family, order[family]))
