@@ -21,7 +21,7 @@ STATS = "norm, mean, min, max, zeros, nans, infs, std"
 TOP_KEYS = ("targets, start_step, step_interval, collect_times, format, ops, eps, ndigits, "
             "wg_distribution, mv_distribution, param_distribution, ur_distribution, xy_distribution, "
             "forward_only, backward_only, all_xy, print_struct, squash_name, dynamic_on, global_layer_names, "
-            "module_ranks, step_count_per_record, cc_distribution, alert")
+            "replicated_once, module_ranks, step_count_per_record, cc_distribution, alert")
 
 
 def problems_of(data: object) -> list[tuple[str, str]]:
@@ -99,6 +99,7 @@ FULL = {
     "global_layer_names": True,
     "module_ranks": [3, 0],
     "step_count_per_record": 4,
+    "replicated_once": True,
     "dynamic_on": True,
     "cc_distribution": {"enable": True, "cc_codeline": [r"layers\.\d+", "^train$"], "cc_pre_hook": True},
     "alert": {"rules": [{"rule_name": "AnomalyTurbulence", "args": {"threshold": 0.5}},
@@ -119,7 +120,7 @@ def test_full_config_round_trip(tmp_path):
         wg_distribution=True, mv_distribution=True, param_distribution=True, ur_distribution=True,
         xy_distribution=True, forward_only=True, backward_only=False, all_xy=True, print_struct=True,
         squash_name=True, global_layer_names=True, module_ranks=(3, 0), step_count_per_record=4,
-        dynamic_on=True,
+        replicated_once=True, dynamic_on=True,
         cc_distribution=CommConfig(enable=True, cc_codeline=(r"layers\.\d+", "^train$"), cc_pre_hook=True),
         alert=AlertConfig(rules=(AlertRule("AnomalyTurbulence", {"threshold": 0.5}),
                                  AlertRule("AnomalyNan", {"threshold": 1.0}),

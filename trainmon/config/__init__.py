@@ -84,6 +84,7 @@ class MonitorConfig:
     global_layer_names: bool = False   # Megatron PP/VPP: name layers by their global layer_number
     module_ranks: tuple[int, ...] = ()
     step_count_per_record: int = 1
+    replicated_once: bool = False      # replicated families written on data-parallel rank 0 only
     dynamic_on: bool = False
     cc_distribution: CommConfig = CommConfig()
     alert: AlertConfig = AlertConfig()
@@ -304,7 +305,7 @@ def _parse_alert(r: _Reader, key: str, value: object, default: AlertConfig) -> A
 
 _BOOLS = ("wg_distribution", "mv_distribution", "param_distribution", "ur_distribution",
           "xy_distribution", "forward_only", "backward_only", "all_xy", "print_struct",
-          "squash_name", "dynamic_on", "global_layer_names")
+          "squash_name", "dynamic_on", "global_layer_names", "replicated_once")
 
 _SECTIONS: dict[str, Callable] = {
     "targets": _parse_targets,
