@@ -217,13 +217,17 @@ class _Family:
 
     def ordered_view(self) -> None:
         """``o``: the family's rows, read once; ``occurrence`` numbered only where names repeat in a step."""
-        self.con.execute("CREATE OR REPLACE TEMP TABLE o AS SELECT * FROM t")
+        self.con.execute("CREATE OR REPLACE TEMP TABLE o0 AS SELECT * FROM t")
         repeats = self.con.execute("""
-            SELECT count(*) FROM (SELECT 1 FROM o GROUP BY rank, step, micro_step, vpp_stage, name
+            SELECT count(*) FROM (SELECT 1 FROM o0 GROUP BY rank, step, micro_step, vpp_stage, name
                                   HAVING count(*) > 1 LIMIT 1)""").fetchone()[0]
-        occurrence = ("row_number() OVER (PARTITION BY rank, step, micro_step, vpp_stage, name ORDER BY g) - 1"
-                      if repeats else "0")
-        self.con.execute(f"CREATE OR REPLACE TEMP TABLE o AS SELECT *, {occurrence} AS occurrence FROM o")
+        if repeats:
+            self.con.execute("""CREATE OR REPLACE TEMP VIEW o AS SELECT *, row_number() OVER (
+                PARTITION BY rank, step, micro_step, vpp_stage, name ORDER BY g) - 1 AS occurrence FROM o0""")
+            self.con.execute("CREATE OR REPLACE TEMP TABLE o1 AS SELECT * FROM o")
+            self.con.execute("CREATE OR REPLACE TEMP VIEW o AS SELECT * FROM o1")
+        else:  # no copy: names are unique in every step (all but comm-like families)
+            self.con.execute("CREATE OR REPLACE TEMP VIEW o AS SELECT *, 0::BIGINT AS occurrence FROM o0")
 
     def nonfinite(self) -> list[tuple]:
         ops = [c for c in COUNT_OPS if c in self.stats] + [c for c in self.stats if c not in COUNT_OPS]
@@ -348,7 +352,9 @@ def engine_scan(files: RunFiles, rules: Rules = Rules(), *, threads: int | None 
             if progress is not None:
                 n = con.execute("SELECT count(*) FROM o").fetchone()[0]
                 progress.update(files=len(files.files[family]), rows=n)
-            con.execute("DROP TABLE o")
+            con.execute("DROP VIEW o")
+            con.execute("DROP TABLE IF EXISTS o1")
+            con.execute("DROP TABLE o0")
     finally:
         con.close()
         shutil.rmtree(spill_dir, ignore_errors=True)
