@@ -6,15 +6,17 @@ Runs are the shared fault runs (tests/_support/simulate.py), as CSV and converte
 from __future__ import annotations
 
 import json
-import resource
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+pytest.importorskip("duckdb")
+pytest.importorskip("pyarrow")
+
 from tests._support.simulate import SIM_RUNS, named_run, simulate
-from tests.cli.test_convert import _edge_rows
+from tests._support.edge_rows import edge_rows as _edge_rows
 from trainmon.cli import main
 from trainmon.diagnosis import engine
 from trainmon.diagnosis.reader import load_run

@@ -11,8 +11,9 @@ import time
 from pathlib import Path
 
 import pandas as pd
-import pyarrow.parquet as pq
 import pytest
+
+pq = pytest.importorskip("pyarrow.parquet")
 
 from trainmon.output import runs
 from trainmon.sinks import SinkOptions, create_sink
