@@ -74,15 +74,43 @@ def test_a_window_of_several_steps_is_one_file_written_when_the_window_ends(tmp_
     assert runs.read_family(tmp_path, "actv")["step"].tolist() == [0, 1, 2, 3]
 
 
-def test_flush_writes_the_open_window_and_later_rows_rewrite_it_whole(tmp_path):
+def test_flush_closes_the_open_window_and_later_rows_go_to_its_next_file(tmp_path):
     sink = ParquetSink(SinkOptions(rank_dir=tmp_path, step_count_per_record=10))
     sink.write(StepRows.of(_rows(0)), step=0)
     sink.flush()
     assert runs.read_family(tmp_path, "actv")["step"].tolist() == [0]
     sink.write(StepRows.of(_rows(1)), step=1)
     sink.close()
+    assert sorted(p.name for p in tmp_path.glob("actv_*")) == ["actv_0-9.1.parquet", "actv_0-9.parquet"]
+    assert runs.read_family(tmp_path, "grad_reduced")["name"].tolist() == ['w,"odd" name', "NA"] * 2
     assert runs.read_family(tmp_path, "actv")["step"].tolist() == [0, 1]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_a_long_window_goes_to_its_temp_file_in_row_groups_and_appears_whole_at_its_end(tmp_path):
+    sink = ParquetSink(SinkOptions(rank_dir=tmp_path, step_count_per_record=100), row_group_rows=4)
+    for s in range(9):
+        sink.write(StepRows.of(_rows(s)), step=s)
+    assert not list(tmp_path.glob("*.parquet"))               # nothing visible before the window ends
+    tmp = tmp_path / ".grad_reduced_0-99.parquet.tmp"
+    assert tmp.exists() and all(len(v) < 4 for v in sink._open[next(iter(sink._open))].cells.values())
+    sink.close()
+    meta = pq.ParquetFile(tmp_path / "grad_reduced_0-99.parquet").metadata
+    assert meta.num_row_groups == 5 and meta.num_rows == 18
+    df = runs.read_family(tmp_path, "grad_reduced")
+    assert df["step"].tolist() == [s for s in range(9) for _ in range(2)]
+    assert struct.pack("<d", df["norm"][1]) == struct.pack("<d", 0.30000000000000004)
+
+
+def test_a_column_changing_type_mid_window_continues_in_the_next_file(tmp_path):
+    sink = ParquetSink(SinkOptions(rank_dir=tmp_path, step_count_per_record=10), row_group_rows=1)
+    sink.write(StepRows.of([StatRow("grad_reduced", "w", 0, {"norm": 1.0}, (2,), "torch.float32")]), step=0)
+    sink.write(StepRows.of([StatRow("grad_reduced", "w", 1, {"norm": 2}, (2,), "torch.float32")]), step=1)
+    sink.write(StepRows.of([StatRow("grad_reduced", "w", 2, {"norm": "text"}, (2,), "torch.float32")]), step=2)
+    sink.close()
+    assert sink.lost_rows == 0
+    assert pq.read_table(tmp_path / "grad_reduced_0-9.parquet").column("norm").to_pylist() == [1.0, 2.0]
+    assert pq.read_table(tmp_path / "grad_reduced_0-9.1.parquet").column("norm").to_pylist() == ["text"]
 
 
 def test_rows_under_other_columns_go_to_a_sibling_file_and_read_back_aligned(tmp_path):

@@ -8,15 +8,16 @@ digits when set, as in the CSV), ``name``/``shape``/``dtype`` and text extras st
 spelled ``[64, 32]`` as in the CSV.
 
 Crash safety.  A Parquet file is only readable once its footer is written, so a file cannot
-grow row by row like a CSV.  The sink keeps the rows of each *open* window in memory and writes
-a window whole when it is finished (a step past its last step arrives, or ``flush``/``close``):
-to ``.<name>.tmp`` in the rank dir, then ``os.replace`` to its final name.  A rename is atomic,
-so a killed run leaves every file that has its final name complete and readable, no file
-half-written under a family name (a stale ``.tmp`` is ignored by every reader), and loses at most
-the rows of the windows still open -- with the default ``step_count_per_record: 1`` a window is
-one step, written as soon as the step's rows arrive, so nothing but the step in flight.
-``flush`` writes open windows too (their file is rewritten whole when more rows come).  Failures
-never reach the training loop: logged once, counted, reported at ``close`` like the CSV sink.
+grow row by row like a CSV.  Each *open* window (``step_count_per_record`` steps) is written to
+``.<name>.tmp`` in the rank dir, one row group per ``ROW_GROUP_ROWS`` buffered rows (so the sink's
+memory stays bounded however long a window is); when the window ends its footer is written and
+the file is renamed to its final name with ``os.replace``.  A rename is atomic, so a killed run
+leaves every file that has its final name complete and readable, no file half-written under a
+family name (a stale ``.tmp`` is ignored by every reader), and loses at most the rows of the
+windows still open -- with the default ``step_count_per_record: 1`` a window is one step, closed
+as soon as the step's rows arrive.  ``flush`` closes the open windows' files too; a window's later
+rows then go to its next ``.{k}`` file, which readers concatenate in order.  Failures never reach
+the training loop: logged once, counted, reported at ``close`` like the CSV sink.
 """
 from __future__ import annotations
 
@@ -40,6 +41,9 @@ __all__ = ["ParquetSink", "COMPRESSION"]
 logger = logging.getLogger(__name__)
 
 COMPRESSION = "zstd"
+# Rows buffered per open file before they go to its temp file as one row group: bounds the sink's
+# memory however many steps a window (``step_count_per_record``) holds.
+ROW_GROUP_ROWS = 65_536
 _FileKey = tuple[str, int, tuple[str, ...]]   # (family, window start, columns)
 
 
@@ -49,22 +53,31 @@ def _shape_text(shape: Sequence[int]) -> str:
 
 @dataclass
 class _Window:
-    """The buffered rows of one file: one list per column."""
+    """One open file: rows buffered per column, and the temp file its full row groups went to."""
 
     family: str
     a: int
     b: int
     columns: tuple[str, ...]
     cells: dict[str, list] = field(default_factory=dict)
-    path: Path | None = None        # chosen at the first write (flush or end of window)
-    dirty: bool = True
+    path: Path | None = None        # final name, chosen when the first row group is written
+    writer: pq.ParquetWriter | None = None
+    written: int = 0                # rows already in the temp file
 
     def __post_init__(self):
+        self.clear()
+
+    def clear(self) -> None:
         self.cells = {c: [] for c in self.columns}
 
     @property
     def rows(self) -> int:
         return len(self.cells["name"])
+
+    @property
+    def tmp(self) -> Path:
+        assert self.path is not None
+        return self.path.with_name("." + self.path.name + TMP_SUFFIX)
 
 
 class _Values:
@@ -93,8 +106,9 @@ class _Values:
 class ParquetSink(Sink):
     """Writes each step window of each family as one Parquet file under ``options.rank_dir``."""
 
-    def __init__(self, options: SinkOptions):
+    def __init__(self, options: SinkOptions, row_group_rows: int = ROW_GROUP_ROWS):
         super().__init__(options)
+        self._row_group_rows = max(1, int(row_group_rows))
         self._steps_per_file = int(options.step_count_per_record)
         if self._steps_per_file < 1:
             raise ValueError(f"step_count_per_record must be >= 1, got {options.step_count_per_record!r}")
@@ -117,20 +131,20 @@ class ParquetSink(Sink):
             # grow; a window left behind by a skipped step is finished too).
             for key, w in list(self._open.items()):
                 if w.b <= int(step):
-                    self._write_window(w, final=True)
+                    self._finish(w)
                     del self._open[key]
 
     def flush(self) -> None:
+        """Every open window's rows so far become a complete file; its later rows go to the next
+        ``.{k}`` file of the window (readers concatenate them in order)."""
         with self._lock:
             for w in self._open.values():
-                if w.dirty:
-                    self._write_window(w)
+                self._finish(w)
 
     def close(self) -> None:
         with self._lock:
             for w in self._open.values():
-                if w.dirty:
-                    self._write_window(w, final=True)
+                self._finish(w)
             self._open.clear()
             self._sync_dir()
             new_losses = self._lost_rows - self._reported_lost
@@ -168,7 +182,8 @@ class ParquetSink(Sink):
             cells[col].extend(vals[i] for vals in b.values)
         cells["shape"].extend(_shape_text(s) for s in b.shapes)
         cells["dtype"].extend(str(d) for d in b.dtypes)
-        w.dirty = True
+        if w.rows >= self._row_group_rows:
+            self._spill(w)
 
     # -- files ----------------------------------------------------------------------------
 
@@ -181,17 +196,40 @@ class ParquetSink(Sink):
                 arrays.append(self._values.array(w.cells[col]))
         return pa.Table.from_arrays(arrays, names=list(w.columns))
 
-    def _write_window(self, w: _Window, final: bool = False) -> None:
+    def _spill(self, w: _Window) -> None:
+        """The buffered rows as one row group of the window's temp file."""
+        if not w.rows:
+            return
         try:
             table = self._table(w)
-            if w.path is None:
+            if w.writer is not None and table.schema != w.writer.schema:
+                try:
+                    table = table.cast(w.writer.schema)   # e.g. ints in a float column
+                except (pa.ArrowException, ValueError):
+                    self._close_file(w)                   # another type: the next .{k} file
+            if w.writer is None:
                 w.path = self._choose_path(w)
-            tmp = w.path.with_name("." + w.path.name + TMP_SUFFIX)
-            pq.write_table(table, tmp, compression=COMPRESSION)
-            os.replace(tmp, w.path)
-            w.dirty = False
+                w.writer = pq.ParquetWriter(w.tmp, table.schema, compression=COMPRESSION)
+            w.writer.write_table(table)
+            w.written += w.rows
         except (OSError, pa.ArrowException, ValueError, TypeError) as exc:
-            self._failed(w, exc, final)
+            self._failed(w, exc, w.rows)
+        w.clear()
+
+    def _finish(self, w: _Window) -> None:
+        self._spill(w)
+        if w.writer is not None:
+            self._close_file(w)
+
+    def _close_file(self, w: _Window) -> None:
+        """Footer, then the atomic rename that makes the file visible under its family name."""
+        writer, w.writer = w.writer, None
+        try:
+            writer.close()
+            os.replace(w.tmp, w.path)
+        except (OSError, pa.ArrowException) as exc:
+            self._failed(w, exc, 0)
+        w.written = 0
 
     def _choose_path(self, w: _Window) -> Path:
         """The first free ``{family}_{a}-{b}[.{k}].parquet``: a file already there (another header
@@ -205,9 +243,21 @@ class ParquetSink(Sink):
                 self._claimed.add(path)
                 return path
 
-    def _failed(self, w: _Window, exc: Exception, final: bool) -> None:
-        if final:  # a failed flush keeps the rows: the window's final write tries again
-            self._lost_rows += w.rows
+    def _failed(self, w: _Window, exc: Exception, rows: int) -> None:
+        """``rows`` buffered rows are lost; an unfinished temp file loses what it holds too."""
+        if w.writer is not None:
+            try:
+                w.writer.close()
+            except (OSError, pa.ArrowException):
+                pass
+            w.writer = None
+        if w.path is not None:
+            try:
+                w.tmp.unlink()
+            except OSError:
+                pass
+        self._lost_rows += rows + w.written
+        w.written = 0
         if self._first_error is None:
             self._first_error = f"{w.path or self._dir}: {exc}"
             logger.warning("trainmon: cannot write monitor output %s: %s; further failures are "
