@@ -3,6 +3,7 @@
     python benchmarks/overhead.py                 # trainmon configs (and msprobe's if importable)
     python benchmarks/overhead.py --memory        # peak RSS per config, on a bigger model
     python benchmarks/overhead.py --only all-on+xy --repeats 20   # one config, more rounds
+    python benchmarks/overhead.py --format parquet  # the Parquet sink instead of the CSV sink
     python benchmarks/overhead.py --eager         # without the fused CPU kernel
                                                   # (same as TRAINMON_FUSED_CPU=0)
 
@@ -63,7 +64,8 @@ def attach(kind: str, cfg: dict | None, model, optimizer, workdir: Path):
     if kind == "trainmon":
         from trainmon import TrainerMon
 
-        path.write_text(json.dumps({**cfg, "ops": OPS, "step_count_per_record": 1000}))
+        path.write_text(json.dumps({**cfg, "ops": OPS, "step_count_per_record": 1000,
+                                    "format": os.environ.get("TRAINMON_BENCH_FORMAT", "csv")}))
         return TrainerMon(path).set_monitor(model, optimizer=optimizer)
     from msprobe.pytorch import TrainerMon as MsTrainerMon
 
@@ -182,9 +184,11 @@ def main() -> None:
     parser.add_argument("--memory", action="store_true", help="measure peak RSS instead of step time")
     parser.add_argument("--only", metavar="CONFIG", help="time one config, e.g. 'all-on+xy' (more rounds fit)")
     parser.add_argument("--memory-child", help=argparse.SUPPRESS)
+    parser.add_argument("--format", default="csv", help="output format of the monitored runs (csv, parquet, ...)")
     parser.add_argument("--eager", action="store_true",
                         help="without the fused one-pass CPU stats kernel (sets TRAINMON_FUSED_CPU=0)")
     args = parser.parse_args()
+    os.environ["TRAINMON_BENCH_FORMAT"] = args.format  # inherited by --memory children too
     if args.eager:
         os.environ["TRAINMON_FUSED_CPU"] = "0"  # inherited by --memory children too
     _report_fused()

@@ -22,7 +22,7 @@ TOP_KEYS = ("targets, start_step, step_interval, collect_times, format, ops, eps
             "wg_distribution, mv_distribution, param_distribution, ur_distribution, xy_distribution, "
             "forward_only, backward_only, all_xy, print_struct, squash_name, dynamic_on, global_layer_names, "
             "monitor_mbs_grad, stack_info, recording_l2_features, "
-            "loss_alignment, module_ranks, step_count_per_record, cc_distribution, alert, l2_targets, sa_order, grad_probe, on_anomaly")
+            "loss_alignment, replicated_once, module_ranks, step_count_per_record, cc_distribution, alert, l2_targets, sa_order, grad_probe, on_anomaly")
 
 
 def problems_of(data: object) -> list[tuple[str, str]]:
@@ -100,6 +100,7 @@ FULL = {
     "global_layer_names": True,
     "module_ranks": [3, 0],
     "step_count_per_record": 4,
+    "replicated_once": True,
     "dynamic_on": True,
     "grad_probe": {"grad_level": "L2", "param_list": ["model.layers.0"], "bounds": [-1, -0.5, 0, 2.5]},
     "loss_alignment": True,
@@ -131,7 +132,7 @@ def test_full_config_round_trip(tmp_path):
         wg_distribution=True, mv_distribution=True, param_distribution=True, ur_distribution=True,
         xy_distribution=True, forward_only=True, backward_only=False, all_xy=True, print_struct=True,
         squash_name=True, global_layer_names=True, module_ranks=(3, 0), step_count_per_record=4,
-        dynamic_on=True, monitor_mbs_grad=True, stack_info=True, recording_l2_features=True,
+        replicated_once=True, dynamic_on=True, monitor_mbs_grad=True, stack_info=True, recording_l2_features=True,
         l2_targets=(("attention_hook", ("0:layers.0.attn",)), ("linear_hook", ())), sa_order="s,b,h,d",
         grad_probe=GradProbeConfig("L2", ("model.layers.0",), (-1.0, -0.5, 0.0, 2.5)), loss_alignment=True,
         cc_distribution=CommConfig(enable=True, cc_codeline=(r"layers\.\d+", "^train$"), cc_pre_hook=True),
@@ -157,7 +158,7 @@ def test_eps_int_is_a_float():
 def test_format_single_string_and_null_optionals():
     cfg = parse_config({"format": "tensorboard", "collect_times": None, "ndigits": None}, "x")
     assert cfg.format == ("tensorboard",) and cfg.collect_times is None and cfg.ndigits is None
-    assert KNOWN_FORMATS == ("csv", "tensorboard")
+    assert KNOWN_FORMATS == ("csv", "tensorboard", "parquet")
 
 
 def test_shipped_example_loads():
@@ -248,12 +249,12 @@ BAD = [
      "true needs targets (the modules to record) or all_xy: true (every module)"),
     ({"xy_distribution": True, "targets": [], "all_xy": False}, "xy_distribution",
      "true needs targets (the modules to record) or all_xy: true (every module)"),
-    ({"format": "parquet"}, "format", "unknown format 'parquet' (allowed: csv, tensorboard)"),
+    ({"format": "parket"}, "format", "unknown format 'parket' (did you mean 'parquet'? allowed: csv, tensorboard, parquet)"),
     ({"format": ["csv", "tensorbord"]}, "format[1]",
-     "unknown format 'tensorbord' (did you mean 'tensorboard'? allowed: csv, tensorboard)"),
-    ({"format": []}, "format", "[] is empty (one of csv, tensorboard, or a non-empty list of them)"),
+     "unknown format 'tensorbord' (did you mean 'tensorboard'? allowed: csv, tensorboard, parquet)"),
+    ({"format": []}, "format", "[] is empty (one of csv, tensorboard, parquet, or a non-empty list of them)"),
     ({"format": ["csv", "csv"]}, "format[1]", "duplicate 'csv' (already at format[0])"),
-    ({"format": 1}, "format", "1 is not a list (one of csv, tensorboard, or a non-empty list of them)"),
+    ({"format": 1}, "format", "1 is not a list (one of csv, tensorboard, parquet, or a non-empty list of them)"),
     ({"targets": "layers.0"}, "targets",
      "'layers.0' is not a list or object (list of names, or {\"name\": {}})"),
     ({"targets": ["a", ""]}, "targets[1]", "'' is empty (non-empty module or parameter name)"),

@@ -197,8 +197,8 @@ def test_create_sink_writes_csv(tmp_path):
 
 
 def test_create_sink_unknown_format(tmp_path):
-    with pytest.raises(ValueError, match=r"unknown output format 'parquet'.*csv"):
-        create_sink(["csv", "parquet"], SinkOptions(rank_dir=tmp_path))
+    with pytest.raises(ValueError, match=r"unknown output format 'parket'.*csv"):
+        create_sink(["csv", "parket"], SinkOptions(rank_dir=tmp_path))
 
 
 def test_available_formats_only_lists_importable():

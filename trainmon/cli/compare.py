@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import argparse
 
+from pathlib import Path
+
 from trainmon.cli import CommandError
+from trainmon.cli._progress import Progress
 from trainmon.diagnosis.compare import compare_runs
 from trainmon.diagnosis.reader import RunDirError, load_run
 from trainmon.cli._options import check_recorded, non_negative, rank_list
@@ -26,11 +29,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="machine-readable output (fields: docs/diagnosis.md)")
 
 
-def _load(path: str, kinds, ranks):
+def _load(path: str, kinds, ranks, quiet: bool = False):
+    progress = Progress(f"reading {Path(path).name}", 0, quiet=quiet)
     try:
-        run = load_run(path, families=kinds, ranks=ranks)
+        run = load_run(path, families=kinds, ranks=ranks, progress=progress)
     except RunDirError as exc:
         raise CommandError(str(exc)) from None
+    finally:
+        progress.done()
     check_recorded(kinds, run.families_on_disk, "family", run.path)
     check_recorded(ranks, run.ranks_on_disk, "rank", run.path)
     return run
@@ -41,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError("--rtol and --atol must be >= 0")
     non_negative(args.top, "--top")
     kinds, ranks = parse_name_list(args.kinds), rank_list(args.ranks)
-    base, target = _load(args.base, kinds, ranks), _load(args.target, kinds, ranks)
+    base, target = _load(args.base, kinds, ranks, args.json), _load(args.target, kinds, ranks, args.json)
     result = compare_runs(base, target, rtol=args.rtol, atol=args.atol,
                           ops=parse_name_list(args.ops), top=args.top)
     if args.json:

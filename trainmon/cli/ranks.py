@@ -6,6 +6,7 @@ from collections import Counter
 
 from trainmon.cli import CommandError
 from trainmon.cli._options import check_recorded, non_negative, rank_list
+from trainmon.cli._progress import Progress
 from trainmon.diagnosis.ranks import CHECKS, check_ranks
 from trainmon.diagnosis.reader import RunDirError, load_run
 from trainmon.diagnosis.report import dump_json, parse_name_list, table
@@ -40,10 +41,13 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError("--outlier-factor must be > 1")
     non_negative(args.limit, "--limit")
     ranks = rank_list(args.ranks)
+    progress = Progress("reading", 0, quiet=args.json)
     try:
-        run_table = load_run(args.run_dir, ranks=ranks)
+        run_table = load_run(args.run_dir, ranks=ranks, progress=progress)
     except RunDirError as exc:
         raise CommandError(str(exc)) from None
+    finally:
+        progress.done()
     check_recorded(ranks, run_table.ranks_on_disk, "rank", run_table.path)
     issues = check_ranks(run_table, rtol=args.rtol, outlier_factor=args.outlier_factor,
                          reduce=args.reduce, checks=checks)

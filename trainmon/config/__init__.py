@@ -25,7 +25,7 @@ __all__ = ["KNOWN_FORMATS", "KNOWN_RULES", "GRAD_LEVELS", "CommConfig", "AlertRu
            "ESCALATION_KEYS", "GradProbeConfig", "MonitorConfig", "IoSelect", "SPEC_KEYS", "io_select", "load_config",
            "parse_config"]
 
-KNOWN_FORMATS: tuple[str, ...] = ("csv", "tensorboard")
+KNOWN_FORMATS: tuple[str, ...] = ("csv", "tensorboard", "parquet")
 
 # msprobe ops that are always written as columns, so asking for them changes nothing.
 _ALWAYS_WRITTEN = ("shape", "dtype")
@@ -157,6 +157,7 @@ class MonitorConfig:
     global_layer_names: bool = False   # Megatron PP/VPP: name layers by their global layer_number
     module_ranks: tuple[int, ...] = ()
     step_count_per_record: int = 1
+    replicated_once: bool = False      # replicated families written on data-parallel rank 0 only
     dynamic_on: bool = False
     monitor_mbs_grad: bool = False      # grad_unreduced once per micro-batch (its own local grad)
     stack_info: bool = False            # stack_info.csv: where each recorded module is called from
@@ -562,7 +563,7 @@ def _check_on_anomaly(r: _Reader, values: Mapping[str, object]) -> None:
 _BOOLS = ("wg_distribution", "mv_distribution", "param_distribution", "ur_distribution",
           "xy_distribution", "forward_only", "backward_only", "all_xy", "print_struct",
           "squash_name", "dynamic_on", "global_layer_names", "monitor_mbs_grad", "stack_info",
-          "recording_l2_features", "loss_alignment")
+          "recording_l2_features", "loss_alignment", "replicated_once")
 
 _SECTIONS: dict[str, Callable] = {
     "targets": _parse_targets,

@@ -156,8 +156,12 @@ def _annotate(frame: pd.DataFrame, rank: int, family: str, order: int) -> pd.Dat
 
 
 def load_run(path: str | Path, *, families: Sequence[str] | None = None,
-             ranks: Sequence[int] | None = None) -> RunTable:
-    """Read every (or the chosen) family of every (or the chosen) rank of a run."""
+             ranks: Sequence[int] | None = None, progress=None) -> RunTable:
+    """Read every (or the chosen) family of every (or the chosen) rank of a run.
+
+    ``progress`` (``trainmon.cli._progress.Progress`` or anything with ``total`` and
+    ``update(files=, rows=)``) hears of each (rank, family) read.
+    """
     run_dir = resolve_run_dir(path)
     parts: list[pd.DataFrame] = []
     family_stats: dict[str, list[str]] = {}
@@ -170,11 +174,15 @@ def load_run(path: str | Path, *, families: Sequence[str] | None = None,
     names = {f for rank, _ in chosen for f in files[rank] if families is None or f in families}
     # Known families by flow; unknown ones after them, by name: one integer sort key.
     order = {f: i for i, f in enumerate(sorted(names, key=lambda f: (family_rank(f), f)))}
+    if progress is not None:
+        progress.total = sum(len(fs) for rank, _ in chosen for f, fs in files[rank].items() if f in order)
     for rank, rdir in chosen:
-        for family in files[rank]:
+        for family, family_paths in files[rank].items():
             if family not in order:
                 continue
             frame, stats = read_stats_family(rdir, family)
+            if progress is not None:
+                progress.update(files=len(family_paths), rows=len(frame))
             if frame.empty:
                 continue
             parts.append(_annotate(frame, rank, family, order[family]))

@@ -6,6 +6,7 @@
         run.json                                  what ran (written by rank 0; its "escalations"
                                                   list is appended to, atomically, on each escalation)
         rank<R>/<family>_<a>-<b>[.<k>].csv        one file per family per step window
+        rank<R>/<family>_<a>-<b>[.<k>].parquet    the same, ``"format": ["parquet"]``
         rank<R>/anomalies.jsonl                   run-time alerts
         rank<R>/model_meta.json                   the model as monitoring began (loss_alignment)
         rank<R>/stack_info.csv                    where each module is called from (stack_info)
@@ -21,7 +22,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["RUN_META", "RUN_ESCALATIONS", "ALERTS_FILE", "MODEL_META", "STACK_INFO_FILE", "SIMILARITIES_FILE", "SIMILARITY_SUMMARY_PNG",
+__all__ = ["RUN_META", "RUN_ESCALATIONS", "TMP_SUFFIX", "ALERTS_FILE", "MODEL_META", "STACK_INFO_FILE", "SIMILARITIES_FILE", "SIMILARITY_SUMMARY_PNG",
            "TB_DIRNAME", "NOT_RUNS", "FamilyFile", "rank_dir_name",
            "parse_rank_dir", "window_bounds", "family_file_name", "parse_family_file", "partial_file_name"]
 
@@ -34,12 +35,15 @@ STACK_INFO_FILE = "stack_info.csv"   # columns vpp_stage,name,stack (frames oute
 SIMILARITIES_FILE = "similarities.csv"
 SIMILARITY_SUMMARY_PNG = "summary_similarities.png"
 TB_DIRNAME = "tensorboard"
+# A file being written whole (Parquet windows) is ``.<final name>`` + this until renamed: no
+# family file pattern matches it, so readers never see a half-written file.
+TMP_SUFFIX = ".tmp"
 # Directories that hold rank<R>/ folders but are not runs (event files of a run).
 NOT_RUNS = frozenset({TB_DIRNAME})
 
 _RANK_DIR = re.compile(r"^rank(\d+)$")
 _FAMILY_FILE = re.compile(r"^(?P<family>[A-Za-z0-9_]+?)_(?P<start>\d+)-(?P<end>\d+)(?:\.(?P<part>\d+))?"
-                          r"\.(?P<ext>csv)$")
+                          r"\.(?P<ext>csv|parquet)$")
 
 
 @dataclass(frozen=True, order=True)
@@ -51,6 +55,7 @@ class FamilyFile:
     end: int
     family: str
     path: Path
+    ext: str = "csv"
 
 
 def rank_dir_name(rank: int) -> str:
@@ -70,7 +75,7 @@ def window_bounds(step: int, steps_per_file: int) -> tuple[int, int]:
 
 
 def family_file_name(family: str, a: int, b: int, k: int = 0, ext: str = "csv") -> str:
-    """``{family}_{a}-{b}.csv``, or ``{family}_{a}-{b}.{k}.csv`` for the k-th header variant."""
+    """``{family}_{a}-{b}.{ext}``, or ``{family}_{a}-{b}.{k}.{ext}`` for the k-th header variant."""
     return f"{family}_{a}-{b}.{ext}" if k == 0 else f"{family}_{a}-{b}.{k}.{ext}"
 
 
@@ -85,4 +90,4 @@ def parse_family_file(path: Path) -> FamilyFile | None:
     m = _FAMILY_FILE.match(path.name)
     if m is None:
         return None
-    return FamilyFile(int(m["start"]), int(m["part"] or 0), int(m["end"]), m["family"], path)
+    return FamilyFile(int(m["start"]), int(m["part"] or 0), int(m["end"]), m["family"], path, m["ext"])

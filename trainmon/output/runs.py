@@ -1,4 +1,4 @@
-"""Finding and reading trainmon output: output dir -> run dirs -> rank dirs -> CSV families.
+"""Finding and reading trainmon output: output dir -> run dirs -> rank dirs -> CSV / Parquet families.
 
 Layout (see docs/output_files.md)::
 
@@ -110,16 +110,27 @@ def find_runs(path: str | Path, max_depth: int = 2) -> list[Path]:
 
 
 def family_files(rank_dir: str | Path) -> dict[str, list[FamilyFile]]:
-    """Family -> its CSV files in step order (windows by start, header variants after).
+    """Family -> its CSV or Parquet files in step order (windows by start, header variants after).
 
-    Other files in the rank dir (``anomalies.jsonl``, ``stack_info.csv``, ...) are ignored.
+    A family written in both formats (``"format": ["csv", "parquet"]``) is read from one: Parquet
+    when it holds every window the CSV files hold (faster to read), else CSV (after a crash the
+    CSV also holds the window that was open).  Other files in the rank dir (``anomalies.jsonl``,
+    ``stack_info.csv``, a Parquet sink's ``.tmp`` file, ...) are ignored.
     """
-    out: dict[str, list[FamilyFile]] = {}
+    out: dict[str, dict[str, list[FamilyFile]]] = {}
     for p in Path(rank_dir).iterdir():
         f = parse_family_file(p)
         if f is not None and p.is_file():
-            out.setdefault(f.family, []).append(f)
-    return {family: sorted(files) for family, files in sorted(out.items())}
+            out.setdefault(f.family, {}).setdefault(f.ext, []).append(f)
+    return {family: sorted(_one_format(by_ext)) for family, by_ext in sorted(out.items())}
+
+
+def _one_format(by_ext: dict[str, list[FamilyFile]]) -> list[FamilyFile]:
+    csv_files, pq_files = by_ext.get("csv", []), by_ext.get("parquet", [])
+    if not csv_files or not pq_files:
+        return csv_files or pq_files
+    windows = {(f.start, f.end, f.part) for f in pq_files}
+    return pq_files if all((f.start, f.end, f.part) in windows for f in csv_files) else csv_files
 
 
 @functools.lru_cache(maxsize=1)
@@ -280,25 +291,43 @@ def _read_same_header(paths: Sequence[Path], header: Sequence[str], bodies: Sequ
 
 
 def read_family(rank_dir: str | Path, family: str) -> "pd.DataFrame":
-    """Every file of one family of a rank, concatenated in step order.
+    """Every file of one family of a rank, concatenated in step order; CSV or Parquet alike.
 
     Files written under different headers (``ops`` changed mid-run) are aligned by
     column name; a column a file lacks is NaN in its rows.
     """
     import pandas as pd
 
-    by_header: dict[tuple[str, ...], list[tuple[Path, str]]] = {}
-    for f in family_files(rank_dir).get(family, []):
-        header, body = _load_text(Path(f.path))
-        by_header.setdefault(tuple(header), []).append((Path(f.path), body))
-    frames = [_read_same_header([p for p, _ in files], header, [b for _, b in files])
-              for header, files in by_header.items()]
+    files = family_files(rank_dir).get(family, [])
+    if files and files[0].ext == "parquet":
+        frames = _parquet_frames(files)
+    else:
+        by_header: dict[tuple[str, ...], list[tuple[Path, str]]] = {}
+        for f in files:
+            header, body = _load_text(Path(f.path))
+            by_header.setdefault(tuple(header), []).append((Path(f.path), body))
+        frames = [_read_same_header([p for p, _ in group], header, [b for _, b in group])
+                  for header, group in by_header.items()]
     if not frames:
         return pd.DataFrame()
     df = pd.concat(frames, ignore_index=True, sort=False)
     # Header variants come out grouped, not in step order; a stable sort on step alone keeps the
     # write order (= training-flow order) of the rows within each step.
     return df.sort_values("step", kind="stable", ignore_index=True)
+
+
+def _parquet_frames(files: Sequence[FamilyFile]) -> list["pd.DataFrame"]:
+    """Parquet files grouped by schema, like CSV files by header (the reader is its own module)."""
+    from trainmon.output.parquet import parquet_columns, read_parquet_files
+
+    by_schema: dict[tuple[str, ...], list[Path]] = {}
+    for f in files:
+        by_schema.setdefault(tuple(parquet_columns(f.path)), []).append(Path(f.path))
+    frames = [read_parquet_files(paths) for paths in by_schema.values()]
+    for paths, frame in zip(by_schema.values(), frames):
+        # the same checks as a CSV family's (rows numbered from 0 over the group's files)
+        validate_family_frame(frame, paths[0], line_of=lambda i: i, unit="row")
+    return frames
 
 
 def column_roles(df: "pd.DataFrame", extra_stats: Sequence[str] = ()) -> ColumnRoles:

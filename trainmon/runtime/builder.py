@@ -26,10 +26,16 @@ from trainmon.runtime.session import Session
 from trainmon.sinks import create_sink
 from trainmon.sinks.base import NullSink, Sink, SinkOptions
 from trainmon.stats.engine import StatsEngine
+from trainmon.families import FAMILIES, Family
 
 __all__ = ["Attachment", "SessionBuilder"]
 
 log = logging.getLogger(__name__)
+
+# Equal on every rank by construction under plain DDP: the averaged grad and everything the
+# optimizer computes from it (``FamilyInfo.replicated``).
+REPLICATED_UNDER_DDP: frozenset[str] = frozenset(
+    {str(Family.GRAD_REDUCED)} | {str(f) for f, info in FAMILIES.items() if info.replicated})
 
 
 @dataclass(frozen=True)
@@ -103,7 +109,7 @@ class SessionBuilder:
         matcher = self.check_targets(cfg, cfg.source or str(self.config_file))
         self._warn_unrecorded(cfg)
         ctx = self._context(cfg, matcher, first_step)
-        sink = self._make_sink(cfg, latch)
+        sink = self._make_sink(cfg, ctx.integration, latch)
         return Session(ctx, wrap_sink(sink) if wrap_sink is not None else sink, step_optimizer,
                        collect=self._records_here(cfg, ctx.integration))
 
@@ -139,7 +145,18 @@ class SessionBuilder:
         ranks = cfg.module_ranks
         return not ranks or self.rank in ranks or integration.needs_all_ranks
 
-    def _make_sink(self, cfg: MonitorConfig, latch: Any = None) -> Sink:
+    def _replicated_elsewhere(self, cfg: MonitorConfig, integration: Any) -> frozenset[str]:
+        """Families this rank leaves to data-parallel rank 0 under ``replicated_once``."""
+        group = self.attachment.dp_group
+        if not cfg.replicated_once or _dist.world_size(group) < 2 or _dist.rank(group) == 0:
+            return frozenset()
+        if getattr(integration, "name", "") != "torch_ddp":
+            log.warning("trainmon: replicated_once applies to plain torch DDP only (here: %s); every rank "
+                           "writes every family", getattr(integration, "name", "no data-parallel wrapper"))
+            return frozenset()
+        return REPLICATED_UNDER_DDP
+
+    def _make_sink(self, cfg: MonitorConfig, integration: Any = None, latch: Any = None) -> Sink:
         if cfg.module_ranks and self.rank not in cfg.module_ranks:
             return NullSink()
         path = rank_dir(self.run_dir, self.rank) if self.run_dir is not None else None
@@ -147,7 +164,8 @@ class SessionBuilder:
             return NullSink()
         options = SinkOptions(rank_dir=path, rank=self.rank, ndigits=cfg.ndigits,
                               step_count_per_record=cfg.step_count_per_record)
-        return create_sink(cfg.format, options, extra_sinks=_alert_sinks(cfg, options, latch))
+        return create_sink(cfg.format, options, extra_sinks=_alert_sinks(cfg, options, latch),
+                           drop_families=self._replicated_elsewhere(cfg, integration))
 
 
 def _alert_sinks(cfg: MonitorConfig, options: SinkOptions, latch: Any = None) -> list[Sink]:

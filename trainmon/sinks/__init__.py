@@ -10,7 +10,7 @@ import importlib
 import logging
 from typing import Sequence
 
-from trainmon.sinks.base import NullSink, Sink, SinkOptions, register_sink, registered_sinks, sink_class
+from trainmon.sinks.base import DropFamilies, NullSink, Sink, SinkOptions, register_sink, registered_sinks, sink_class
 
 __all__ = ["Sink", "NullSink", "SinkOptions", "register_sink", "create_sink", "available_formats",
            "SINK_MODULES"]
@@ -21,6 +21,7 @@ logger = logging.getLogger(__name__)
 SINK_MODULES: dict[str, str] = {
     "csv": "trainmon.sinks.csv",
     "tensorboard": "trainmon.sinks.tensorboard",
+    "parquet": "trainmon.sinks.parquet",
 }
 
 
@@ -49,13 +50,15 @@ def available_formats() -> tuple[str, ...]:
 
 
 def create_sink(formats: str | Sequence[str], options: SinkOptions, *, threaded: bool = True,
-                max_pending_steps: int = 256, extra_sinks: Sequence[Sink] = ()) -> Sink:
+                max_pending_steps: int = 256, extra_sinks: Sequence[Sink] = (),
+                drop_families: frozenset[str] = frozenset()) -> Sink:
     """One sink writing every format in ``formats`` (a name or a list of names).
 
     Returns ``AsyncSink(FanoutSink([...]))`` (or the bare ``FanoutSink`` with
     ``threaded=False``); an empty list gives a :class:`NullSink`.  Unknown or unusable
     formats raise ``ValueError`` naming the formats that are available.  ``extra_sinks`` (already
-    built, e.g. the alert sink) join the same fan-out behind the same writer thread.
+    built, e.g. the alert sink) join the same fan-out behind the same writer thread.  Rows of
+    ``drop_families`` reach none of them (``replicated_once``).
     """
     from trainmon.sinks.async_writer import AsyncSink, FanoutSink
 
@@ -63,7 +66,9 @@ def create_sink(formats: str | Sequence[str], options: SinkOptions, *, threaded:
     sinks = [_build(fmt, options) for fmt in names] + list(extra_sinks)
     if not sinks:
         return NullSink(options)
-    fanout = FanoutSink(sinks, options)
+    fanout: Sink = FanoutSink(sinks, options)
+    if drop_families:
+        fanout = DropFamilies(fanout, drop_families)
     return AsyncSink(fanout, max_pending_steps=max_pending_steps) if threaded else fanout
 
 

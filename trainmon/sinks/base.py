@@ -8,7 +8,7 @@ from typing import Callable, Sequence
 
 from trainmon.stats.rows import StatRow, StepRows
 
-__all__ = ["Sink", "NullSink", "SinkOptions", "register_sink", "sink_class", "registered_sinks"]
+__all__ = ["Sink", "NullSink", "DropFamilies", "SinkOptions", "register_sink", "sink_class", "registered_sinks"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,27 @@ class NullSink(Sink):
 
     def write(self, rows: StepRows, step: int) -> None:
         pass
+
+
+class DropFamilies(Sink):
+    """Hands ``inner`` every row except those of ``families`` (``replicated_once`` on ranks that
+    are not data-parallel rank 0).  Runs where ``inner`` runs (the writer thread), so the rows are
+    still built off the training thread."""
+
+    def __init__(self, inner: Sink, families: frozenset[str]):
+        super().__init__(inner.options)
+        self.inner, self.families = inner, frozenset(families)
+
+    def write(self, rows: StepRows, step: int) -> None:
+        kept = [b for b in rows.blocks() if b.family not in self.families]
+        if kept:
+            self.inner.write(StepRows(lambda: kept), step)
+
+    def flush(self) -> None:
+        self.inner.flush()
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 _REGISTRY: dict[str, type[Sink]] = {}

@@ -1,0 +1,97 @@
+"""Analysis commands at scale: wall time, rows/s and peak RSS on synthetic runs of growing size.
+
+    PYTHONPATH=. python benchmarks/analysis_scale.py --sizes 1m,10m --formats csv,parquet \\
+        --engines duckdb,memory --root /tmp/trainmon-scale
+
+Each run is a consistent data-parallel run (``trainmon.testing.synthetic_run``: replicated
+families equal on every rank) with a planted NaN and a planted spike, written once per size and
+format under ``--root`` (reused when present).  Each command runs in its own process
+(``python -m trainmon ... --json``); its peak RSS is that child's ``ru_maxrss``.  The first
+finding is checked against the planted fault, so a fast wrong answer cannot pass.  Sizes:
+
+=====  =====================================  ===========
+size   ranks x steps x params x families      rows
+=====  =====================================  ===========
+1m     4 x 100 x 420 x 6                      1,008,000
+10m    8 x 500 x 400 x 6  (the issue's run)   9,600,000
+100m   16 x 2,500 x 420 x 6                   100,800,000
+=====  =====================================  ===========
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from trainmon.testing.synthetic_run import SyntheticRun
+
+SIZES = {
+    "tiny": SyntheticRun(ranks=2, steps=40, params=50, steps_per_file=10),
+    "1m": SyntheticRun(ranks=4, steps=100, params=420, steps_per_file=10),
+    "10m": SyntheticRun(ranks=8, steps=500, params=400, steps_per_file=10),
+    "100m": SyntheticRun(ranks=16, steps=2500, params=420, steps_per_file=50),
+}
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run_dir(root: Path, size: str, fmt: str) -> Path:
+    path = root / f"{size}-{fmt}" / "run"
+    done = path.parent / "complete"
+    if not done.exists():
+        t0 = time.perf_counter()
+        SIZES[size].write(path, fmt)
+        done.write_text(f"{time.perf_counter() - t0:.1f}")
+    return path
+
+
+def _du(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _one(run: Path, synth: SyntheticRun, engine: str) -> dict:
+    # A fresh interpreter per measurement keeps ru_maxrss per command (RUSAGE_CHILDREN is a max).
+    code = ("import resource, subprocess, sys; p = subprocess.run(sys.argv[1:], capture_output=True, text=True); "
+            "sys.stdout.write(p.stdout); sys.stderr.write(p.stderr); "
+            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); sys.exit(p.returncode)")
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", code, sys.executable, "-m", "trainmon", "anomalies", str(run),
+                           "--json", "--engine", engine], capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"anomalies {run} --engine {engine} failed: {proc.stderr.strip()[-500:]}")
+    doc = json.loads(proc.stdout)
+    first = doc["anomalies"][0]
+    ok = (first["step"], first["kind"], first["rule"]) == (synth.spike_step, "grad_reduced", "spike")
+    nan = [a for a in doc["anomalies"] if a["rule"] == "nonfinite"]
+    ok &= bool(nan) and (nan[0]["step"], nan[0]["rank"]) == (synth.nan_step, synth.nan_rank)
+    return {"wall_s": wall, "peak_rss_mb": int(proc.stderr.strip().splitlines()[-1]) / 1024,
+            "findings": doc["count"], "first_is_planted": ok}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", default="1m", help=f"comma list of {', '.join(SIZES)}")
+    ap.add_argument("--formats", default="csv,parquet")
+    ap.add_argument("--engines", default="duckdb,memory", help="anomalies --engine values to measure")
+    ap.add_argument("--root", type=Path, default=Path("/tmp/trainmon-scale"))
+    args = ap.parse_args()
+    print("size  rows        format   MB on disk  engine  wall s  rows/s      peak RSS MB  findings  first ok")
+    for size in args.sizes.split(","):
+        synth = SIZES[size]
+        for fmt in args.formats.split(","):
+            run = _run_dir(args.root, size, fmt)
+            mb = _du(run) / 2**20
+            for engine in args.engines.split(","):
+                r = _one(run, synth, engine)
+                print(f"{size:<5} {synth.rows:<11,} {fmt:<8} {mb:>10.0f}  {engine:<7} {r['wall_s']:>6.1f}  "
+                      f"{synth.rows / r['wall_s']:>10,.0f}  {r['peak_rss_mb']:>11.0f}  {r['findings']:>8}  "
+                      f"{r['first_is_planted']}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

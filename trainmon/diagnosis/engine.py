@@ -1,0 +1,383 @@
+"""The anomaly scan inside DuckDB: the run's files are queried where they lie, only findings come back.
+
+``scan.scan`` needs the whole run in one pandas frame (~800 bytes per CSV row).  Here the same
+rules run as SQL over the CSV or Parquet files of one family at a time (DuckDB reads both
+natively, multi-threaded, and spills to a temp dir beyond ``memory_limit``), so the memory a
+scan needs is bounded by the engine's limit, not by the size of the run.
+
+Exactly the same findings as ``scan.scan`` (tests compare both on the fault runs):
+
+* values are the files' float64 values (DuckDB parses decimal text correctly rounded, as pandas'
+  exact parser does; Parquet holds the bits);
+* the running baseline is the median of the previous ``window`` finite values of a series
+  (computed from the sorted window list: the middle value, or ``(a + b) / 2`` of the two middle
+  ones, the arithmetic of pandas' rolling median), judged from ``warmup`` values on;
+* training-flow order: ``row_number() OVER ()`` over a single-table scan is the files' row order
+  (DuckDB documents this while ``preserve_insertion_order`` is on), so each row's ``position`` in
+  its (rank, step, micro_step) and ``occurrence`` of its name are those of the in-memory reader;
+* a stat cell holding text that is not a number is a :class:`~trainmon.output.cells.BadCellError`
+  naming the file, line and column, never a silent NaN.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from trainmon.diagnosis.flow import family_rank
+from trainmon.diagnosis.reader import RunDirError, ranked_dirs, resolve_run_dir
+from trainmon.diagnosis.rules import COUNT_OPS, RATIO_FAMILIES, Anomaly, Rules
+from trainmon.output import runs
+from trainmon.output.cells import NAN_SPELLINGS, BadCellError
+from trainmon.errors import DamagedFileError
+from trainmon.output.layout import FamilyFile
+
+__all__ = ["available", "RunFiles", "run_files", "engine_scan", "MEMORY_LIMIT"]
+
+# The engine's working-memory cap; beyond it DuckDB spills to a temp directory.
+MEMORY_LIMIT = os.environ.get("TRAINMON_ENGINE_MEMORY", "512MB")
+
+
+def available() -> bool:
+    try:
+        import duckdb  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@dataclass
+class RunFiles:
+    """What the scan needs to know about a run without reading its rows."""
+
+    path: Path
+    files: dict[str, list[tuple[int, FamilyFile]]] = field(default_factory=dict)   # family -> (rank, file)
+    family_stats: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    ranks: tuple[int, ...] = ()
+    families_on_disk: tuple[str, ...] = ()   # every family of every rank, chosen or not
+    ranks_on_disk: tuple[int, ...] = ()
+
+    @property
+    def families(self) -> tuple[str, ...]:
+        return tuple(self.family_stats)
+
+    @property
+    def stats(self) -> tuple[str, ...]:
+        seen: dict[str, None] = {}
+        for cols in self.family_stats.values():
+            seen.update(dict.fromkeys(cols))
+        return tuple(seen)
+
+
+def _columns(f: FamilyFile) -> list[str]:
+    if f.ext == "parquet":
+        from trainmon.output.parquet import parquet_columns
+
+        return parquet_columns(f.path)
+    return runs._header(Path(f.path))
+
+
+def _has_rows(f: FamilyFile) -> bool:
+    if f.ext == "parquet":
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(f.path).metadata.num_rows > 0
+    with open(f.path, "rb") as fh:
+        header = fh.readline()
+        if not header.strip():   # the sink never leaves an empty file: damage, as for the other readers
+            raise DamagedFileError(f.path, "empty file (no header)")
+        return bool(fh.readline().strip())
+
+
+def _roles(f: FamilyFile) -> runs.ColumnRoles:
+    # The in-memory reader's own rule (it may look at dtypes), on one file of this header.
+    from trainmon.output.parquet import read_parquet
+
+    return runs.column_roles(runs.read_csv(f.path) if f.ext == "csv" else read_parquet(f.path))
+
+
+def run_files(path: str | Path, *, families: Sequence[str] | None = None,
+              ranks: Sequence[int] | None = None) -> RunFiles:
+    """The files of a run by family, and each family's stat columns (from one file per header)."""
+    run_dir = resolve_run_dir(path)
+    out = RunFiles(run_dir)
+    stats: dict[str, list[str]] = {}
+    seen_ranks: set[int] = set()
+    roles_of: dict[tuple[str, tuple[str, ...]], runs.ColumnRoles] = {}
+    every = ranked_dirs(run_dir)
+    by_rank = {rank: runs.family_files(rdir) for rank, rdir in every}
+    if not any(by_rank.values()):
+        raise RunDirError(f"{run_dir}: nothing recorded (its rank folders hold no <family>_<a>-<b>.csv or "
+                          ".parquet file)")
+    out.families_on_disk = tuple(sorted({f for fams in by_rank.values() for f in fams},
+                                        key=lambda f: (family_rank(f), f)))
+    out.ranks_on_disk = tuple(rank for rank, _ in every)
+    for rank, rdir in every:
+        if ranks is not None and rank not in ranks:
+            continue
+        for family, files in by_rank[rank].items():
+            if families is not None and family not in families:
+                continue
+            with_rows = [f for f in files if _has_rows(f)]
+            if not with_rows:
+                continue
+            seen_ranks.add(rank)
+            out.files.setdefault(family, []).extend((rank, f) for f in with_rows)
+            known = stats.setdefault(family, [])
+            for f in with_rows:
+                key = (family, tuple(_columns(f)))
+                if key not in roles_of:
+                    roles_of[key] = _roles(f)
+                known += [c for c in roles_of[key].stats if c not in known]
+    ordered = sorted(stats, key=lambda fam: (family_rank(fam), fam))
+    out.family_stats = {f: tuple(stats[f]) for f in ordered}
+    out.ranks = tuple(sorted(seen_ranks))
+    return out
+
+
+# ----------------------------------------------------------------------------- SQL
+
+
+def _q(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+def _lit(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+class _Family:
+    """The SQL of one family: a view ``t`` of its rows with rank, row order and numeric stats."""
+
+    def __init__(self, con, family: str, files: list[tuple[int, FamilyFile]], stats: Sequence[str]):
+        self.con, self.family, self.stats = con, family, tuple(stats)
+        self.parquet = files[0][1].ext == "parquet"
+        self.rank_of = {str(f.path): rank for rank, f in files}
+        groups: dict[tuple[str, ...], list[str]] = {}
+        for _, f in files:
+            groups.setdefault(tuple(_columns(f)), []).append(str(f.path))
+        cols = {c for header in groups for c in header}
+        self.micro = "micro_step" in cols
+        self.present = [s for s in self.stats if s in cols]
+        # One scan per header (the in-memory reader's grouping, in its order); no sniffing: the
+        # columns are known.  UNION ALL keeps each scan's row order.
+        source = " UNION ALL BY NAME ".join(f"SELECT * FROM {self._scan(h, p)}" for h, p in groups.items())
+        con.execute("CREATE OR REPLACE TEMP TABLE ranks_of(filename VARCHAR, rank INTEGER)")
+        con.executemany("INSERT INTO ranks_of VALUES (?, ?)", list(self.rank_of.items()))
+        num = ",\n".join(f"{self._num(s)} AS {_q(s)}" for s in self.present)
+        micro = self._int("micro_step") if self.micro else "-1"
+        con.execute(f"""
+            CREATE OR REPLACE TEMP VIEW raw AS
+            SELECT row_number() OVER () AS g, * FROM ({source})""")
+        con.execute(f"""
+            CREATE OR REPLACE TEMP VIEW t AS
+            SELECT g, filename, ({self._bad_text()}) AS bad, r.rank, {self._int("step")} AS step, COALESCE({micro}, -1) AS micro_step,
+                   COALESCE({self._int("vpp_stage") if "vpp_stage" in cols else "NULL"}, 0) AS vpp_stage,
+                   CAST(name AS VARCHAR) AS name,
+                   COALESCE(CAST(dtype AS VARCHAR), '') AS dtype{',' if num else ''}
+                   {num}
+            FROM raw JOIN ranks_of r USING (filename)""")
+
+    def _scan(self, header: tuple[str, ...], paths: list[str]) -> str:
+        listing = "[" + ", ".join(_lit(p) for p in paths) + "]"
+        if self.parquet:
+            return f"read_parquet({listing}, filename=true)"
+        # Every column as text: a stat cell that is not a number must be an error, not NULL.
+        columns = "{" + ", ".join(f"{_lit(c)}: 'VARCHAR'" for c in header) + "}"
+        return (f"read_csv({listing}, filename=true, header=true, auto_detect=false, columns={columns}, "
+                "delim=',', quote='\"', escape='\"', null_padding=false)")
+
+    def _int(self, col: str) -> str:
+        return f"CAST({_q(col)} AS BIGINT)" if self.parquet else f"CAST(TRY_CAST({_q(col)} AS DOUBLE) AS BIGINT)"
+
+    def _num(self, col: str) -> str:
+        if self.parquet:
+            return f"CAST({_q(col)} AS DOUBLE)"
+        return f"TRY_CAST(trim({_q(col)}) AS DOUBLE)"
+
+    def _bad_text(self) -> str:
+        """True for a row with a stat cell holding text other than a number (CSV only)."""
+        if self.parquet or not self.present:
+            return "false"
+        nan = ", ".join(_lit(s) for s in sorted(NAN_SPELLINGS))
+        return " OR ".join(f"({_q(s)} IS NOT NULL AND trim({_q(s)}) NOT IN ({nan}) "
+                           f"AND TRY_CAST(trim({_q(s)}) AS DOUBLE) IS NULL)" for s in self.present)
+
+    def check_cells(self) -> None:
+        """Raise BadCellError for the first stat cell that holds text other than a number."""
+        hit = self.con.execute("SELECT filename, g FROM o WHERE bad ORDER BY g LIMIT 1").fetchone()
+        if hit is None:
+            return
+        filename, g = hit
+        first = self.con.execute("SELECT min(g) FROM o WHERE filename = ?", [filename]).fetchone()[0]
+        row = self.con.execute(f"SELECT {', '.join(_q(s) for s in self.present)} FROM raw WHERE g = ?",
+                               [g]).fetchone()
+        for col, text in zip(self.present, row):
+            if text is not None and text.strip() not in NAN_SPELLINGS:
+                try:
+                    float(text.strip())
+                except ValueError:
+                    raise BadCellError(filename, 2 + g - first, col, text) from None
+
+    def _v(self, s: str) -> str:
+        # A stat a file lacks (another header) is NaN in the in-memory table: the same here.
+        return f"COALESCE({_q(s)}, 'NaN'::DOUBLE)" if s in self.present else "'NaN'::DOUBLE"
+
+    def _tensor_rows(self) -> str:
+        all_nan = " AND ".join(f"isnan({self._v(s)})" for s in self.stats) or "true"
+        return f"NOT (trim(dtype) IN ('', 'None', 'nan') AND {all_nan})"
+
+    def ordered_view(self) -> None:
+        """``o``: the family's rows, read once; ``occurrence`` numbered only where names repeat in a step."""
+        self.con.execute("CREATE OR REPLACE TEMP TABLE o0 AS SELECT * FROM t")
+        repeats = self.con.execute("""
+            SELECT count(*) FROM (SELECT 1 FROM o0 GROUP BY rank, step, micro_step, vpp_stage, name
+                                  HAVING count(*) > 1 LIMIT 1)""").fetchone()[0]
+        if repeats:
+            self.con.execute("""CREATE OR REPLACE TEMP VIEW o AS SELECT *, row_number() OVER (
+                PARTITION BY rank, step, micro_step, vpp_stage, name ORDER BY g) - 1 AS occurrence FROM o0""")
+            self.con.execute("CREATE OR REPLACE TEMP TABLE o1 AS SELECT * FROM o")
+            self.con.execute("CREATE OR REPLACE TEMP VIEW o AS SELECT * FROM o1")
+        else:  # no copy: names are unique in every step (all but comm-like families)
+            self.con.execute("CREATE OR REPLACE TEMP VIEW o AS SELECT *, 0::BIGINT AS occurrence FROM o0")
+
+    def nonfinite(self) -> list[tuple]:
+        ops = [c for c in COUNT_OPS if c in self.stats] + [c for c in self.stats if c not in COUNT_OPS]
+        if not ops or self.family in RATIO_FAMILIES:
+            return []
+        cases = " ".join(f"WHEN {self._bad(op)} THEN {_lit(op)}" for op in ops)
+        values = " ".join(f"WHEN {_lit(op)} THEN {self._v(op)}" for op in ops)
+        return self.con.execute(f"""
+            SELECT g, step, name, rank, op, CASE op {values} END AS value, 'nonfinite', micro_step, vpp_stage,
+                   NULL, occurrence
+            FROM (SELECT *, CASE {cases} END AS op FROM o WHERE {self._tensor_rows()})
+            WHERE op IS NOT NULL""").fetchall()
+
+    def _bad(self, op: str) -> str:
+        # DuckDB orders NaN above every number (NaN > 0 is true there): guard it as numpy does.
+        v = self._v(op)
+        return f"(NOT isnan({v}) AND {v} > 0)" if op in COUNT_OPS else f"NOT isfinite({v})"
+
+    def spikes(self, op: str, rule) -> list[tuple]:
+        """Candidates from DuckDB's windowed median (fast), then each candidate's baseline exactly, in
+        pandas' arithmetic, from its window's values; the rule is applied to that exact baseline."""
+        v, w = self._v(op), int(rule.window)
+        series = "rank, vpp_stage, name, micro_step, occurrence"
+        finite = f"FROM o WHERE {self._tensor_rows()} AND isfinite({v})"
+        # Candidates: a little wider than the rule, since DuckDB's median (lo + (hi - lo) / 2) and
+        # pandas' ((lo + hi) / 2) can differ in the last bit, and the latter overflows near the
+        # float64 maximum (> 8e307); the exact rule is applied below.
+        slack = 1.0 - 1e-9
+        floor = float(rule.floor)
+        ratio = f"((abs(v) + {floor!r}) / (abs(base) + {floor!r}))"
+        candidates = self.con.execute(f"""
+            WITH b AS (
+                SELECT g, step, name, rank, micro_step, vpp_stage, occurrence, {v} AS v,
+                       median({v}) OVER win AS base, count({v}) OVER win AS n {finite}
+                WINDOW win AS (PARTITION BY {series} ORDER BY step, g ROWS BETWEEN {w} PRECEDING AND 1 PRECEDING))
+            SELECT g, step, name, rank, micro_step, vpp_stage, occurrence, v FROM b
+            WHERE n >= {int(rule.warmup)} AND (abs(base) + {floor!r} = 0 OR abs(base) > 8e307
+                  OR {ratio} >= {float(rule.factor) * slack!r} OR {ratio} <= {slack / float(rule.factor)!r})
+            """).fetchall()
+        if not candidates:
+            return []
+        self.con.execute("CREATE OR REPLACE TEMP TABLE cand(g BIGINT, step BIGINT, rank INTEGER, vpp_stage BIGINT, "
+                         "name VARCHAR, micro_step BIGINT, occurrence BIGINT)")
+        self.con.executemany("INSERT INTO cand VALUES (?, ?, ?, ?, ?, ?, ?)",
+                             [(c[0], c[1], c[3], c[5], c[2], c[4], c[6]) for c in candidates])
+        # Each candidate's window: the ``w`` finite values before it in its series.
+        windows = dict(self.con.execute(f"""
+            SELECT c.g, list(s.v ORDER BY s.step DESC, s.g DESC)[1:{w}]
+            FROM cand c JOIN (SELECT g, step, {series}, {v} AS v {finite}) s USING ({series})
+            WHERE s.step < c.step OR (s.step = c.step AND s.g < c.g) GROUP BY c.g""").fetchall())
+        out = []
+        for g, step, name, rank, micro, vpp, occ, value in candidates:
+            base = _median(windows[g])
+            if rule.fires(value, base):
+                out.append((g, step, name, rank, op, value, "spike", micro, vpp, base, occ))
+        return out
+
+    def over_threshold(self, op: str, threshold: float) -> list[tuple]:
+        v = self._v(op)
+        return self.con.execute(f"""
+            SELECT g, step, name, rank, {_lit(op)}, {v}, 'threshold', micro_step, vpp_stage, NULL, occurrence
+            FROM o WHERE isfinite({v}) AND abs({v}) > {float(threshold)!r}""").fetchall()
+
+    def positions(self, rows: list[tuple]) -> dict[int, int]:
+        """Row ``g`` -> its index in its (rank, step, micro_step), for the found rows' groups only."""
+        if not rows:
+            return {}
+        self.con.execute("CREATE OR REPLACE TEMP TABLE hit(rank INTEGER, step BIGINT, micro_step BIGINT)")
+        self.con.executemany("INSERT INTO hit VALUES (?, ?, ?)",
+                             list({(r[3], r[1], r[7]) for r in rows}))
+        wanted = {r[0] for r in rows}
+        found = self.con.execute("""
+            SELECT g, row_number() OVER (PARTITION BY rank, step, micro_step ORDER BY g) - 1
+            FROM o SEMI JOIN hit USING (rank, step, micro_step)""").fetchall()
+        return {g: p for g, p in found if g in wanted}
+
+
+def _median(values: list[float]) -> float:
+    """pandas' rolling median: the middle value, or (a + b) / 2 of the two middle ones."""
+    ordered = sorted(values)
+    n = len(ordered)
+    return ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+
+
+def _connect(threads: int | None, spill_dir: str):
+    import duckdb
+
+    config = {"memory_limit": MEMORY_LIMIT, "preserve_insertion_order": True, "temp_directory": spill_dir}
+    if threads:
+        config["threads"] = int(threads)
+    return duckdb.connect(":memory:", config=config)
+
+
+def engine_scan(files: RunFiles, rules: Rules = Rules(), *, threads: int | None = None,
+                progress=None) -> list[Anomaly]:
+    """Every anomaly of the run's files, in training-flow order: ``scan.scan`` of the same run."""
+    import shutil
+    import tempfile
+
+    spill_dir = tempfile.mkdtemp(prefix="trainmon-engine-")
+    con = _connect(threads, spill_dir)
+    # Ties in flow order keep the in-memory scan's order: every nonfinite, then spikes, then thresholds.
+    found: dict[str, list[Anomaly]] = {"nonfinite": [], "spike": [], "threshold": []}
+    try:
+        for family, stats in files.family_stats.items():
+            fam = _Family(con, family, files.files[family], stats)
+            fam.ordered_view()
+            fam.check_cells()
+            rows: list[tuple] = []
+            if rules.nonfinite:
+                rows += fam.nonfinite()
+            ops = [o for o in rules.ops if o in stats]
+            if rules.spike is not None:
+                for op in ops:
+                    rows += fam.spikes(op, rules.spike)
+            if rules.threshold is not None:
+                for op in ops:
+                    rows += fam.over_threshold(op, rules.threshold)
+            position = fam.positions(rows)
+            for r in rows:
+                found[r[6]].append(_anomaly(family, r, position[r[0]]))
+            if progress is not None:
+                n = con.execute("SELECT count(*) FROM o").fetchone()[0]
+                progress.update(files=len(files.files[family]), rows=n)
+            con.execute("DROP VIEW o")
+            con.execute("DROP TABLE IF EXISTS o1")
+            con.execute("DROP TABLE o0")
+    finally:
+        con.close()
+        shutil.rmtree(spill_dir, ignore_errors=True)
+    return sorted([a for part in found.values() for a in part], key=Anomaly.sort_key)
+
+
+def _anomaly(family: str, r: tuple, position: int) -> Anomaly:
+    _, step, name, rank, op, value, rule, micro, vpp, base, occurrence = r
+    return Anomaly(step=int(step), kind=family, name=name, rank=int(rank), op=op,
+                   value=float("nan") if value is None else float(value), rule=rule,
+                   micro_step=None if int(micro) < 0 else int(micro), vpp_stage=int(vpp),
+                   baseline=None if base is None else float(base), position=int(position),
+                   occurrence=int(occurrence))

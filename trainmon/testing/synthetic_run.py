@@ -1,0 +1,113 @@
+"""Consistent synthetic data-parallel runs of any size, in the sinks' layout, with planted faults.
+
+For benchmarks and bounded-memory tests of the analysis commands: ``ranks x steps x params x
+families`` rows, written as CSV (the CSV sink's columns and float spelling) and optionally as
+Parquet.  Consistent like a real DDP run: the replicated families (``grad_reduced``, params,
+moments) are the same on every rank; ``grad_unreduced`` differs per rank.  Planted faults, so
+the first findings are known:
+
+* a NaN in ``grad_unreduced`` of param ``nan_param`` on rank ``nan_rank`` at step ``nan_step``;
+* a x1e4 spike in ``grad_reduced`` (every rank) of param ``spike_param`` at step ``spike_step``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from trainmon.output.layout import family_file_name, rank_dir_name
+
+__all__ = ["SyntheticRun", "FAMILIES", "OPS"]
+
+FAMILIES = ("grad_unreduced", "grad_reduced", "param_origin", "exp_avg", "exp_avg_sq", "param_updated")
+OPS = ("norm", "mean", "min", "max", "nans", "infs")
+_PER_RANK = {"grad_unreduced"}
+
+
+@dataclass(frozen=True)
+class SyntheticRun:
+    ranks: int = 2
+    steps: int = 50
+    params: int = 40
+    steps_per_file: int = 10
+    families: tuple[str, ...] = FAMILIES
+    seed: int = 0
+
+    @property
+    def rows(self) -> int:
+        return self.ranks * self.steps * self.params * len(self.families)
+
+    @property
+    def nan_step(self) -> int:
+        return self.steps // 2
+
+    @property
+    def spike_step(self) -> int:
+        return self.steps // 3
+
+    nan_rank = property(lambda self: self.ranks - 1)
+    nan_param = property(lambda self: self.params // 2)
+    spike_param = property(lambda self: self.params // 3)
+
+    def names(self) -> list[str]:
+        return [f"layers.{i // 2}.{'weight' if i % 2 == 0 else 'bias'}" for i in range(self.params)]
+
+    def _block(self, family: str, rank: int, steps: np.ndarray) -> dict[str, np.ndarray]:
+        """Stats of one family, ``len(steps) * params`` rows, step-major (file order)."""
+        fam = self.families.index(family)
+        rng = np.random.default_rng([self.seed, fam, rank + 1 if family in _PER_RANK else 0, int(steps[0])])
+        scale = np.random.default_rng([self.seed, fam]).uniform(0.1, 2.0, self.params)
+        n = len(steps) * self.params
+        t = np.repeat(steps, self.params).astype(float)
+        p = np.tile(np.arange(self.params), len(steps))
+        noise = rng.standard_normal(n) * 0.01
+        norm = scale[p] * (1.0 + 0.05 * np.sin(t / 7.0 + p)) * (1.0 + noise)
+        out = {"norm": norm, "mean": norm * 1e-3 * np.cos(p + t), "min": -norm * 0.1, "max": norm * 0.1,
+               "nans": np.zeros(n, dtype=np.int64), "infs": np.zeros(n, dtype=np.int64)}
+        if family == "grad_reduced":
+            hit = (np.repeat(steps, self.params) == self.spike_step) & (p == self.spike_param)
+            out["norm"] = np.where(hit, out["norm"] * 1e4, out["norm"])
+        if family == "grad_unreduced" and rank == self.nan_rank:
+            hit = (np.repeat(steps, self.params) == self.nan_step) & (p == self.nan_param)
+            for op in ("norm", "mean", "min", "max"):
+                out[op] = np.where(hit, np.nan, out[op])
+            out["nans"] = np.where(hit, 3, out["nans"])
+        return out
+
+    def frames(self):
+        """``(rank, family, window start, window end, DataFrame)`` of every file, in the sinks' columns."""
+        import pandas as pd
+
+        names = np.array(self.names(), dtype=object)
+        shapes = np.array([f"[{64 + i % 7}, {32 + i % 5}]" if i % 2 == 0 else f"[{64 + i % 7}]"
+                           for i in range(self.params)], dtype=object)
+        for rank in range(self.ranks):
+            for a in range(0, self.steps, self.steps_per_file):
+                steps = np.arange(a, min(a + self.steps_per_file, self.steps))
+                n = len(steps) * self.params
+                for family in self.families:
+                    stats = self._block(family, rank, steps)
+                    frame = pd.DataFrame({"vpp_stage": np.zeros(n, dtype=np.int64),
+                                          "name": np.tile(names, len(steps)),
+                                          "step": np.repeat(steps, self.params).astype(np.int64),
+                                          **{op: stats[op] for op in OPS},
+                                          "shape": np.tile(shapes, len(steps)), "dtype": "torch.float32"})
+                    yield rank, family, a, a + self.steps_per_file - 1, frame
+
+    def write(self, run_dir: str | Path, fmt: str = "csv") -> Path:
+        """Write the run as ``fmt`` ("csv" or "parquet") under ``run_dir``; returns it."""
+        run_dir = Path(run_dir)
+        for rank, family, a, b, frame in self.frames():
+            rdir = run_dir / rank_dir_name(rank)
+            rdir.mkdir(parents=True, exist_ok=True)
+            path = rdir / family_file_name(family, a, b, ext=fmt)
+            if fmt == "csv":
+                # pandas writes float64 with repr: the CSV sink's full-precision spelling.
+                frame.to_csv(path, index=False)
+            else:
+                import pyarrow as pa
+                import pyarrow.parquet as pq
+
+                pq.write_table(pa.Table.from_pandas(frame, preserve_index=False), path, compression="zstd")
+        return run_dir
