@@ -2,7 +2,8 @@
 
 Every reduction writes its result with ``out=`` into a per-step buffer on the tensor's device, so
 a tensor costs only the reductions that read it (default ops: ``sum``, ``linalg_vector_norm``,
-``aminmax``; ``nans``/``infs`` one ``isnan``/``isinf`` + ``sum`` each) and no bookkeeping kernels:
+``aminmax``; each requested count one mask written into a reused scratch, plus ONE ``sum`` for all
+the counts of the row) and no bookkeeping kernels:
 
 * ``values``: float32 ``[capacity, k]`` (sum, norm, min, max, m2/n as the ops need), never fp64 on
   the device (MPS has none, Ascend per op);
@@ -38,6 +39,7 @@ __all__ = ["DeviceRows", "HostCopy", "VALUE_COLUMNS", "COUNT_COLUMNS", "gathered
 VALUE_COLUMNS = ("sum", "sumsq", "min", "max", "m2")   # float32 on the device (sumsq held as the norm)
 COUNT_COLUMNS = ("nans", "infs", "zeros")              # int64 on the device
 _F32 = torch.float32
+_SCRATCH_MAX = 1 << 26   # elements: larger tensors count with transient masks (a scratch of 64 MiB per count at most)
 
 
 def _layout(columns: Sequence[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -69,6 +71,7 @@ class DeviceRows:
         self.lock = threading.Lock()
         self.numels: list[int] = []
         self.kinds: list[torch.dtype] = []    # the dtype whose extremes buffer holds the row's min/max
+        self._scratch: dict[Any, torch.Tensor] = {}   # stream -> [counts, size] bool masks (see _count)
 
     # -- hooks ---------------------------------------------------------------------------------
     @torch.no_grad()
@@ -111,12 +114,37 @@ class DeviceRows:
             self._count(t, chunk.counts[r])  # type: ignore[index]
 
     def _count(self, t: torch.Tensor, c: torch.Tensor) -> None:
-        if "nans" in self.ccol:
-            torch.sum(torch.isnan(t), dim=None, out=c[self.ccol["nans"]])
-        if "infs" in self.ccol:
-            torch.sum(torch.isinf(t), dim=None, out=c[self.ccol["infs"]])
-        if "zeros" in self.ccol:
-            torch.sum(t.abs() < self._eps_in(t.dtype), dim=None, out=c[self.ccol["zeros"]])
+        """The requested counts with one mask per count and ONE ``sum`` for all of them: the masks
+        are written (``out=``) into the rows of a per-stream scratch, summed along its rows into
+        the row's adjacent count columns (``nans, infs``: 3 ops instead of 4)."""
+        n = t.numel()
+        masks = self._masks(n) if n <= _SCRATCH_MAX else None
+        if masks is None:   # a tensor this large: one transient mask per count (a scratch would stay)
+            for k, col in enumerate(self.counts):
+                torch.sum(self._mask(t, col), dim=None, out=c[k])
+            return
+        for k, col in enumerate(self.counts):
+            self._mask(t, col, masks[k, :n].view(t.shape))
+        torch.sum(masks[:, :n], dim=1, out=c)
+
+    def _mask(self, t: torch.Tensor, col: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        if col == "nans":
+            return torch.isnan(t) if out is None else torch.ops.aten.isnan.out(t, out=out)
+        if col == "infs":
+            return torch.isinf(t) if out is None else torch.ops.aten.isinf.out(t, out=out)
+        return torch.lt(t.abs(), self._eps_in(t.dtype), out=out) if out is not None else t.abs() < self._eps_in(t.dtype)
+
+    def _masks(self, n: int) -> torch.Tensor:
+        """``[counts, >= n]`` bool scratch of the current stream, grown by doubling, dropped at the
+        step end.  Per stream: a hook on a side stream must not overwrite masks that another
+        stream's ``sum`` has not read yet (the allocator orders reuse within one stream only)."""
+        key = _stream_key(self.device)
+        buf = self._scratch.get(key)
+        if buf is None or buf.shape[1] < n:
+            size = max(4096, 1 << (n - 1).bit_length(), 2 * buf.shape[1] if buf is not None else 0)
+            buf = self._scratch[key] = torch.empty((len(self.counts), min(size, _SCRATCH_MAX)),
+                                                   dtype=torch.bool, device=self.device)
+        return buf
 
     def _eps_in(self, dtype: torch.dtype) -> float:
         """``eps`` rounded up to ``dtype``: the comparison runs in the tensor's dtype, where 1e-8
@@ -165,6 +193,7 @@ class DeviceRows:
         with self.lock:
             n, numels, kinds = len(self.numels), self.numels, self.kinds
             self.numels, self.kinds = [], []
+            self._scratch = {}
         if n == 0 and not extra:
             return None
         parts: list[torch.Tensor] = []
@@ -185,6 +214,19 @@ class DeviceRows:
     def clear(self) -> None:
         with self.lock:
             self.numels, self.kinds = [], []
+            self._scratch = {}
+
+
+def _stream_key(device: torch.device) -> Any:
+    """The current stream of ``device`` (None where there are no streams: the CPU seam)."""
+    if device.type == "cpu":
+        return None
+    backend = getattr(torch, device.type, None)
+    current = getattr(backend, "current_stream", None)
+    if current is None:
+        return None
+    stream = current(device)
+    return getattr(stream, "stream_id", None), getattr(stream, "cuda_stream", id(stream))
 
 
 def _copy_to_host(flat: torch.Tensor) -> tuple[torch.Tensor, object]:
