@@ -49,6 +49,58 @@ def _layout(columns: Sequence[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return tuple(c for c in VALUE_COLUMNS if c in wanted), tuple(c for c in COUNT_COLUMNS if c in wanted)
 
 
+_MIN_BATCH = 5            # tensors of one buffer worth a batched reduction (its ~12 ops vs 3 each)
+_FLAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_WIDTH_MAX = 1 << 12      # chunk width of the batched path: the largest power of two dividing every
+_WIDTH_MIN = 256          # boundary, at most this; below _WIDTH_MIN the tensors are reduced one by one
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class _FlatLayout:
+    """Where a group of views lies in its buffer: the span ``[start, start + chunks * width)`` of
+    the storage as ``[chunks, width]`` rows, the segments (tensors and the gaps between them, in
+    storage order) as chunk counts on the device, and the caller-order segment of each tensor
+    (None when that is the identity).  Built once per layout, at its first sight: the only
+    host->device copy of the path (two small index tensors), reused by every later step."""
+
+    start: int
+    width: int
+    chunks: int
+    lengths: torch.Tensor
+    select: torch.Tensor | None
+
+    @staticmethod
+    def of(key: tuple[tuple[int, int], ...], device: torch.device) -> _FlatLayout | None:
+        order = sorted(range(len(key)), key=lambda k: key[k][0])
+        start = key[order[0]][0]
+        width = _WIDTH_MAX
+        for a, b in zip(order, order[1:]):
+            if key[a][0] + key[a][1] > key[b][0]:
+                return None   # overlapping views: not one buffer's disjoint parts
+        for off, n in key:
+            width = math.gcd(width, off - start, n)
+        if width < _WIDTH_MIN:
+            return None
+        lengths, seg_of, end = [], [0] * len(key), start
+        for k in order:
+            off, n = key[k]
+            if off > end:
+                lengths.append((off - end) // width)   # a gap: its own segment, never selected
+            seg_of[k] = len(lengths)
+            lengths.append(n // width)
+            end = off + n
+        select = None if seg_of == list(range(len(lengths))) else _to_device(seg_of, device)
+        return _FlatLayout(start, width, (end - start) // width, _to_device(lengths, device), select)
+
+
+def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class _Chunk:
     values: torch.Tensor                       # [capacity, len(value columns)] float32
@@ -72,16 +124,84 @@ class DeviceRows:
         self.numels: list[int] = []
         self.kinds: list[torch.dtype] = []    # the dtype whose extremes buffer holds the row's min/max
         self._scratch: dict[Any, torch.Tensor] = {}   # stream -> [counts, size] bool masks (see _count)
+        self._layouts: dict[tuple, _FlatLayout | None] = {}   # flat layouts seen (see _flat_groups)
+        self._batchable = not self.counts and set(self.values) <= {"sum", "sumsq", "min", "max"}
 
     # -- hooks ---------------------------------------------------------------------------------
     @torch.no_grad()
-    def write(self, tensors: Sequence[torch.Tensor]) -> list[tuple["DeviceRows", int]]:
-        """Reduce ``tensors`` into new rows; returns their handles.  No sync, no H2D copy."""
+    def write(self, tensors: Sequence[torch.Tensor]) -> list[tuple[DeviceRows, int]]:
+        """Reduce ``tensors`` into new rows; returns their handles.  No sync, no H2D copy (but the
+        first sight of a flat layout, see ``_batch``).  Tensors that are views of one contiguous
+        buffer (Megatron's/DDP's grad buckets, DeepSpeed's flat partitions, flattened params) are
+        reduced together: O(1) + O(row chunks) ops for the group instead of 3 per tensor."""
         with self.lock:
             start = len(self.numels)
+            self.numels.extend(0 for _ in tensors)
+            self.kinds.extend(_F32 for _ in tensors)
+            rows: list[int] = [-1] * len(tensors)
+            pos = start
+            for idx, layout in self._flat_groups(tensors):
+                self._batch([tensors[k] for k in idx], layout, pos)
+                for j, k in enumerate(idx):
+                    rows[k] = pos + j
+                pos += len(idx)
             for k, t in enumerate(tensors):
-                self._reduce(t, start + k)
-        return [(self, start + k) for k in range(len(tensors))]
+                if rows[k] < 0:
+                    rows[k] = pos
+                    self._reduce(t, pos)
+                    pos += 1
+        return [(self, r) for r in rows]
+
+    def _flat_groups(self, tensors: Sequence[torch.Tensor]) -> list[tuple[list[int], _FlatLayout]]:
+        """Groups of ``tensors`` that ``_batch`` can reduce together (see ``_FlatLayout.of``)."""
+        if len(tensors) < _MIN_BATCH or not self._batchable:
+            return []
+        by_storage: dict[tuple[int, torch.dtype], list[int]] = {}
+        for k, t in enumerate(tensors):
+            if t.dtype in _FLAT_DTYPES and t.numel() and t.is_contiguous():
+                by_storage.setdefault((t.untyped_storage().data_ptr(), t.dtype), []).append(k)
+        groups = []
+        for idx in by_storage.values():
+            if len(idx) >= _MIN_BATCH:
+                key = tuple((tensors[k].storage_offset(), tensors[k].numel()) for k in idx)
+                layout = self._layouts.get(key, _MISSING)
+                if layout is _MISSING:
+                    if len(self._layouts) > 256:
+                        self._layouts.clear()
+                    layout = self._layouts[key] = _FlatLayout.of(key, self.device)
+                if layout is not None:
+                    groups.append((idx, layout))
+        return groups
+
+    def _batch(self, tensors: list[torch.Tensor], layout: _FlatLayout, row: int) -> None:
+        """One group of views of one buffer into rows ``row..``: per-chunk partials over a
+        ``[chunks, C]`` view of the buffer (``sum``, ``linalg_vector_norm``, ``aminmax`` along
+        dim 1, each reading the buffer once), combined per tensor by ``segment_reduce`` (chunk
+        norms squared and summed, then the root: the row holds the norm), gathered into caller
+        order and copied into the rows.  min/max go to the fp32 values (bf16/fp16 are exact
+        there)."""
+        flat = tensors[0].as_strided((layout.chunks, layout.width), (layout.width, 1), layout.start)
+        lengths, cols = layout.lengths, []
+        for c in self.values:
+            if c == "sum":
+                cols.append(torch.segment_reduce(torch.sum(flat, dim=1, dtype=_F32), "sum", lengths=lengths))
+            elif c == "sumsq":
+                sq = torch.linalg.vector_norm(flat, dim=1, dtype=_F32).square_()
+                cols.append(torch.segment_reduce(sq, "sum", lengths=lengths).sqrt_())
+            elif c == "min":
+                lo, hi = torch.aminmax(flat, dim=1)
+                cols += [torch.segment_reduce(lo, "min", lengths=lengths),
+                         torch.segment_reduce(hi, "max", lengths=lengths)]
+        seg = torch.stack(cols, dim=1) if len(cols) > 1 else cols[0].to(_F32).unsqueeze(1)
+        picked = seg if layout.select is None else seg.index_select(0, layout.select)
+        for k, t in enumerate(tensors):
+            self.numels[row + k] = t.numel()
+        done = 0
+        while done < len(tensors):   # rows may continue into the next chunk of the row buffer
+            chunk, r = self._chunk(row + done)
+            n = min(len(tensors) - done, self.capacity - r)
+            chunk.values[r:r + n, :len(self.values)].copy_(picked[done:done + n])
+            done += n
 
     def _chunk(self, row: int) -> tuple[_Chunk, int]:
         c, r = divmod(row, self.capacity)
@@ -95,8 +215,8 @@ class DeviceRows:
     def _reduce(self, t: torch.Tensor, row: int) -> None:
         if not (t.is_floating_point() and t.dtype.itemsize >= 2):  # ints, bool, fp8: small, rare
             t = t.to(_F32)
-        self.numels.append(t.numel())
-        self.kinds.append(t.dtype)
+        self.numels[row] = t.numel()
+        self.kinds[row] = t.dtype
         if t.numel() == 0:
             return  # the host writes the merge identities (it knows the count)
         chunk, r = self._chunk(row)
