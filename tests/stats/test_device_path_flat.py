@@ -125,3 +125,47 @@ def test_params_and_grads_as_views_of_flat_buffers_record_truth_through_the_moni
         assert_matches(read_family(rank0, family), truth, family, range(2), DEFAULT)
     # three families of len(params) tensors, each batched: a constant number of ops, not 3 per tensor
     assert c.names["segment_reduce"] == 3 * 4 and c.names["aminmax"] == 3
+
+
+COUNTS = DEFAULT + ["nans", "infs", "zeros"]
+
+
+@pytest.mark.parametrize("n", [8, 40])
+def test_a_buffer_of_views_with_nans_and_infs_costs_a_constant_number_of_ops(n):
+    tensors = _views([256 * (1 + k % 5) for k in range(n)], gap=256, reverse=True)
+    c = _counted(StatsEngine(DEFAULT + ["nans", "infs"]), tensors)
+    # the 12 above, plus: two masks into the scratch, per-chunk sum, cumsum, gather at the segment
+    # ends, diff (cat + sub), gather in caller order, copy
+    assert c.ops == 12 + 9, c.names
+    assert c.syncs == 0 and c.copies == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_batched_counts_are_exact_and_nan_propagates_into_min_and_max(dtype):
+    flat = _views([256 * k for k in (3, 1, 9, 2, 4, 6)], dtype, gap=256, reverse=True)
+    flat[0].view(-1)[[5, 700]] = math.nan
+    flat[2].view(-1)[::7] = math.inf
+    flat[2].view(-1)[3::11] = -math.inf
+    flat[3].view(-1)[:] = math.nan                       # all NaN
+    flat[4].view(-1)[::2] = 0.0
+    engine = StatsEngine(COUNTS)
+    engine.capture("x", [Tracked(f"t{i}", t) for i, t in enumerate(flat)])
+    for t, r in zip(flat, engine.finish_step(0)):
+        x = t.double()
+        assert (r.stats["nans"], r.stats["infs"]) == (int(x.isnan().sum()), int(x.isinf().sum())), r.name
+        assert r.stats["zeros"] == pytest.approx(float((x.abs() < 1e-8).sum()) / x.numel())
+        want = reference_stats(t)
+        for op in DEFAULT:
+            if math.isnan(want[op]):
+                assert math.isnan(r.stats[op]), (r.name, op)
+            else:
+                atol = want["_mean_atol"] if op == "mean" else 1e-30
+                assert r.stats[op] == pytest.approx(want[op], rel=1e-5, abs=atol), (r.name, op)
+
+
+def test_a_buffer_larger_than_the_mask_scratch_is_counted_tensor_by_tensor(monkeypatch):
+    from trainmon.stats import device_rows
+
+    monkeypatch.setattr(device_rows, "_SCRATCH_MAX", 1024)
+    tensors = _views([256 * 2] * 6)
+    assert _counted(StatsEngine(DEFAULT + ["nans", "infs"]), tensors).ops == 6 * 6

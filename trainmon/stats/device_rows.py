@@ -24,6 +24,7 @@ asynchronous device allocation, not a sync.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 from dataclasses import dataclass
@@ -69,6 +70,7 @@ class _FlatLayout:
     chunks: int
     lengths: torch.Tensor
     select: torch.Tensor | None
+    ends: torch.Tensor          # the last chunk of every segment (counts: differences of a cumsum)
 
     @staticmethod
     def of(key: tuple[tuple[int, int], ...], device: torch.device) -> _FlatLayout | None:
@@ -91,7 +93,9 @@ class _FlatLayout:
             lengths.append(n // width)
             end = off + n
         select = None if seg_of == list(range(len(lengths))) else _to_device(seg_of, device)
-        return _FlatLayout(start, width, (end - start) // width, _to_device(lengths, device), select)
+        ends = list(itertools.accumulate(lengths))
+        return _FlatLayout(start, width, (end - start) // width, _to_device(lengths, device), select,
+                           _to_device([e - 1 for e in ends], device))
 
 
 def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
@@ -125,7 +129,8 @@ class DeviceRows:
         self.kinds: list[torch.dtype] = []    # the dtype whose extremes buffer holds the row's min/max
         self._scratch: dict[Any, torch.Tensor] = {}   # stream -> [counts, size] bool masks (see _count)
         self._layouts: dict[tuple, _FlatLayout | None] = {}   # flat layouts seen (see _flat_groups)
-        self._batchable = not self.counts and set(self.values) <= {"sum", "sumsq", "min", "max"}
+        self._batchable = set(self.values) <= {"sum", "sumsq", "min", "max"}   # not m2 (std)
+        self._zero_counts: torch.Tensor | None = None   # [counts, 1] int64 zeros (see _batch_counts)
 
     # -- hooks ---------------------------------------------------------------------------------
     @torch.no_grad()
@@ -169,7 +174,7 @@ class DeviceRows:
                     if len(self._layouts) > 256:
                         self._layouts.clear()
                     layout = self._layouts[key] = _FlatLayout.of(key, self.device)
-                if layout is not None:
+                if layout is not None and (not self.counts or layout.chunks * layout.width <= _SCRATCH_MAX):
                     groups.append((idx, layout))
         return groups
 
@@ -192,16 +197,38 @@ class DeviceRows:
                 lo, hi = torch.aminmax(flat, dim=1)
                 cols += [torch.segment_reduce(lo, "min", lengths=lengths),
                          torch.segment_reduce(hi, "max", lengths=lengths)]
-        seg = torch.stack(cols, dim=1) if len(cols) > 1 else cols[0].to(_F32).unsqueeze(1)
-        picked = seg if layout.select is None else seg.index_select(0, layout.select)
         for k, t in enumerate(tensors):
             self.numels[row + k] = t.numel()
+        picked = None
+        if cols:
+            seg = torch.stack(cols, dim=1) if len(cols) > 1 else cols[0].to(_F32).unsqueeze(1)
+            picked = seg if layout.select is None else seg.index_select(0, layout.select)
+        counts = self._batch_counts(flat, layout) if self.counts else None
         done = 0
         while done < len(tensors):   # rows may continue into the next chunk of the row buffer
             chunk, r = self._chunk(row + done)
             n = min(len(tensors) - done, self.capacity - r)
-            chunk.values[r:r + n, :len(self.values)].copy_(picked[done:done + n])
+            if picked is not None:
+                chunk.values[r:r + n, :len(self.values)].copy_(picked[done:done + n])
+            if counts is not None:
+                chunk.counts[r:r + n].copy_(counts[done:done + n])  # type: ignore[index]
             done += n
+
+    def _batch_counts(self, flat: torch.Tensor, layout: _FlatLayout) -> torch.Tensor:
+        """``[tensors, counts]`` int64 counts of a group, exact: one mask per count over the whole
+        span into the scratch, summed per chunk (int64), then per segment as differences of a
+        cumulative sum at the segments' last chunks (``segment_reduce`` has no integer sums, and
+        fp32 sums of counts would stop being exact at 2^24)."""
+        m, w = layout.chunks, layout.width
+        masks = self._masks(m * w)
+        for k, col in enumerate(self.counts):
+            self._mask(flat, col, masks[k, :m * w].view(m, w))
+        cum = torch.sum(masks[:, :m * w].view(len(self.counts), m, w), dim=2).cumsum_(1)
+        if self._zero_counts is None:
+            self._zero_counts = torch.zeros((len(self.counts), 1), dtype=torch.int64, device=self.device)
+        seg = torch.diff(cum.index_select(1, layout.ends), dim=1, prepend=self._zero_counts)
+        picked = seg if layout.select is None else seg.index_select(1, layout.select)
+        return picked.t()
 
     def _chunk(self, row: int) -> tuple[_Chunk, int]:
         c, r = divmod(row, self.capacity)
