@@ -52,6 +52,7 @@ def _layout(columns: Sequence[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 _MIN_BATCH = 5            # tensors of one buffer worth a batched reduction (its ~12 ops vs 3 each)
 _FLAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 _WIDTH_MAX = 1 << 12      # chunk width of the batched path: the largest power of two dividing every
 _WIDTH_MIN = 256          # boundary, at most this; below _WIDTH_MIN the tensors are reduced one by one
 _MISSING = object()
@@ -162,8 +163,8 @@ class DeviceRows:
         if len(tensors) < _MIN_BATCH or not self._batchable:
             return []
         by_storage: dict[tuple[int, torch.dtype], list[int]] = {}
-        for k, t in enumerate(tensors):
-            if t.dtype in _FLAT_DTYPES and t.numel() and t.is_contiguous():
+        for k, t in enumerate(tensors):   # plain tensors only: a subclass's storage may not be its data
+            if type(t) in _PLAIN and t.dtype in _FLAT_DTYPES and t.numel() and t.is_contiguous():
                 by_storage.setdefault((t.untyped_storage().data_ptr(), t.dtype), []).append(k)
         groups = []
         for idx in by_storage.values():
