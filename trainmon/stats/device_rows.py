@@ -21,6 +21,11 @@ float64.
 
 The buffer grows by adding a chunk (never by copying): a chunk allocated mid-step is an
 asynchronous device allocation, not a sync.
+
+Five or more tensors of one call that are views of one contiguous buffer (Megatron's grad
+buffers, DDP buckets as views, DeepSpeed's flat partitions) are reduced together (``_batch``):
+per-chunk partials over a ``[chunks, width]`` view of the buffer, combined per tensor by
+``segment_reduce`` (counts: a cumulative sum), a constant number of ops for the whole group.
 """
 from __future__ import annotations
 
@@ -136,8 +141,8 @@ class DeviceRows:
     # -- hooks ---------------------------------------------------------------------------------
     @torch.no_grad()
     def write(self, tensors: Sequence[torch.Tensor]) -> list[tuple[DeviceRows, int]]:
-        """Reduce ``tensors`` into new rows; returns their handles.  No sync, no H2D copy (but the
-        first sight of a flat layout, see ``_batch``).  Tensors that are views of one contiguous
+        """Reduce ``tensors`` into new rows; returns their handles.  No sync, no H2D copy (but at
+        the first sight of a flat layout, see ``_FlatLayout``).  Tensors that are views of one contiguous
         buffer (Megatron's/DDP's grad buckets, DeepSpeed's flat partitions, flattened params) are
         reduced together: O(1) + O(row chunks) ops for the group instead of 3 per tensor."""
         with self.lock:
