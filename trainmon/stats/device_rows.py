@@ -104,6 +104,14 @@ class _FlatLayout:
                            _to_device([e - 1 for e in ends], device))
 
 
+def _storage_ptr(t: torch.Tensor) -> int | None:
+    """The address of ``t``'s storage; None for tensors without one (XLA, lazy, functional)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
 def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
     host = torch.tensor(values, dtype=torch.int64)
     if device.type == "cpu":
@@ -170,7 +178,9 @@ class DeviceRows:
         by_storage: dict[tuple[int, torch.dtype], list[int]] = {}
         for k, t in enumerate(tensors):   # plain tensors only: a subclass's storage may not be its data
             if type(t) in _PLAIN and t.dtype in _FLAT_DTYPES and t.numel() and t.is_contiguous():
-                by_storage.setdefault((t.untyped_storage().data_ptr(), t.dtype), []).append(k)
+                ptr = _storage_ptr(t)
+                if ptr is not None:
+                    by_storage.setdefault((ptr, t.dtype), []).append(k)
         groups = []
         for idx in by_storage.values():
             if len(idx) >= _MIN_BATCH:
