@@ -58,11 +58,35 @@ def test_a_buffer_of_views_costs_the_same_few_ops_whatever_its_number_of_tensors
     assert c.largest <= 1024 * n
 
 
-def test_tensors_not_of_one_aligned_buffer_keep_three_ops_each():
+def test_tensors_not_of_one_aligned_buffer_cost_two_ops_each_plus_four_in_fp32_three_else():
     separate = [torch.randn(256, 4) for _ in range(6)]
     misaligned = _views([300, 500, 700, 900, 1100, 1300])      # no common chunk of 256 elements
-    assert _counted(StatsEngine(DEFAULT), separate).ops == 3 * 6
-    assert _counted(StatsEngine(DEFAULT), misaligned).ops == 3 * 6
+    assert _counted(StatsEngine(DEFAULT), separate).ops == 2 * 6 + 4      # _foreach_norm/_max
+    assert _counted(StatsEngine(DEFAULT), misaligned).ops == 2 * 6 + 4
+    assert _counted(StatsEngine(DEFAULT), [t.to(torch.bfloat16) for t in separate]).ops == 3 * 6
+
+
+@pytest.mark.parametrize("ops", [DEFAULT, ["norm", "max"], DEFAULT + ["nans", "infs", "zeros"]])
+def test_separate_fp32_tensors_through_foreach_equal_float64_truth(ops):
+    g = torch.Generator().manual_seed(9)
+    tensors = [torch.randn(64, 33, generator=g) * 3 + 0.5 for _ in range(6)] + [torch.randn(30, 20, generator=g).t()]
+    tensors[1][3, 4] = math.nan
+    tensors[2][0, 0] = math.inf
+    tensors[3][5, 5] = -math.inf
+    engine = StatsEngine(ops)
+    engine.capture("pad", [Tracked(f"p{i}", torch.ones(2)) for i in range(508)])   # rows run into a new chunk
+    engine.capture("x", [Tracked(f"t{i}", t) for i, t in enumerate(tensors)])
+    rows = [r for r in engine.finish_step(0) if r.family == "x"]
+    for t, r in zip(tensors, rows):
+        want = reference_stats(t)
+        for op in ops:
+            if op in ("nans", "infs"):
+                assert r.stats[op] == want[op], (r.name, op)
+            elif math.isnan(want[op]):
+                assert math.isnan(r.stats[op]), (r.name, op)
+            else:
+                atol = want["_mean_atol"] if op == "mean" else 1e-30
+                assert r.stats[op] == pytest.approx(want[op], rel=1e-5, abs=atol), (r.name, op)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -168,4 +192,5 @@ def test_a_buffer_larger_than_the_mask_scratch_is_counted_tensor_by_tensor(monke
 
     monkeypatch.setattr(device_rows, "_SCRATCH_MAX", 1024)
     tensors = _views([256 * 2] * 6)
-    assert _counted(StatsEngine(DEFAULT + ["nans", "infs"]), tensors).ops == 6 * 6
+    # each tensor: sum, amin, two masks, one count sum; the group: _foreach_norm/_max + 2 stacks
+    assert _counted(StatsEngine(DEFAULT + ["nans", "infs"]), tensors).ops == 5 * 6 + 4

@@ -164,12 +164,27 @@ class DeviceRows:
                 for j, k in enumerate(idx):
                     rows[k] = pos + j
                 pos += len(idx)
+            separate = self._foreach_group(tensors, rows)
+            if separate:
+                self._foreach([tensors[k] for k in separate], pos)
+                for j, k in enumerate(separate):
+                    rows[k] = pos + j
+                pos += len(separate)
             for k, t in enumerate(tensors):
                 if rows[k] < 0:
                     rows[k] = pos
                     self._reduce(t, pos)
                     pos += 1
         return [(self, r) for r in rows]
+
+    def _foreach_group(self, tensors: Sequence[torch.Tensor], rows: list[int]) -> list[int]:
+        """Indices of the not yet placed non-empty fp32 tensors when there are enough for the
+        multi-tensor norms and maxima of ``_foreach`` (bf16/fp16: ``_foreach_norm`` would round
+        the norms to their dtype, and ``dtype=`` is what we never pass)."""
+        if len(tensors) < _MIN_BATCH or not self._batchable or "sumsq" not in self.vcol:
+            return []
+        ks = [k for k, t in enumerate(tensors) if rows[k] < 0 and t.dtype == _F32 and t.numel()]
+        return ks if len(ks) >= _MIN_BATCH else []
 
     def _flat_groups(self, tensors: Sequence[torch.Tensor]) -> list[tuple[list[int], _FlatLayout]]:
         """Groups of ``tensors`` that ``_batch`` can reduce together (see ``_FlatLayout.of``)."""
@@ -228,6 +243,33 @@ class DeviceRows:
                 chunk.values[r:r + n, :len(self.values)].copy_(picked[done:done + n])
             if counts is not None:
                 chunk.counts[r:r + n].copy_(counts[done:done + n])  # type: ignore[index]
+            done += n
+
+    def _foreach(self, group: list[torch.Tensor], row: int) -> None:
+        """Separate fp32 tensors into rows ``row..``: ``sum`` and ``amin`` per tensor (``out=``),
+        the norms and maxima of the whole group by ``_foreach_norm``/``_foreach_max`` (one
+        multi-tensor launch each on CUDA) stacked into their columns: 2 ops per tensor + 4, not 3
+        per tensor.  There is no ``_foreach`` sum or min in ATen."""
+        vc = self.vcol
+        for j, t in enumerate(group):
+            self.numels[row + j] = t.numel()
+            chunk, r = self._chunk(row + j)
+            v = chunk.values[r]
+            if "sum" in vc:
+                torch.sum(t, dim=None, dtype=_F32, out=v[vc["sum"]])
+            if "min" in vc:
+                torch.amin(t, out=v[vc["min"]])
+            if self.counts:
+                self._count(t, chunk.counts[r])  # type: ignore[index]
+        norms = torch._foreach_norm(group)
+        maxes = torch._foreach_max(group) if "max" in vc else None
+        done = 0
+        while done < len(group):   # rows may continue into the next chunk of the row buffer
+            chunk, r = self._chunk(row + done)
+            n = min(len(group) - done, self.capacity - r)
+            torch.stack(norms[done:done + n], out=chunk.values[r:r + n, vc["sumsq"]])
+            if maxes is not None:
+                torch.stack(maxes[done:done + n], out=chunk.values[r:r + n, vc["max"]])
             done += n
 
     def _batch_counts(self, flat: torch.Tensor, layout: _FlatLayout) -> torch.Tensor:
