@@ -194,3 +194,24 @@ def test_a_buffer_larger_than_the_mask_scratch_is_counted_tensor_by_tensor(monke
     tensors = _views([256 * 2] * 6)
     # each tensor: sum, amin, two masks, one count sum; the group: _foreach_norm/_max + 2 stacks
     assert _counted(StatsEngine(DEFAULT + ["nans", "infs"]), tensors).ops == 5 * 6 + 4
+
+
+def test_without_foreach_max_or_mask_out_variants_the_values_stay_exact(monkeypatch):
+    """Older torch (>= 2.1 is supported): no ``_foreach_max``, no ``isnan.out``."""
+    from trainmon.stats import device_rows
+
+    monkeypatch.setattr(device_rows, "_FOREACH_MAX", None)
+    monkeypatch.setattr(device_rows, "_MASKS_OUT", False)
+    tensors = [torch.randn(50, 7) for _ in range(5)] + _views([512] * 5)
+    tensors[0][1, 1] = math.nan
+    engine = StatsEngine(DEFAULT + ["nans"])
+    engine.capture("x", [Tracked(f"t{i}", t) for i, t in enumerate(tensors)])
+    for t, r in zip(tensors, engine.finish_step(0)):
+        want = reference_stats(t)
+        assert r.stats["nans"] == want["nans"]
+        for op in DEFAULT:
+            if math.isnan(want[op]):
+                assert math.isnan(r.stats[op])
+            else:
+                atol = want["_mean_atol"] if op == "mean" else 1e-30
+                assert r.stats[op] == pytest.approx(want[op], rel=1e-5, abs=atol), (r.name, op)

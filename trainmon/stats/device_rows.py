@@ -58,6 +58,8 @@ def _layout(columns: Sequence[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
 _MIN_BATCH = 5            # tensors of one buffer worth a batched reduction (its ~12 ops vs 3 each)
 _FLAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_FOREACH_MAX = getattr(torch, "_foreach_max", None)                    # torch >= 2.4
+_MASKS_OUT = all(hasattr(op, "out") for op in (torch.ops.aten.isnan, torch.ops.aten.isinf))
 _WIDTH_MAX = 1 << 12      # chunk width of the batched path: the largest power of two dividing every
 _WIDTH_MIN = 256          # boundary, at most this; below _WIDTH_MIN the tensors are reduced one by one
 _MISSING = object()
@@ -205,7 +207,9 @@ class DeviceRows:
                     if len(self._layouts) > 256:
                         self._layouts.clear()
                     layout = self._layouts[key] = _FlatLayout.of(key, self.device)
-                if layout is not None and (not self.counts or layout.chunks * layout.width <= _SCRATCH_MAX):
+                fits = not self.counts or _MASKS_OUT and layout is not None and \
+                    layout.chunks * layout.width <= _SCRATCH_MAX
+                if layout is not None and fits:
                     groups.append((idx, layout))
         return groups
 
@@ -262,7 +266,13 @@ class DeviceRows:
             if self.counts:
                 self._count(t, chunk.counts[r])  # type: ignore[index]
         norms = torch._foreach_norm(group)
-        maxes = torch._foreach_max(group) if "max" in vc else None
+        maxes = None
+        if "max" in vc and _FOREACH_MAX is None:   # torch < 2.4: one amax per tensor
+            for j, t in enumerate(group):
+                chunk, r = self._chunk(row + j)
+                torch.amax(t, out=chunk.values[r, vc["max"]])
+        elif "max" in vc:
+            maxes = _FOREACH_MAX(group)
         done = 0
         while done < len(group):   # rows may continue into the next chunk of the row buffer
             chunk, r = self._chunk(row + done)
@@ -323,7 +333,7 @@ class DeviceRows:
         are written (``out=``) into the rows of a per-stream scratch, summed along its rows into
         the row's adjacent count columns (``nans, infs``: 3 ops instead of 4)."""
         n = t.numel()
-        masks = self._masks(n) if n <= _SCRATCH_MAX else None
+        masks = self._masks(n) if n <= _SCRATCH_MAX and _MASKS_OUT else None
         if masks is None:   # a tensor this large: one transient mask per count (a scratch would stay)
             for k, col in enumerate(self.counts):
                 torch.sum(self._mask(t, col), dim=None, out=c[k])
