@@ -62,7 +62,6 @@ _FOREACH_MAX = getattr(torch, "_foreach_max", None)                    # torch >
 _MASKS_OUT = all(hasattr(op, "out") for op in (torch.ops.aten.isnan, torch.ops.aten.isinf))
 _WIDTH_MAX = 1 << 12      # chunk width of the batched path: the largest power of two dividing every
 _WIDTH_MIN = 256          # boundary, at most this; below _WIDTH_MIN the tensors are reduced one by one
-_MISSING = object()
 
 
 @dataclass(frozen=True)
@@ -85,7 +84,7 @@ class _FlatLayout:
         order = sorted(range(len(key)), key=lambda k: key[k][0])
         start = key[order[0]][0]
         width = _WIDTH_MAX
-        for a, b in zip(order, order[1:]):
+        for a, b in itertools.pairwise(order):
             if key[a][0] + key[a][1] > key[b][0]:
                 return None   # overlapping views: not one buffer's disjoint parts
         for off, n in key:
@@ -201,14 +200,15 @@ class DeviceRows:
         groups = []
         for idx in by_storage.values():
             if len(idx) >= _MIN_BATCH:
-                key = tuple((tensors[k].storage_offset(), tensors[k].numel()) for k in idx)
-                layout = self._layouts.get(key, _MISSING)
-                if layout is _MISSING:
+                key = tuple((int(tensors[k].storage_offset()), tensors[k].numel()) for k in idx)
+                if key in self._layouts:
+                    layout = self._layouts[key]
+                else:
                     if len(self._layouts) > 256:
                         self._layouts.clear()
                     layout = self._layouts[key] = _FlatLayout.of(key, self.device)
-                fits = not self.counts or _MASKS_OUT and layout is not None and \
-                    layout.chunks * layout.width <= _SCRATCH_MAX
+                fits = not self.counts or (_MASKS_OUT and layout is not None
+                                           and layout.chunks * layout.width <= _SCRATCH_MAX)
                 if layout is not None and fits:
                     groups.append((idx, layout))
         return groups
@@ -266,13 +266,13 @@ class DeviceRows:
             if self.counts:
                 self._count(t, chunk.counts[r])  # type: ignore[index]
         norms = torch._foreach_norm(group)
-        maxes = None
-        if "max" in vc and _FOREACH_MAX is None:   # torch < 2.4: one amax per tensor
+        maxes, foreach_max = None, _FOREACH_MAX
+        if "max" in vc and foreach_max is not None:
+            maxes = foreach_max(group)
+        elif "max" in vc:   # torch < 2.4: one amax per tensor
             for j, t in enumerate(group):
                 chunk, r = self._chunk(row + j)
                 torch.amax(t, out=chunk.values[r, vc["max"]])
-        elif "max" in vc:
-            maxes = _FOREACH_MAX(group)
         done = 0
         while done < len(group):   # rows may continue into the next chunk of the row buffer
             chunk, r = self._chunk(row + done)
