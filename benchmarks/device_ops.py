@@ -36,7 +36,10 @@ from trainmon.testing.op_counter import OpCounter
 
 KINDS = {"wg": {"wg_distribution": True}, "mv": {"mv_distribution": True},
          "param": {"param_distribution": True}, "ur": {"ur_distribution": True},
-         "xy": {"xy_distribution": True, "all_xy": True}}
+         "xy": {"xy_distribution": True, "all_xy": True},
+         # Megatron-like: every param and grad a view of one flat buffer (starts padded to 256)
+         "flat": {"wg_distribution": True, "param_distribution": True}}
+FLAT_DIM = 256   # the flat kind's model width: sizes that share a 256-element chunk (as Llama's do)
 
 
 class RMSNorm(nn.Module):
@@ -83,9 +86,24 @@ class Llama(nn.Module):
         return self.lm_head(self.norm(x))
 
 
-def _run(args, kind: str | None, ops: list[str], root: Path) -> dict:
+def _flatten(model: nn.Module) -> None:
+    """Params and grads as views of two flat buffers, each start padded to 256 elements."""
+    params = list(model.parameters())
+    sizes = [-(-p.numel() // 256) * 256 for p in params]
+    pbuf, gbuf = torch.zeros(sum(sizes)), torch.zeros(sum(sizes))
+    pos = 0
+    for p, n in zip(params, sizes):
+        p.data = pbuf[pos:pos + p.numel()].view_as(p).copy_(p.data)
+        p.grad = gbuf[pos:pos + p.numel()].view_as(p)
+        pos += n
+
+
+def _run(args, kind: str | None, ops: list[str], root: Path, flat: bool = False) -> dict:
     torch.manual_seed(0)
-    model = Llama(args.vocab, args.dim, args.heads, args.layers)
+    flat = flat or kind == "flat"
+    model = Llama(args.vocab, FLAT_DIM if flat else args.dim, args.heads, args.layers)
+    if flat:
+        _flatten(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     mon = None
     if kind is not None:
@@ -105,7 +123,7 @@ def _run(args, kind: str | None, ops: list[str], root: Path) -> dict:
                 loss.backward()
         with step_ops:
             opt.step()
-            opt.zero_grad()
+            opt.zero_grad(set_to_none=not flat)
     rows = 0
     if mon is not None:
         mon.close()
@@ -149,11 +167,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'ops':<34} {'kind':<6} {'rows/step':>9} {'ops/step':>9} {'ops/row':>8} {'syncs fwd/bwd':>13} "
           f"{'H2D fwd/bwd':>11} {'D2H/step':>8} {'largest B':>9}")
     with tempfile.TemporaryDirectory() as tmp:
-        base = _run(args, None, [], Path(tmp))
+        base0 = base = _run(args, None, [], Path(tmp))
+        flat_base = _run(args, None, [], Path(tmp), flat=True)
         for ops in op_sets:
             for kind in KINDS:
                 largest[0] = copies[0] = 0
                 r = _run(args, kind, ops, Path(tmp))
+                base = flat_base if kind == "flat" else base0
                 extra = (r["fwd_bwd"].ops + r["step"].ops) - (base["fwd_bwd"].ops + base["step"].ops)
                 syncs = r["fwd_bwd"].syncs - base["fwd_bwd"].syncs
                 h2d = r["fwd_bwd"].copies - base["fwd_bwd"].copies

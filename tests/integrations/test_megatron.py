@@ -61,7 +61,7 @@ def _run_case(rank, world, root: Path, case: dict) -> None:
     def build():
         torch.manual_seed(0)   # same weights every time (models hold process groups: no deepcopy)
         if case["model"] == "gpt":
-            return ms.gpt_model()
+            return ms.gpt_model(hidden=case.get("hidden", 16))
         from megatron.core.transformer.transformer_config import TransformerConfig
         model = torch.nn.Sequential(fm.FusedLinear(6, 8), torch.nn.Tanh(), fm.FusedLinear(8, 3))
         return model, TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1)
@@ -98,7 +98,7 @@ def _run_case(rank, world, root: Path, case: dict) -> None:
     monitor = TrainerMon(cfg_path).set_monitor(ddp, grad_acc_steps=n_mb, optimizer=opt)
     names = dict(ref.named_parameters())
     truth: dict = {}
-    for step in range(2):
+    for step in range(case.get("steps", 2)):
         data = batch(step)
         local = data.chunk(world)[rank].chunk(n_mb)
         # this rank's own accumulated grad, from a plain copy with the current weights
@@ -276,6 +276,32 @@ def _real_megatron_body(rank, world, root):
 @pytest.mark.slow
 def test_real_megatron_ddp_pre_post_moments_params(tmp_path):
     assert run_distributed(_real_megatron_body, world_size=2, timeout=240, args=(str(tmp_path),)) == [True, True]
+
+
+def _wide_gpt_on_the_device_path(rank, world, root):
+    """Through the seam, hidden 256: Megatron's grad buffers are batched (views of one buffer)."""
+    from tests._support import megatron_shim as ms
+    from trainmon.stats import device_rows
+
+    os.environ.setdefault("TRAINMON_DEVICE_PATH", "1")
+    ms.init_parallel()
+    batched, real = [], device_rows.DeviceRows._batch
+
+    def counted(self, tensors, layout, row):   # a spy: the real batched reduction runs
+        batched.append(len(tensors))
+        return real(self, tensors, layout, row)
+
+    device_rows.DeviceRows._batch = counted
+    # one step: from the second on, Adam's round-off steps make the wide model's truths differ at ~1e-5
+    _run_case(rank, world, Path(root), dict(id="gpt_wide_seam", model="gpt", hidden=256, overlap=False,
+                                            dist_opt=False, steps=1))
+    return batched
+
+
+@pytest.mark.slow
+def test_real_megatron_grad_buffers_are_batched_on_the_device_path_and_equal_the_truths(tmp_path):
+    for batched in run_distributed(_wide_gpt_on_the_device_path, world_size=2, timeout=240, args=(str(tmp_path),)):
+        assert batched and max(batched) >= 10, batched   # the grads of a bucket (and main_grads) at once
 
 
 # -- the stand-ins cannot drift from the real classes ------------------------------------------

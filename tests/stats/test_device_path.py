@@ -67,23 +67,60 @@ def test_the_seam_routes_cpu_tensors_down_the_device_path_and_says_so():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_default_ops_cost_three_reading_ops_per_tensor_and_no_sync_copy_or_temporary(dtype):
-    tensors = [torch.randn(300, 70).to(dtype) for _ in range(6)]
+@pytest.mark.parametrize("n", [4, 6])
+def test_default_ops_cost_three_reading_ops_per_tensor_and_no_sync_copy_or_temporary(dtype, n):
+    tensors = [torch.randn(300, 70).to(dtype) for _ in range(n)]
     c = _counted(StatsEngine(DEFAULT), tensors)
-    assert c.ops == 3 * len(tensors), c.names           # sum, linalg_vector_norm, aminmax (out=)
-    assert set(c.names) == {"sum", "linalg_vector_norm", "aminmax"}
+    if dtype == torch.float32 and n >= 5:   # sum, amin per tensor; _foreach_norm, _foreach_max, 2 stacks
+        assert c.ops == 2 * n + 4, c.names
+        assert set(c.names) == {"sum", "amin", "_foreach_norm", "_foreach_max", "stack"}
+    else:
+        assert c.ops == 3 * n, c.names                  # sum, linalg_vector_norm, aminmax (out=)
+        assert set(c.names) == {"sum", "linalg_vector_norm", "aminmax"}
     assert c.syncs == 0 and c.copies == 0
     assert c.largest <= 1024                             # no full-size temporary
 
 
-def test_nans_and_infs_are_counted_on_the_device_without_a_sync():
+def test_nans_and_infs_are_counted_on_the_device_without_a_sync_in_six_ops_per_tensor():
     tensors = [torch.randn(1000) for _ in range(4)]
     tensors[1][3] = math.nan
     c5 = _counted(StatsEngine(DEFAULT + ["nans"]), tensors)
-    c7 = _counted(StatsEngine(DEFAULT + ["nans", "infs"]), tensors)
-    # each count is a mask and a sum (eager ATen has no one-op count): 5 and 7 ops per tensor
-    assert (c5.ops, c7.ops) == (5 * 4, 7 * 4)
-    assert c5.syncs == c7.syncs == 0 and c5.copies == c7.copies == 0
+    c6 = _counted(StatsEngine(DEFAULT + ["nans", "infs"]), tensors)
+    # one mask per count written into a reused scratch, then ONE sum for all counts of the row
+    assert (c5.ops, c6.ops) == (5 * 4, 6 * 4), c6.names
+    assert c6.names["sum"] == 2 * 4 and c6.names["isnan"] == c6.names["isinf"] == 4
+    assert c5.syncs == c6.syncs == 0 and c5.copies == c6.copies == 0
+    assert c6.largest == 0                               # the masks live in the scratch
+
+
+@pytest.mark.parametrize("scratch_max", [1 << 26, 7])   # 7: every tensor above it takes transient masks
+def test_counts_from_the_shared_scratch_are_exact_for_every_dtype_and_shape(monkeypatch, scratch_max):
+    monkeypatch.setattr(device_rows_mod, "_SCRATCH_MAX", scratch_max)
+    g = torch.Generator().manual_seed(5)
+    tensors = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        t = torch.randn(37, 11, generator=g)
+        t[t.abs() < 0.3] = 0.0
+        t.view(-1)[::9] = math.nan
+        t.view(-1)[4::13] = math.inf
+        t.view(-1)[5::17] = -math.inf
+        tensors += [t.to(dtype), t.to(dtype).t(), t.to(dtype)[::2, 1::3], torch.full((3,), math.nan, dtype=dtype)]
+    got = _stats(tensors, DEFAULT + ["nans", "infs", "zeros"])
+    for t, row in zip(tensors, got):
+        x = t.double()
+        assert row["nans"] == int(x.isnan().sum()) and row["infs"] == int(x.isinf().sum())
+        assert row["zeros"] == pytest.approx(float((x.abs() < 1e-8).sum()) / x.numel())
+
+
+def test_the_mask_scratch_is_dropped_at_the_step_end_and_grows_for_larger_tensors():
+    engine = StatsEngine(DEFAULT + ["nans", "infs"])
+    engine.capture("x", [Tracked("a", torch.randn(10))])
+    rows = next(iter(engine._devices.values()))
+    small = rows._scratch[None].shape
+    engine.capture("x", [Tracked("b", torch.randn(10_000))])
+    assert small == (2, 4096) and rows._scratch[None].shape == (2, 16384)
+    engine.finish_step(0)
+    assert rows._scratch == {}
 
 
 def test_every_op_combination_is_sync_and_copy_free_also_for_empty_int_and_strided_tensors():

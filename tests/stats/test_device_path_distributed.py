@@ -89,3 +89,43 @@ def test_sharded_merge_and_ddp_per_param_capture_on_the_device_path(output_root,
         assert with_monitor == base, (base, with_monitor)   # the monitor adds no sync inside backward
         assert files >= 1
     assert results[0][2] == {"cpu": "device"}
+
+
+def _ddp_bucket_views(rank, world, tmp):
+    """DDP with ``gradient_as_bucket_view``: grads are views of the bucket, grad_reduced is one batch."""
+    from tests._support.runs import read_family
+
+    os.environ["TRAINMON_DEVICE_PATH"] = "1"
+    os.environ["TRAINMON_RUN_ID"] = "seam-bucket-views"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(256, 256) for _ in range(3)))
+    ddp = DDP(model, gradient_as_bucket_view=True)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    mon = TrainerMon(write_config(tmp / "bucket.json", wg_distribution=True, ops=["norm", "mean", "min", "max"]))
+    mon.set_monitor(ddp, optimizer=opt)
+    names = {p: n for n, p in model.named_parameters()}
+    truth, counts = [], []
+    for step in range(2):
+        x = torch.randn(8, 256, generator=torch.Generator().manual_seed(10 * step + rank))
+        ddp(x).square().mean().backward()
+        storages = {p.grad.untyped_storage().data_ptr() for p in names}
+        truth.append({n: reference_stats(p.grad) for p, n in names.items()})
+        with OpCounter() as c:
+            opt.step()
+        counts.append((len(storages), c.names["segment_reduce"], c.names["aminmax"]))
+        opt.zero_grad(set_to_none=False)
+    mon.close()
+    df = read_family(rank_dir("seam-bucket-views", rank), "grad_reduced")
+    for row in df.itertuples(index=False):
+        want = truth[row.step][row.name]
+        for op in ("norm", "mean", "min", "max"):
+            atol = want["_mean_atol"] if op == "mean" else 1e-30
+            assert getattr(row, op) == pytest.approx(want[op], rel=1e-5, abs=atol), (row.name, op)
+    return counts, len(df)
+
+
+def test_ddp_bucket_view_grads_are_reduced_as_one_batch_and_equal_the_reduced_grads(output_root, tmp_path):
+    for counts, rows in run_distributed(_ddp_bucket_views, world_size=2, timeout=180, args=(tmp_path,)):
+        assert rows == 2 * 6
+        # one bucket; the six grads of grad_reduced: 4 segment reductions and 1 aminmax, not 6
+        assert counts == [(1, 4, 1)] * 2, counts

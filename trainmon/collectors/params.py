@@ -69,7 +69,8 @@ class ParamCollector(Collector):
     @torch.no_grad()
     def _capture_update_ratio(self) -> None:
         views = self._views()
-        before, delta = self._snapshot.norms_and_delta_norms([v.tensor for v in views])
+        on_host = not self.ctx.engine.seam and all(v.tensor.is_cpu for v in views)
+        before, delta = self._snapshot.norms_and_delta_norms([v.tensor for v in views], fp64=on_host)
         before, delta = _merge_norms(views, before, delta)
         ratios = [d / b for b, d in zip(before, delta)]  # IEEE: inf if theta_before is 0, nan if 0/0
         metas = [Meta(Family.UPDATE_RATIO, tp.name, tp.vpp_stage, v.shape or tuple(tp.param.shape),
@@ -130,11 +131,32 @@ class _Snapshot:
             self._views.append(view)
 
     @torch.no_grad()
-    def norms_and_delta_norms(self, params: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def norms_and_delta_norms(self, params: list[torch.Tensor], fp64: bool = True
+                              ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """0-d norms of theta_before and of theta_before - theta_after.  ``fp64``: float64 results
+        (CPU tensors: free there); otherwise float32 (accelerators: no fp64 on the device, MPS has
+        none, Ascend emulates it), accumulated in fp32 inside the reduction for every dtype."""
+        if not fp64:
+            return self._fp32_norms(params)
         acc = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
         before = [torch.linalg.vector_norm(v, dtype=acc.get(v.dtype)).double() for v in self._views]
         delta = []
         for v, p in zip(self._views, params):
             v.sub_(p)  # the snapshot is not needed after this step: reuse it for the difference
             delta.append(torch.linalg.vector_norm(v, dtype=acc.get(v.dtype)).double())
+        return before, delta
+
+    def _fp32_norms(self, params: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The device path: one fp32 norm per tensor per side, nothing else per tensor (an fp64
+        param is reduced in fp64, its own dtype, and its norms cast to fp32: 0-d)."""
+        def norm(v: torch.Tensor) -> torch.Tensor:
+            if v.dtype == torch.float64:
+                return torch.linalg.vector_norm(v).float()
+            return torch.linalg.vector_norm(v, dtype=torch.float32)
+
+        before = [norm(v) for v in self._views]
+        delta = []
+        for v, p in zip(self._views, params):
+            v.sub_(p)
+            delta.append(norm(v))
         return before, delta

@@ -2,7 +2,8 @@
 
 Every reduction writes its result with ``out=`` into a per-step buffer on the tensor's device, so
 a tensor costs only the reductions that read it (default ops: ``sum``, ``linalg_vector_norm``,
-``aminmax``; ``nans``/``infs`` one ``isnan``/``isinf`` + ``sum`` each) and no bookkeeping kernels:
+``aminmax``; each requested count one mask written into a reused scratch, plus ONE ``sum`` for all
+the counts of the row) and no bookkeeping kernels:
 
 * ``values``: float32 ``[capacity, k]`` (sum, norm, min, max, m2/n as the ops need), never fp64 on
   the device (MPS has none, Ascend per op);
@@ -20,9 +21,15 @@ float64.
 
 The buffer grows by adding a chunk (never by copying): a chunk allocated mid-step is an
 asynchronous device allocation, not a sync.
+
+Five or more tensors of one call that are views of one contiguous buffer (Megatron's grad
+buffers, DDP buckets as views, DeepSpeed's flat partitions) are reduced together (``_batch``):
+per-chunk partials over a ``[chunks, width]`` view of the buffer, combined per tensor by
+``segment_reduce`` (counts: a cumulative sum), a constant number of ops for the whole group.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 from dataclasses import dataclass
@@ -38,6 +45,7 @@ __all__ = ["DeviceRows", "HostCopy", "VALUE_COLUMNS", "COUNT_COLUMNS", "gathered
 VALUE_COLUMNS = ("sum", "sumsq", "min", "max", "m2")   # float32 on the device (sumsq held as the norm)
 COUNT_COLUMNS = ("nans", "infs", "zeros")              # int64 on the device
 _F32 = torch.float32
+_SCRATCH_MAX = 1 << 26   # elements: larger tensors count with transient masks (a scratch of 64 MiB per count at most)
 
 
 def _layout(columns: Sequence[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -45,6 +53,71 @@ def _layout(columns: Sequence[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
     together (``aminmax`` writes both)."""
     wanted = set(columns) | ({"min", "max"} if {"min", "max"} & set(columns) else set())
     return tuple(c for c in VALUE_COLUMNS if c in wanted), tuple(c for c in COUNT_COLUMNS if c in wanted)
+
+
+_MIN_BATCH = 5            # tensors of one buffer worth a batched reduction (its ~12 ops vs 3 each)
+_FLAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_FOREACH_MAX = getattr(torch, "_foreach_max", None)                    # torch >= 2.4
+_MASKS_OUT = all(hasattr(op, "out") for op in (torch.ops.aten.isnan, torch.ops.aten.isinf))
+_WIDTH_MAX = 1 << 12      # chunk width of the batched path: the largest power of two dividing every
+_WIDTH_MIN = 256          # boundary, at most this; below _WIDTH_MIN the tensors are reduced one by one
+
+
+@dataclass(frozen=True)
+class _FlatLayout:
+    """Where a group of views lies in its buffer: the span ``[start, start + chunks * width)`` of
+    the storage as ``[chunks, width]`` rows, the segments (tensors and the gaps between them, in
+    storage order) as chunk counts on the device, and the caller-order segment of each tensor
+    (None when that is the identity).  Built once per layout, at its first sight: the only
+    host->device copy of the path (two small index tensors), reused by every later step."""
+
+    start: int
+    width: int
+    chunks: int
+    lengths: torch.Tensor
+    select: torch.Tensor | None
+    ends: torch.Tensor          # the last chunk of every segment (counts: differences of a cumsum)
+
+    @staticmethod
+    def of(key: tuple[tuple[int, int], ...], device: torch.device) -> _FlatLayout | None:
+        order = sorted(range(len(key)), key=lambda k: key[k][0])
+        start = key[order[0]][0]
+        width = _WIDTH_MAX
+        for a, b in itertools.pairwise(order):
+            if key[a][0] + key[a][1] > key[b][0]:
+                return None   # overlapping views: not one buffer's disjoint parts
+        for off, n in key:
+            width = math.gcd(width, off - start, n)
+        if width < _WIDTH_MIN:
+            return None
+        lengths, seg_of, end = [], [0] * len(key), start
+        for k in order:
+            off, n = key[k]
+            if off > end:
+                lengths.append((off - end) // width)   # a gap: its own segment, never selected
+            seg_of[k] = len(lengths)
+            lengths.append(n // width)
+            end = off + n
+        select = None if seg_of == list(range(len(lengths))) else _to_device(seg_of, device)
+        ends = list(itertools.accumulate(lengths))
+        return _FlatLayout(start, width, (end - start) // width, _to_device(lengths, device), select,
+                           _to_device([e - 1 for e in ends], device))
+
+
+def _storage_ptr(t: torch.Tensor) -> int | None:
+    """The address of ``t``'s storage; None for tensors without one (XLA, lazy, functional)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass
@@ -69,16 +142,161 @@ class DeviceRows:
         self.lock = threading.Lock()
         self.numels: list[int] = []
         self.kinds: list[torch.dtype] = []    # the dtype whose extremes buffer holds the row's min/max
+        self._scratch: dict[Any, torch.Tensor] = {}   # stream -> [counts, size] bool masks (see _count)
+        self._layouts: dict[tuple, _FlatLayout | None] = {}   # flat layouts seen (see _flat_groups)
+        self._batchable = set(self.values) <= {"sum", "sumsq", "min", "max"}   # not m2 (std)
+        self._zero_counts: torch.Tensor | None = None   # [counts, 1] int64 zeros (see _batch_counts)
 
     # -- hooks ---------------------------------------------------------------------------------
     @torch.no_grad()
-    def write(self, tensors: Sequence[torch.Tensor]) -> list[tuple["DeviceRows", int]]:
-        """Reduce ``tensors`` into new rows; returns their handles.  No sync, no H2D copy."""
+    def write(self, tensors: Sequence[torch.Tensor]) -> list[tuple[DeviceRows, int]]:
+        """Reduce ``tensors`` into new rows; returns their handles.  No sync, no H2D copy (but at
+        the first sight of a flat layout, see ``_FlatLayout``).  Tensors that are views of one contiguous
+        buffer (Megatron's/DDP's grad buckets, DeepSpeed's flat partitions, flattened params) are
+        reduced together: O(1) + O(row chunks) ops for the group instead of 3 per tensor."""
         with self.lock:
             start = len(self.numels)
+            self.numels.extend(0 for _ in tensors)
+            self.kinds.extend(_F32 for _ in tensors)
+            rows: list[int] = [-1] * len(tensors)
+            pos = start
+            for idx, layout in self._flat_groups(tensors):
+                self._batch([tensors[k] for k in idx], layout, pos)
+                for j, k in enumerate(idx):
+                    rows[k] = pos + j
+                pos += len(idx)
+            separate = self._foreach_group(tensors, rows)
+            if separate:
+                self._foreach([tensors[k] for k in separate], pos)
+                for j, k in enumerate(separate):
+                    rows[k] = pos + j
+                pos += len(separate)
             for k, t in enumerate(tensors):
-                self._reduce(t, start + k)
-        return [(self, start + k) for k in range(len(tensors))]
+                if rows[k] < 0:
+                    rows[k] = pos
+                    self._reduce(t, pos)
+                    pos += 1
+        return [(self, r) for r in rows]
+
+    def _foreach_group(self, tensors: Sequence[torch.Tensor], rows: list[int]) -> list[int]:
+        """Indices of the not yet placed non-empty fp32 tensors when there are enough for the
+        multi-tensor norms and maxima of ``_foreach`` (bf16/fp16: ``_foreach_norm`` would round
+        the norms to their dtype, and ``dtype=`` is what we never pass)."""
+        if len(tensors) < _MIN_BATCH or not self._batchable or "sumsq" not in self.vcol:
+            return []
+        ks = [k for k, t in enumerate(tensors) if rows[k] < 0 and t.dtype == _F32 and t.numel()]
+        return ks if len(ks) >= _MIN_BATCH else []
+
+    def _flat_groups(self, tensors: Sequence[torch.Tensor]) -> list[tuple[list[int], _FlatLayout]]:
+        """Groups of ``tensors`` that ``_batch`` can reduce together (see ``_FlatLayout.of``)."""
+        if len(tensors) < _MIN_BATCH or not self._batchable:
+            return []
+        by_storage: dict[tuple[int, torch.dtype], list[int]] = {}
+        for k, t in enumerate(tensors):   # plain tensors only: a subclass's storage may not be its data
+            if type(t) in _PLAIN and t.dtype in _FLAT_DTYPES and t.numel() and t.is_contiguous():
+                ptr = _storage_ptr(t)
+                if ptr is not None:
+                    by_storage.setdefault((ptr, t.dtype), []).append(k)
+        groups = []
+        for idx in by_storage.values():
+            if len(idx) >= _MIN_BATCH:
+                key = tuple((int(tensors[k].storage_offset()), tensors[k].numel()) for k in idx)
+                if key in self._layouts:
+                    layout = self._layouts[key]
+                else:
+                    if len(self._layouts) > 256:
+                        self._layouts.clear()
+                    layout = self._layouts[key] = _FlatLayout.of(key, self.device)
+                fits = not self.counts or (_MASKS_OUT and layout is not None
+                                           and layout.chunks * layout.width <= _SCRATCH_MAX)
+                if layout is not None and fits:
+                    groups.append((idx, layout))
+        return groups
+
+    def _batch(self, tensors: list[torch.Tensor], layout: _FlatLayout, row: int) -> None:
+        """One group of views of one buffer into rows ``row..``: per-chunk partials over a
+        ``[chunks, C]`` view of the buffer (``sum``, ``linalg_vector_norm``, ``aminmax`` along
+        dim 1, each reading the buffer once), combined per tensor by ``segment_reduce`` (chunk
+        norms squared and summed, then the root: the row holds the norm), gathered into caller
+        order and copied into the rows.  min/max go to the fp32 values (bf16/fp16 are exact
+        there)."""
+        flat = tensors[0].as_strided((layout.chunks, layout.width), (layout.width, 1), layout.start)
+        lengths, cols = layout.lengths, []
+        for c in self.values:
+            if c == "sum":
+                cols.append(torch.segment_reduce(torch.sum(flat, dim=1, dtype=_F32), "sum", lengths=lengths))
+            elif c == "sumsq":
+                sq = torch.linalg.vector_norm(flat, dim=1, dtype=_F32).square_()
+                cols.append(torch.segment_reduce(sq, "sum", lengths=lengths).sqrt_())
+            elif c == "min":
+                lo, hi = torch.aminmax(flat, dim=1)
+                cols += [torch.segment_reduce(lo, "min", lengths=lengths),
+                         torch.segment_reduce(hi, "max", lengths=lengths)]
+        for k, t in enumerate(tensors):
+            self.numels[row + k] = t.numel()
+        picked = None
+        if cols:
+            seg = torch.stack(cols, dim=1) if len(cols) > 1 else cols[0].to(_F32).unsqueeze(1)
+            picked = seg if layout.select is None else seg.index_select(0, layout.select)
+        counts = self._batch_counts(flat, layout) if self.counts else None
+        done = 0
+        while done < len(tensors):   # rows may continue into the next chunk of the row buffer
+            chunk, r = self._chunk(row + done)
+            n = min(len(tensors) - done, self.capacity - r)
+            if picked is not None:
+                chunk.values[r:r + n, :len(self.values)].copy_(picked[done:done + n])
+            if counts is not None:
+                chunk.counts[r:r + n].copy_(counts[done:done + n])  # type: ignore[index]
+            done += n
+
+    def _foreach(self, group: list[torch.Tensor], row: int) -> None:
+        """Separate fp32 tensors into rows ``row..``: ``sum`` and ``amin`` per tensor (``out=``),
+        the norms and maxima of the whole group by ``_foreach_norm``/``_foreach_max`` (one
+        multi-tensor launch each on CUDA) stacked into their columns: 2 ops per tensor + 4, not 3
+        per tensor.  There is no ``_foreach`` sum or min in ATen."""
+        vc = self.vcol
+        for j, t in enumerate(group):
+            self.numels[row + j] = t.numel()
+            chunk, r = self._chunk(row + j)
+            v = chunk.values[r]
+            if "sum" in vc:
+                torch.sum(t, dim=None, dtype=_F32, out=v[vc["sum"]])
+            if "min" in vc:
+                torch.amin(t, out=v[vc["min"]])
+            if self.counts:
+                self._count(t, chunk.counts[r])  # type: ignore[index]
+        norms = torch._foreach_norm(group)
+        maxes, foreach_max = None, _FOREACH_MAX
+        if "max" in vc and foreach_max is not None:
+            maxes = foreach_max(group)
+        elif "max" in vc:   # torch < 2.4: one amax per tensor
+            for j, t in enumerate(group):
+                chunk, r = self._chunk(row + j)
+                torch.amax(t, out=chunk.values[r, vc["max"]])
+        done = 0
+        while done < len(group):   # rows may continue into the next chunk of the row buffer
+            chunk, r = self._chunk(row + done)
+            n = min(len(group) - done, self.capacity - r)
+            torch.stack(norms[done:done + n], out=chunk.values[r:r + n, vc["sumsq"]])
+            if maxes is not None:
+                torch.stack(maxes[done:done + n], out=chunk.values[r:r + n, vc["max"]])
+            done += n
+
+    def _batch_counts(self, flat: torch.Tensor, layout: _FlatLayout) -> torch.Tensor:
+        """``[tensors, counts]`` int64 counts of a group, exact: one mask per count over the whole
+        span into the scratch, summed per chunk (int64), then per segment as differences of a
+        cumulative sum at the segments' last chunks (``segment_reduce`` has no integer sums, and
+        fp32 sums of counts would stop being exact at 2^24)."""
+        m, w = layout.chunks, layout.width
+        masks = self._masks(m * w)
+        for k, col in enumerate(self.counts):
+            self._mask(flat, col, masks[k, :m * w].view(m, w))
+        cum = torch.sum(masks[:, :m * w].view(len(self.counts), m, w), dim=2).cumsum_(1)
+        if self._zero_counts is None:
+            self._zero_counts = torch.zeros((len(self.counts), 1), dtype=torch.int64, device=self.device)
+        seg = torch.diff(cum.index_select(1, layout.ends), dim=1, prepend=self._zero_counts)
+        picked = seg if layout.select is None else seg.index_select(1, layout.select)
+        return picked.t()
 
     def _chunk(self, row: int) -> tuple[_Chunk, int]:
         c, r = divmod(row, self.capacity)
@@ -92,8 +310,8 @@ class DeviceRows:
     def _reduce(self, t: torch.Tensor, row: int) -> None:
         if not (t.is_floating_point() and t.dtype.itemsize >= 2):  # ints, bool, fp8: small, rare
             t = t.to(_F32)
-        self.numels.append(t.numel())
-        self.kinds.append(t.dtype)
+        self.numels[row] = t.numel()
+        self.kinds[row] = t.dtype
         if t.numel() == 0:
             return  # the host writes the merge identities (it knows the count)
         chunk, r = self._chunk(row)
@@ -111,12 +329,37 @@ class DeviceRows:
             self._count(t, chunk.counts[r])  # type: ignore[index]
 
     def _count(self, t: torch.Tensor, c: torch.Tensor) -> None:
-        if "nans" in self.ccol:
-            torch.sum(torch.isnan(t), dim=None, out=c[self.ccol["nans"]])
-        if "infs" in self.ccol:
-            torch.sum(torch.isinf(t), dim=None, out=c[self.ccol["infs"]])
-        if "zeros" in self.ccol:
-            torch.sum(t.abs() < self._eps_in(t.dtype), dim=None, out=c[self.ccol["zeros"]])
+        """The requested counts with one mask per count and ONE ``sum`` for all of them: the masks
+        are written (``out=``) into the rows of a per-stream scratch, summed along its rows into
+        the row's adjacent count columns (``nans, infs``: 3 ops instead of 4)."""
+        n = t.numel()
+        masks = self._masks(n) if n <= _SCRATCH_MAX and _MASKS_OUT else None
+        if masks is None:   # a tensor this large: one transient mask per count (a scratch would stay)
+            for k, col in enumerate(self.counts):
+                torch.sum(self._mask(t, col), dim=None, out=c[k])
+            return
+        for k, col in enumerate(self.counts):
+            self._mask(t, col, masks[k, :n].view(t.shape))
+        torch.sum(masks[:, :n], dim=1, out=c)
+
+    def _mask(self, t: torch.Tensor, col: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        if col == "nans":
+            return torch.isnan(t) if out is None else torch.ops.aten.isnan.out(t, out=out)
+        if col == "infs":
+            return torch.isinf(t) if out is None else torch.ops.aten.isinf.out(t, out=out)
+        return torch.lt(t.abs(), self._eps_in(t.dtype), out=out) if out is not None else t.abs() < self._eps_in(t.dtype)
+
+    def _masks(self, n: int) -> torch.Tensor:
+        """``[counts, >= n]`` bool scratch of the current stream, grown by doubling, dropped at the
+        step end.  Per stream: a hook on a side stream must not overwrite masks that another
+        stream's ``sum`` has not read yet (the allocator orders reuse within one stream only)."""
+        key = _stream_key(self.device)
+        buf = self._scratch.get(key)
+        if buf is None or buf.shape[1] < n:
+            size = max(4096, 1 << (n - 1).bit_length(), 2 * buf.shape[1] if buf is not None else 0)
+            buf = self._scratch[key] = torch.empty((len(self.counts), min(size, _SCRATCH_MAX)),
+                                                   dtype=torch.bool, device=self.device)
+        return buf
 
     def _eps_in(self, dtype: torch.dtype) -> float:
         """``eps`` rounded up to ``dtype``: the comparison runs in the tensor's dtype, where 1e-8
@@ -165,6 +408,7 @@ class DeviceRows:
         with self.lock:
             n, numels, kinds = len(self.numels), self.numels, self.kinds
             self.numels, self.kinds = [], []
+            self._scratch = {}
         if n == 0 and not extra:
             return None
         parts: list[torch.Tensor] = []
@@ -185,6 +429,19 @@ class DeviceRows:
     def clear(self) -> None:
         with self.lock:
             self.numels, self.kinds = [], []
+            self._scratch = {}
+
+
+def _stream_key(device: torch.device) -> Any:
+    """The current stream of ``device`` (None where there are no streams: the CPU seam)."""
+    if device.type == "cpu":
+        return None
+    backend = getattr(torch, device.type, None)
+    current = getattr(backend, "current_stream", None)
+    if current is None:
+        return None
+    stream = current(device)
+    return getattr(stream, "stream_id", None), getattr(stream, "cuda_stream", id(stream))
 
 
 def _copy_to_host(flat: torch.Tensor) -> tuple[torch.Tensor, object]:

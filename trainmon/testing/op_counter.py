@@ -22,7 +22,8 @@ _HOST_DATA = frozenset({"lift_fresh", "lift_fresh_copy", "scalar_tensor"})
 
 class OpCounter(TorchDispatchMode):
     """``with OpCounter() as c: ...`` then ``c.ops`` (non-view aten ops), ``c.syncs``,
-    ``c.copies`` (host data entering or a device change), ``c.largest`` (bytes), ``c.names``."""
+    ``c.copies`` (host data entering or a device change), ``c.largest`` (bytes), ``c.names``,
+    ``c.dtypes`` (the dtypes of the tensors ops produced: ``c.dtypes[torch.float64]`` is fp64 work)."""
 
     def __init__(self, buffers: bool = True) -> None:
         """``buffers=False``: ``empty``/``zeros`` allocations (persistent row buffers) do not count
@@ -30,6 +31,7 @@ class OpCounter(TorchDispatchMode):
         super().__init__()
         self._skip_largest = frozenset() if buffers else frozenset({"empty", "zeros", "empty_strided"})
         self.names: Counter[str] = Counter()
+        self.dtypes: Counter[torch.dtype] = Counter()
         self.ops = self.syncs = self.copies = self.largest = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -44,6 +46,9 @@ class OpCounter(TorchDispatchMode):
             self.syncs += 1
         if name in _HOST_DATA or (name in ("_to_copy", "copy_") and _device_change(args, kwargs, out)):
             self.copies += 1
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.dtypes[t.dtype] += 1
         if "out" not in kwargs and not _mutates(func) and name not in self._skip_largest:
             for t in out if isinstance(out, (tuple, list)) else (out,):
                 if isinstance(t, torch.Tensor):
