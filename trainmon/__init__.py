@@ -1,9 +1,10 @@
 """trainmon: per-layer training-state monitor for PyTorch.
 
-    from trainmon import TrainerMon
-    monitor = TrainerMon("monitor_config.json")
-    monitor.set_monitor(model, grad_acc_steps=4, optimizer=optimizer)
+from trainmon import TrainerMon
+monitor = TrainerMon("monitor_config.json")
+monitor.set_monitor(model, grad_acc_steps=4, optimizer=optimizer)
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
@@ -18,25 +19,38 @@ if TYPE_CHECKING:  # type checkers see the real objects; at run time they load o
     from trainmon.runtime.seed import seed_all
     from trainmon.sinks.base import register_sink
 
-__all__ = ["TrainerMon", "ConfigError", "TrainmonError", "seed_all", "load_config",
-           "register_collector", "register_sink", "__version__"]
+__all__ = [
+    "TrainerMon",
+    "ConfigError",
+    "TrainmonError",
+    "seed_all",
+    "load_config",
+    "register_collector",
+    "register_sink",
+    "__version__",
+]
 
 
 def __getattr__(name: str) -> Any:
     # Lazy: `import trainmon` (e.g. for the CLI) must not import torch.
     if name == "TrainerMon":
         from trainmon.monitor import TrainerMon
+
         return TrainerMon
     if name == "seed_all":
         from trainmon.runtime.seed import seed_all
+
         return seed_all
     if name == "load_config":
         from trainmon.config import load_config
+
         return load_config
     if name == "register_collector":
         from trainmon.collectors import register_collector
+
         return register_collector
     if name == "register_sink":
         from trainmon.sinks.base import register_sink
+
         return register_sink
     raise AttributeError(f"module 'trainmon' has no attribute {name!r}")

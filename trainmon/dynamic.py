@@ -14,15 +14,17 @@ Two pieces, so the logic can be driven without threads or sleeps:
 
 Settings (environment, read when ``TrainerMon`` is created) are in :class:`WatchSettings`.
 """
+
 from __future__ import annotations
 
 import logging
 import os
 import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from trainmon.config import MonitorConfig
 from trainmon.errors import ConfigError, Problem
@@ -41,8 +43,7 @@ def _env_flag(env: Mapping[str, str], name: str) -> bool:
         return True
     if value in _FALSE:
         return False
-    raise ConfigError("environment", [Problem(name, f"{raw!r} is not a switch (allowed, any case: "
-                                                    "true, 1, false, 0)")])
+    raise ConfigError("environment", [Problem(name, f"{raw!r} is not a switch (allowed, any case: true, 1, false, 0)")])
 
 
 def _env_seconds(env: Mapping[str, str], name: str, default: float) -> float:
@@ -54,8 +55,7 @@ def _env_seconds(env: Mapping[str, str], name: str, default: float) -> float:
     except ValueError:
         value = float("nan")
     if not (value > 0 and value < float("inf")):
-        raise ConfigError("environment", [Problem(name, f"{raw!r} is not a number of seconds "
-                                                        "(finite number > 0)")])
+        raise ConfigError("environment", [Problem(name, f"{raw!r} is not a number of seconds (finite number > 0)")])
     return value
 
 
@@ -83,12 +83,14 @@ class WatchSettings:
     watch: bool = True
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> "WatchSettings":
+    def from_env(cls, env: Mapping[str, str] | None = None) -> WatchSettings:
         env = os.environ if env is None else env
-        return cls(polling=_env_flag(env, "TRAINMON_WATCH_POLLING"),
-                   interval_s=_env_seconds(env, "TRAINMON_WATCH_INTERVAL", cls.interval_s),
-                   settle_s=_env_seconds(env, "TRAINMON_WATCH_SETTLE", cls.settle_s),
-                   timeout_s=_env_seconds(env, "TRAINMON_DYNAMIC_TIMEOUT", cls.timeout_s))
+        return cls(
+            polling=_env_flag(env, "TRAINMON_WATCH_POLLING"),
+            interval_s=_env_seconds(env, "TRAINMON_WATCH_INTERVAL", cls.interval_s),
+            settle_s=_env_seconds(env, "TRAINMON_WATCH_SETTLE", cls.settle_s),
+            timeout_s=_env_seconds(env, "TRAINMON_DYNAMIC_TIMEOUT", cls.timeout_s),
+        )
 
 
 @dataclass(frozen=True)
@@ -117,8 +119,8 @@ class ConfigStager:
         self.settle_s = float(settle_s)
         self._lock = threading.Lock()
         self._decision = Decision(0, None)
-        self._last_event: float | None = None   # time of the newest change not yet read
-        self._generation = 0                    # bumped by every change, to spot one during a read
+        self._last_event: float | None = None  # time of the newest change not yet read
+        self._generation = 0  # bumped by every change, to spot one during a read
 
     @property
     def decision(self) -> Decision:
@@ -148,15 +150,18 @@ class ConfigStager:
             with self._lock:
                 if generation == self._generation:
                     self._last_event = None
-            log.error("trainmon: dynamic: the edited config is NOT applied; monitoring stays as it "
-                      "was (last valid version: %d) until the next change. %s", self._decision.version, exc)
+            log.error(
+                "trainmon: dynamic: the edited config is NOT applied; monitoring stays as it "
+                "was (last valid version: %d) until the next change. %s",
+                self._decision.version,
+                exc,
+            )
             return None
-        except Exception:  # noqa: BLE001 - a bug here must not kill the watcher, nor the run
+        except Exception:
             with self._lock:
                 if generation == self._generation:
                     self._last_event = None
-            log.exception("trainmon: dynamic: reading %s failed; monitoring continues as it was",
-                          self.path)
+            log.exception("trainmon: dynamic: reading %s failed; monitoring continues as it was", self.path)
             return None
         with self._lock:
             decision = self._stage_locked(config, generation)
@@ -191,8 +196,12 @@ class ConfigStager:
 
     def _staged(self, decision: Decision | None) -> Decision | None:
         if decision is not None:
-            log.info("trainmon: dynamic: config version %d staged from %s (dynamic_on: %s)",
-                     decision.version, self.path, str(decision.on).lower())
+            log.info(
+                "trainmon: dynamic: config version %d staged from %s (dynamic_on: %s)",
+                decision.version,
+                self.path,
+                str(decision.on).lower(),
+            )
         return decision
 
 
@@ -217,7 +226,7 @@ def resolution_chain(path: str | os.PathLike[str]) -> tuple[str, ...]:
             step = os.path.join(here, part)
             if os.path.islink(step):
                 try:
-                    todo = os.path.normpath(os.path.join(here, os.readlink(step), *parts[i + 1:]))
+                    todo = os.path.normpath(os.path.join(here, os.readlink(step), *parts[i + 1 :]))
                 except OSError:
                     return tuple(chain)
                 chain += [step, todo]
@@ -272,13 +281,12 @@ class ConfigWatcher:
         self._handler = _Handler(self._on_change)
         # What the path read when it was last read: (fingerprint, content hash).
         self._seen = (_fingerprint(stager.path), _digest(stager.path))
-        self._missing: str | None = None        # the folder reported missing, until it is back
+        self._missing: str | None = None  # the folder reported missing, until it is back
         self.kind = ""
 
-    def start(self) -> "ConfigWatcher":
+    def start(self) -> ConfigWatcher:
         self._observer = self._start_observer()
-        self._thread = threading.Thread(target=self._settle_loop, name="trainmon-config-settle",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._settle_loop, name="trainmon-config-settle", daemon=True)
         self._thread.start()
         return self
 
@@ -287,12 +295,16 @@ class ConfigWatcher:
 
         if not self.settings.polling:
             from watchdog.observers import Observer
+
             try:
                 return self._begin(Observer(), "native")
-            except Exception as exc:  # noqa: BLE001 - e.g. the inotify watch limit is reached
-                log.warning("trainmon: dynamic: the native file watcher cannot start on %s (%s); "
-                            "polling every %gs instead", os.path.dirname(self._target), exc,
-                            self.settings.interval_s)
+            except Exception as exc:
+                log.warning(
+                    "trainmon: dynamic: the native file watcher cannot start on %s (%s); polling every %gs instead",
+                    os.path.dirname(self._target),
+                    exc,
+                    self.settings.interval_s,
+                )
         return self._begin(PollingObserver(timeout=self.settings.interval_s), "polling")
 
     def _begin(self, observer, kind: str):
@@ -316,7 +328,7 @@ class ConfigWatcher:
             watch, _ = self._watches.pop(folder)
             try:
                 observer.unschedule(watch)
-            except Exception:  # noqa: BLE001 - a watch whose folder is gone may already be dropped
+            except Exception:
                 pass
         for folder in sorted(folders - set(self._watches)):
             ident = _ident(folder)
@@ -327,8 +339,12 @@ class ConfigWatcher:
         if not os.path.isdir(folder):
             if self._missing != folder:
                 self._missing = folder
-                log.warning("trainmon: dynamic: the config folder %s is gone; watching %s until it comes "
-                            "back (monitoring stays as it is until then)", folder, _existing(folder))
+                log.warning(
+                    "trainmon: dynamic: the config folder %s is gone; watching %s until it comes "
+                    "back (monitoring stays as it is until then)",
+                    folder,
+                    _existing(folder),
+                )
         elif self._missing is not None:
             log.info("trainmon: dynamic: the config folder %s is back; watching it again", self._missing)
             self._missing = None
@@ -346,7 +362,7 @@ class ConfigWatcher:
                 return
             try:
                 self._check()
-            except Exception:  # noqa: BLE001 - a watch that cannot move must not kill the thread
+            except Exception:
                 log.debug("trainmon: dynamic: re-arming the config watch failed", exc_info=True)
             now = time.monotonic()
             if self.stager.due_in(now) == 0.0:

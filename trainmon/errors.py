@@ -1,4 +1,5 @@
 """Exception types raised by trainmon."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -43,9 +44,11 @@ class DamagedFileError(TrainmonError, ValueError):
     one line naming the file, where (``line``/``column``, or ``row`` for a columnar format) and
     what is wrong.  Commands print it as one line and exit with code 2."""
 
-    def __init__(self, path: object, message: str, line: int | None = None, column: int | str | None = None,
-                 unit: str = "line"):
+    def __init__(
+        self, path: object, message: str, line: int | None = None, column: int | str | None = None, unit: str = "line"
+    ):
         self.path, self.message, self.line, self.column, self.unit = str(path), message, line, column, unit
-        where = "".join([f", {unit} {line}" if line is not None else "",
-                         f", column {column}" if column is not None else ""])
+        where = "".join(
+            [f", {unit} {line}" if line is not None else "", f", column {column}" if column is not None else ""]
+        )
         super().__init__(f"{self.path}{where}: {message}")

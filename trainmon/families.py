@@ -5,6 +5,7 @@ prefix).  The collectors write them, the sinks name files after them, the diagno
 order them by training flow.  Adding a family is one member here and one entry in ``FAMILIES``.
 No torch here: the readers and the config loader import it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -28,14 +29,14 @@ class _StrEnum(str, Enum):
 class Phase(_StrEnum):
     """Where in a step data is produced, in training-flow order."""
 
-    SETUP = "setup"          # the step's settings (hyperparams), before any data moves
+    SETUP = "setup"  # the step's settings (hyperparams), before any data moves
     FORWARD = "forward"
     BACKWARD = "backward"
     PRE_REDUCE = "pre_reduce"
     COMM = "comm"
     POST_REDUCE = "post_reduce"
     OPTIMIZER = "optimizer"
-    OTHER = "other"          # a family trainmon does not know
+    OTHER = "other"  # a family trainmon does not know
 
 
 PHASES: tuple[Phase, ...] = tuple(Phase)
@@ -98,8 +99,9 @@ FAMILIES: dict[Family, FamilyInfo] = {
     Family.EXP_AVG: FamilyInfo(Phase.OPTIMIZER, "mv_distribution", replicated=True, moment=True),
     Family.EXP_AVG_SQ: FamilyInfo(Phase.OPTIMIZER, "mv_distribution", replicated=True, moment=True),
     Family.PARAM_UPDATED: FamilyInfo(Phase.OPTIMIZER, "param_distribution", replicated=True),
-    Family.UPDATE_RATIO: FamilyInfo(Phase.OPTIMIZER, "ur_distribution", replicated=True,
-                                    own_stats=("update_ratio",), ratio=True),
+    Family.UPDATE_RATIO: FamilyInfo(
+        Phase.OPTIMIZER, "ur_distribution", replicated=True, own_stats=("update_ratio",), ratio=True
+    ),
     # One row (name "optimizer") per recorded step of a loss-scaled run: skipped 1 when the loss
     # scaler skipped the optimizer step (Inf/NaN grads), else 0; loss_scale: the scale it ran with.
     # Written whenever a GradScaler steps the optimizer (no config flag: docs/escalation.md).

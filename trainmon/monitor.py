@@ -7,22 +7,24 @@ A thin facade: it loads the config, agrees on the run directory and hands the st
 one step driver (``runtime.driver.StaticDriver``, or ``runtime.dynamic_driver.DynamicDriver``
 with ``DYNAMIC_MONITOR=true``).  Sessions are built by ``runtime.builder.SessionBuilder``.
 """
+
 from __future__ import annotations
 
 import atexit
 import logging
 import os
 import weakref
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch.nn as nn
 
 from trainmon.config import MonitorConfig, load_config
-from trainmon.dynamic import WatchSettings, dynamic_requested
-from trainmon.errors import ConfigError
 from trainmon.core import dist as _dist
 from trainmon.core.hooks import step_optimizer
+from trainmon.dynamic import WatchSettings, dynamic_requested
+from trainmon.errors import ConfigError
 from trainmon.runtime.builder import Attachment, SessionBuilder
 from trainmon.runtime.driver import StaticDriver, StepDriver
 from trainmon.runtime.dynamic_driver import DynamicDriver
@@ -44,8 +46,12 @@ class TrainerMon:
             ``None`` detects it (every trainable param carries ``main_grad``).
     """
 
-    def __init__(self, config_file_path: str | os.PathLike[str], process_group: Any = None,
-                 params_have_main_grad: bool | None = None):
+    def __init__(
+        self,
+        config_file_path: str | os.PathLike[str],
+        process_group: Any = None,
+        params_have_main_grad: bool | None = None,
+    ):
         self.config_file_path = Path(config_file_path)
         # DYNAMIC_MONITOR is read once, here (as msprobe does); see runtime.dynamic_driver.
         self.dynamic = dynamic_requested()
@@ -55,9 +61,11 @@ class TrainerMon:
         if problems:
             raise ConfigError(str(self.config_file_path), problems)
         if self.config.dynamic_on and not self.dynamic:
-            log.warning("trainmon: %s sets dynamic_on, which has an effect only with DYNAMIC_MONITOR=true "
-                        "in the environment; monitoring with this config from the start",
-                        self.config_file_path)
+            log.warning(
+                "trainmon: %s sets dynamic_on, which has an effect only with DYNAMIC_MONITOR=true "
+                "in the environment; monitoring with this config from the start",
+                self.config_file_path,
+            )
         self.process_group = process_group
         self.params_have_main_grad = params_have_main_grad
         self.run_dir: Path | None = None
@@ -69,8 +77,10 @@ class TrainerMon:
 
     def _resolve_output(self) -> None:
         if not self._output_resolved:
-            meta = {"world_size": _dist.world_size(self.process_group),
-                    "config_file": str(self.config_file_path.resolve())}
+            meta = {
+                "world_size": _dist.world_size(self.process_group),
+                "config_file": str(self.config_file_path.resolve()),
+            }
             self.run_dir = create_run_dir(output_root(), self.process_group, meta)
             self._output_resolved = True
 
@@ -78,9 +88,15 @@ class TrainerMon:
     def rank(self) -> int:
         return _dist.rank()
 
-    def set_monitor(self, model: nn.Module | Sequence[nn.Module], grad_acc_steps: int | Callable[[], int] = 1,
-                    optimizer: Any = None, dp_group: Any = None, tp_group: Any = None,
-                    start_iteration: int = 0) -> "TrainerMon":
+    def set_monitor(
+        self,
+        model: nn.Module | Sequence[nn.Module],
+        grad_acc_steps: int | Callable[[], int] = 1,
+        optimizer: Any = None,
+        dp_group: Any = None,
+        tp_group: Any = None,
+        start_iteration: int = 0,
+    ) -> TrainerMon:
         """Attach to a model (or list of virtual-pipeline chunks) and its optimizer.
 
         The optimizer's ``step()`` is the step boundary (any object with a ``step()``: torch
@@ -92,15 +108,21 @@ class TrainerMon:
         if optimizer is not None:
             optimizer = step_optimizer(optimizer)  # accelerate's / Lightning's facades -> the torch optimizer
         chunks: list[nn.Module] = list(model) if isinstance(model, (list, tuple)) else [model]  # type: ignore[list-item]
-        builder = SessionBuilder(Attachment(chunks, grad_acc_steps, optimizer, dp_group, tp_group),
-                                 self.config_file_path, self.process_group, self.params_have_main_grad)
+        builder = SessionBuilder(
+            Attachment(chunks, grad_acc_steps, optimizer, dp_group, tp_group),
+            self.config_file_path,
+            self.process_group,
+            self.params_have_main_grad,
+        )
         if not self.dynamic:
             builder.check_targets(self.config, str(self.config_file_path))
         self._resolve_output()
         builder.run_dir = self.run_dir
         if optimizer is None:
-            log.warning("trainmon: set_monitor got no optimizer: call monitor.step() after each "
-                        "optimizer step, or nothing is recorded")
+            log.warning(
+                "trainmon: set_monitor got no optimizer: call monitor.step() after each "
+                "optimizer step, or nothing is recorded"
+            )
         if self.dynamic:
             assert self.watch_settings is not None  # set with self.dynamic
             self._driver = DynamicDriver(builder, self.config, self.watch_settings, start_iteration)
@@ -108,8 +130,12 @@ class TrainerMon:
         session = builder.build(self.config, start_iteration, step_optimizer=optimizer)
         self._driver = StaticDriver(session)
         if self.rank == 0:
-            log.info("trainmon: monitoring %d params (%s) into %s", len(session.ctx.params),
-                     ", ".join(c.name for c in session.collectors) or "nothing", self.run_dir)
+            log.info(
+                "trainmon: monitoring %d params (%s) into %s",
+                len(session.ctx.params),
+                ", ".join(c.name for c in session.collectors) or "nothing",
+                self.run_dir,
+            )
         return self
 
     def step(self) -> None:
@@ -143,7 +169,7 @@ class TrainerMon:
             driver, self._driver = self._driver, None
             driver.close()
 
-    def __enter__(self) -> "TrainerMon":
+    def __enter__(self) -> TrainerMon:
         return self
 
     def __exit__(self, *exc: object) -> None:

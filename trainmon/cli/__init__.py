@@ -5,6 +5,7 @@ A command module defines ``HELP`` (one line), ``add_arguments(parser)`` and ``ru
 as plain stderr lines).
 Modules are discovered, so adding a command is adding a file.
 """
+
 from __future__ import annotations
 
 import argparse

@@ -1,5 +1,6 @@
 """Checks of command options shared by the commands: one clear line (a ``CommandError``, exit
 code 2) for a bad value, never a traceback, and never a silent no-op."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence

@@ -3,6 +3,7 @@
 Written to stderr and redrawn in place (``\\r``) at most every 0.2 s, so piping a command's
 output or reading its JSON never sees it.
 """
+
 from __future__ import annotations
 
 import sys
@@ -15,8 +16,9 @@ __all__ = ["Progress"]
 class Progress:
     """``update(files=..., rows=...)`` while working, ``done()`` at the end (clears the line)."""
 
-    def __init__(self, label: str, total_files: int, *, quiet: bool = False, out: TextIO | None = None,
-                 interval_s: float = 0.2):
+    def __init__(
+        self, label: str, total_files: int, *, quiet: bool = False, out: TextIO | None = None, interval_s: float = 0.2
+    ):
         self.out = out or sys.stderr
         self.enabled = not quiet and bool(getattr(self.out, "isatty", lambda: False)())
         self.label, self.total = label, total_files

@@ -1,4 +1,5 @@
 """``trainmon anomalies RUN_DIR``: every anomaly of a run, earliest first in training-flow order."""
+
 from __future__ import annotations
 
 import argparse
@@ -12,9 +13,9 @@ from trainmon.diagnosis.reader import RunDirError, load_run
 from trainmon.diagnosis.report import dump_json, parse_name_list, table
 from trainmon.diagnosis.rules import Anomaly, Rules, SpikeRule
 from trainmon.diagnosis.scan import merge_runtime, scan
-from trainmon.output.runs import escalations
 from trainmon.output import runs
 from trainmon.output.cells import BadCellError
+from trainmon.output.runs import escalations
 
 HELP = "list NaN/Inf and spikes of a run, earliest first in training-flow order"
 _RULES = ("nonfinite", "spike", "threshold")
@@ -24,34 +25,58 @@ _ENGINES = ("auto", "duckdb", "memory")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     default = SpikeRule()
-    parser.add_argument("run_dir", metavar="RUN_DIR",
-                        help="run directory (or its output dir, or one rank dir)")
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="run directory (or its output dir, or one rank dir)")
     parser.add_argument("--json", action="store_true", help="machine-readable output (fields: docs/diagnosis.md)")
-    parser.add_argument("--rules", default="nonfinite,spike",
-                        help=f"comma list of {', '.join(_RULES)} (default: nonfinite,spike; "
-                             "--threshold adds threshold)")
+    parser.add_argument(
+        "--rules",
+        default="nonfinite,spike",
+        help=f"comma list of {', '.join(_RULES)} (default: nonfinite,spike; --threshold adds threshold)",
+    )
     parser.add_argument("--ops", default="norm", help="stats the spike/threshold rules watch (default: norm)")
-    parser.add_argument("--factor", type=float, default=default.factor,
-                        help="spike when a value is this many times above/below its baseline "
-                             f"(default {default.factor:g})")
-    parser.add_argument("--floor", type=float, default=default.floor,
-                        help=f"absolute floor added to value and baseline (default {default.floor:g})")
-    parser.add_argument("--warmup", type=int, default=default.warmup,
-                        help=f"values a series needs before it is judged (default {default.warmup})")
-    parser.add_argument("--window", type=int, default=default.window,
-                        help=f"values in the running median baseline (default {default.window})")
+    parser.add_argument(
+        "--factor",
+        type=float,
+        default=default.factor,
+        help=f"spike when a value is this many times above/below its baseline (default {default.factor:g})",
+    )
+    parser.add_argument(
+        "--floor",
+        type=float,
+        default=default.floor,
+        help=f"absolute floor added to value and baseline (default {default.floor:g})",
+    )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=default.warmup,
+        help=f"values a series needs before it is judged (default {default.warmup})",
+    )
+    parser.add_argument(
+        "--window",
+        type=int,
+        default=default.window,
+        help=f"values in the running median baseline (default {default.window})",
+    )
     parser.add_argument("--threshold", type=float, default=None, help="also flag |value| above this")
     parser.add_argument("--kinds", default=None, help="comma list of families to scan (default: all)")
     parser.add_argument("--ranks", default=None, help="comma list of ranks (default: all)")
-    parser.add_argument("--no-runtime", action="store_true",
-                        help="ignore the anomalies.jsonl files alerts wrote during the run")
-    parser.add_argument("--engine", choices=_ENGINES, default="auto",
-                        help="duckdb: scan the files in an embedded engine, bounded memory; memory: read the "
-                             "whole run into pandas, every cell validated; auto (default): duckdb when installed and the "
-                             "run's family files hold 256 MiB or more, else memory")
-    parser.add_argument("--limit", type=int, default=None,
-                        help=f"show at most N entries (text default {_TEXT_LIMIT}, JSON default all; "
-                             "0 = all)")
+    parser.add_argument(
+        "--no-runtime", action="store_true", help="ignore the anomalies.jsonl files alerts wrote during the run"
+    )
+    parser.add_argument(
+        "--engine",
+        choices=_ENGINES,
+        default="auto",
+        help="duckdb: scan the files in an embedded engine, bounded memory; memory: read the "
+        "whole run into pandas, every cell validated; auto (default): duckdb when installed and the "
+        "run's family files hold 256 MiB or more, else memory",
+    )
+    parser.add_argument(
+        "--limit",
+        type=int,
+        default=None,
+        help=f"show at most N entries (text default {_TEXT_LIMIT}, JSON default all; 0 = all)",
+    )
 
 
 def _rules(args: argparse.Namespace) -> Rules:
@@ -66,8 +91,12 @@ def _rules(args: argparse.Namespace) -> Rules:
     threshold = args.threshold if (args.threshold is not None or "threshold" in chosen) else None
     if "threshold" in chosen and threshold is None:
         raise CommandError("rule 'threshold' needs --threshold VALUE")
-    return Rules(nonfinite="nonfinite" in chosen, spike=spike, threshold=threshold,
-                 ops=tuple(parse_name_list(args.ops) or ("norm",)))
+    return Rules(
+        nonfinite="nonfinite" in chosen,
+        spike=spike,
+        threshold=threshold,
+        ops=tuple(parse_name_list(args.ops) or ("norm",)),
+    )
 
 
 def _check_names(wanted, have, what: str, path) -> None:
@@ -77,7 +106,7 @@ def _check_names(wanted, have, what: str, path) -> None:
 # ``--engine auto`` scans runs at least this large (bytes of family files) in DuckDB; smaller ones
 # in memory, where every cell is validated as it is read (damaged files: one line naming file,
 # line and column).
-AUTO_ENGINE_BYTES = 256 * 2 ** 20
+AUTO_ENGINE_BYTES = 256 * 2**20
 
 
 def _use_engine(choice: str, run_dir: str) -> bool:
@@ -106,8 +135,11 @@ def find(args: argparse.Namespace) -> tuple[object, list[Anomaly]]:
     kinds, ranks = parse_name_list(args.kinds), rank_list(args.ranks)
     use_engine = _use_engine(getattr(args, "engine", "auto"), args.run_dir)
     try:
-        run = (engine.run_files(args.run_dir, families=kinds, ranks=ranks) if use_engine
-               else _load_run(args.run_dir, kinds, ranks, quiet=args.json))
+        run = (
+            engine.run_files(args.run_dir, families=kinds, ranks=ranks)
+            if use_engine
+            else _load_run(args.run_dir, kinds, ranks, quiet=args.json)
+        )
     except RunDirError as exc:
         raise CommandError(str(exc)) from None
     _check_names(kinds, run.families_on_disk, "family", run.path)
@@ -134,11 +166,13 @@ def _engine_scan(files: engine.RunFiles, rules: Rules, *, quiet: bool) -> list[A
         return engine.engine_scan(files, rules, progress=progress)
     except BadCellError as exc:
         raise CommandError(str(exc)) from None
-    except Exception as exc:  # noqa: BLE001 - DuckDB's own parse errors on a damaged file
+    except Exception as exc:
         if type(exc).__module__.split(".")[0] not in ("duckdb", "_duckdb"):
             raise
-        raise CommandError(f"{files.path}: damaged family file: {str(exc).splitlines()[0]} "
-                           "(--engine memory names the file, line and column)") from None
+        raise CommandError(
+            f"{files.path}: damaged family file: {str(exc).splitlines()[0]} "
+            "(--engine memory names the file, line and column)"
+        ) from None
     finally:
         progress.done()
 
@@ -150,23 +184,33 @@ def run(args: argparse.Namespace) -> int:
     by_rule = dict(Counter(a.rule for a in found))
     windows = escalations(run_table.path)
     if args.json:
-        dump_json({"run_dir": str(run_table.path), "ranks": list(run_table.ranks),
-                   "families": list(run_table.families), "count": len(found), "by_rule": by_rule,
-                   "anomalies": [a.to_json() for a in shown], "escalations": windows})
+        dump_json(
+            {
+                "run_dir": str(run_table.path),
+                "ranks": list(run_table.ranks),
+                "families": list(run_table.families),
+                "count": len(found),
+                "by_rule": by_rule,
+                "anomalies": [a.to_json() for a in shown],
+                "escalations": windows,
+            }
+        )
         return 0
     rules_text = ", ".join(f"{k} {v}" for k, v in by_rule.items())
-    print(f"run: {run_table.path}  ranks: {','.join(map(str, run_table.ranks)) or '-'}  "
-          f"anomalies: {len(found)}" + (f" ({rules_text})" if found else ""))
+    print(
+        f"run: {run_table.path}  ranks: {','.join(map(str, run_table.ranks)) or '-'}  "
+        f"anomalies: {len(found)}" + (f" ({rules_text})" if found else "")
+    )
     _print_escalations(windows)
     if not found:
         print("no anomalies")
         return 0
     a = found[0]
-    print(f"first: step {a.step}, {a.phase}, {a.kind} {a.name}, rank {a.rank}: "
-          f"{a.op}={a.value:.6g} ({a.rule})")
-    table(["step", "phase", "kind", "name", "rank", "micro", "op", "value", "rule", "baseline"],
-          [(x.step, x.phase, x.kind, x.name, x.rank, x.micro_step, x.op, x.value, x.rule, x.baseline)
-           for x in shown])
+    print(f"first: step {a.step}, {a.phase}, {a.kind} {a.name}, rank {a.rank}: {a.op}={a.value:.6g} ({a.rule})")
+    table(
+        ["step", "phase", "kind", "name", "rank", "micro", "op", "value", "rule", "baseline"],
+        [(x.step, x.phase, x.kind, x.name, x.rank, x.micro_step, x.op, x.value, x.rule, x.baseline) for x in shown],
+    )
     if len(shown) < len(found):
         print(f"... {len(found) - len(shown)} more (--limit 0 shows all; --json for machines)")
     return 0
@@ -181,7 +225,16 @@ def _print_escalations(windows: list[dict]) -> None:
     for e in windows:
         t = e.get("trigger") or {}
         held = e.get("history")
-        rows.append((e.get("times"), f"{e.get('first_step')}..{e.get('last_step')}",
-                     f"{held[0]}..{held[1]}" if isinstance(held, list) and len(held) == 2 else "-",
-                     t.get("step"), t.get("rank"), t.get("rule"), t.get("kind"), t.get("name")))
+        rows.append(
+            (
+                e.get("times"),
+                f"{e.get('first_step')}..{e.get('last_step')}",
+                f"{held[0]}..{held[1]}" if isinstance(held, list) and len(held) == 2 else "-",
+                t.get("step"),
+                t.get("rank"),
+                t.get("rule"),
+                t.get("kind"),
+                t.get("name"),
+            )
+        )
     table(["#", "window", "history", "alert step", "rank", "rule", "kind", "name"], rows)

@@ -1,15 +1,15 @@
 """``trainmon compare BASE_RUN TARGET_RUN``: where two runs first differ, in training-flow order."""
+
 from __future__ import annotations
 
 import argparse
-
 from pathlib import Path
 
 from trainmon.cli import CommandError
+from trainmon.cli._options import check_recorded, non_negative, rank_list
 from trainmon.cli._progress import Progress
 from trainmon.diagnosis.compare import compare_runs
 from trainmon.diagnosis.reader import RunDirError, load_run
-from trainmon.cli._options import check_recorded, non_negative, rank_list
 from trainmon.diagnosis.report import dump_json, parse_name_list, table
 
 HELP = "compare two runs: the first module/step/rank that differs beyond tolerance"
@@ -19,13 +19,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("base", metavar="BASE_RUN", help="reference run directory")
     parser.add_argument("target", metavar="TARGET_RUN", help="run directory to check against it")
     parser.add_argument("--rtol", type=float, default=1e-3, help="relative tolerance (default 1e-3)")
-    parser.add_argument("--atol", type=float, default=0.0,
-                        help="differences up to this absolute size never count (default 0)")
+    parser.add_argument(
+        "--atol", type=float, default=0.0, help="differences up to this absolute size never count (default 0)"
+    )
     parser.add_argument("--ops", default=None, help="comma list of stats to compare (default: all common)")
     parser.add_argument("--kinds", default=None, help="comma list of families (default: all common)")
     parser.add_argument("--ranks", default=None, help="comma list of ranks (default: all)")
-    parser.add_argument("--top", type=int, default=5,
-                        help="largest differences listed per family (default 5)")
+    parser.add_argument("--top", type=int, default=5, help="largest differences listed per family (default 5)")
     parser.add_argument("--json", action="store_true", help="machine-readable output (fields: docs/diagnosis.md)")
 
 
@@ -48,14 +48,15 @@ def run(args: argparse.Namespace) -> int:
     non_negative(args.top, "--top")
     kinds, ranks = parse_name_list(args.kinds), rank_list(args.ranks)
     base, target = _load(args.base, kinds, ranks, args.json), _load(args.target, kinds, ranks, args.json)
-    result = compare_runs(base, target, rtol=args.rtol, atol=args.atol,
-                          ops=parse_name_list(args.ops), top=args.top)
+    result = compare_runs(base, target, rtol=args.rtol, atol=args.atol, ops=parse_name_list(args.ops), top=args.top)
     if args.json:
         dump_json({"base": str(base.path), "target": str(target.path), **result.to_json()})
         return 0
     print(f"base:   {base.path}\ntarget: {target.path}")
-    print(f"aligned rows: {result.aligned_rows} (only in base: {result.only_in_base}, only in target: "
-          f"{result.only_in_target}; names matched through wrapper prefixes: {result.renamed})")
+    print(
+        f"aligned rows: {result.aligned_rows} (only in base: {result.only_in_base}, only in target: "
+        f"{result.only_in_target}; names matched through wrapper prefixes: {result.renamed})"
+    )
     if not result.aligned_rows and result.static_divergence is None:
         print("nothing to compare: the runs share no (family, name, step, rank) rows")
         _print_stages(result)
@@ -68,11 +69,16 @@ def run(args: argparse.Namespace) -> int:
     else:
         micro = "" if d.micro_step is None else f" micro_step {d.micro_step}"
         group = "" if d.group is None else f" group {d.group}"
-        print(f"first divergence (rtol {args.rtol:g}): step {d.step}, {d.phase}, {d.kind} {d.name}{group}, "
-              f"rank {d.rank}{micro}: {d.op} base {d.base:.6g} target {d.target:.6g} "
-              f"(rel_diff {d.rel_diff:.3g}); {result.diverged_rows} rows diverge")
-    rows = [(f, x.step, x.name, x.rank, x.op, x.base, x.target, x.rel_diff)
-            for f, xs in result.largest_by_family.items() for x in xs]
+        print(
+            f"first divergence (rtol {args.rtol:g}): step {d.step}, {d.phase}, {d.kind} {d.name}{group}, "
+            f"rank {d.rank}{micro}: {d.op} base {d.base:.6g} target {d.target:.6g} "
+            f"(rel_diff {d.rel_diff:.3g}); {result.diverged_rows} rows diverge"
+        )
+    rows = [
+        (f, x.step, x.name, x.rank, x.op, x.base, x.target, x.rel_diff)
+        for f, xs in result.largest_by_family.items()
+        for x in xs
+    ]
     if rows:
         print("largest differences per family:")
         table(["kind", "step", "name", "rank", "op", "base", "target", "rel_diff"], rows)

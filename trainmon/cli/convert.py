@@ -6,6 +6,7 @@ other file of the run (``run.json``, ``anomalies.jsonl``, TensorBoard events, ..
 the new run answers every command like the old one.  Files are written to a temp name and
 renamed, so an interrupted convert leaves no half file under a family name.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,9 +27,12 @@ HELP = "convert a CSV run to Parquet (same families, columns and exact values)"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", metavar="RUN_DIR", help="run directory to convert (its output dir works too)")
     parser.add_argument("--to", required=True, choices=["parquet"], help="target format")
-    parser.add_argument("-o", "--out", default=None,
-                        help="new run directory (default: RUN_DIR-parquet beside it); must not exist "
-                             "or be empty")
+    parser.add_argument(
+        "-o",
+        "--out",
+        default=None,
+        help="new run directory (default: RUN_DIR-parquet beside it); must not exist or be empty",
+    )
     parser.add_argument("--json", action="store_true", help="machine-readable summary")
 
 
@@ -105,6 +109,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         dump_json({"run_dir": str(run_dir), "out": str(target), "format": args.to, **summary})
     else:
-        print(f"converted {summary['files']} files ({summary['rows']:,} rows) of {run_dir} to {target}"
-              f" (+{summary['copied']} other files copied)")
+        print(
+            f"converted {summary['files']} files ({summary['rows']:,} rows) of {run_dir} to {target}"
+            f" (+{summary['copied']} other files copied)"
+        )
     return 0

@@ -10,19 +10,28 @@ written under a temporary name and moved over the previous one in one rename.  A
 directory already holds native events (the run wrote ``format: tensorboard``) is skipped,
 because converting would show every value twice; ``-o`` converts it elsewhere.
 """
+
 from __future__ import annotations
 
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from itertools import chain
+from itertools import chain, pairwise
 from pathlib import Path
-from typing import Callable
 
 from trainmon.errors import DamagedFileError
-from trainmon.output.runs import (FAMILY_STATS, FamilyFile, column_roles, family_files, find_runs, rank_dirs, rank_of,
-                           read_csv)
+from trainmon.output.runs import (
+    FAMILY_STATS,
+    FamilyFile,
+    column_roles,
+    family_files,
+    find_runs,
+    rank_dirs,
+    rank_of,
+    read_csv,
+)
 from trainmon.output.tb_tags import TB_DIRNAME, series_name
 
 HELP = "convert the CSV files of a run (or of every run of an output dir) into TensorBoard event files"
@@ -31,15 +40,23 @@ CONVERTED_NAME = "events.out.tfevents.trainmon-csv2tb"
 _TMP_PREFIX = ".csv2tb-"
 PROGRESS_DELAY_S = 1.0  # the bar appears only on conversions that take longer than this
 
-__all__ = ["HELP", "add_arguments", "run", "convert_rank", "RankResult", "CONVERTED_NAME",
-           "native_event_files"]
+__all__ = ["HELP", "add_arguments", "run", "convert_rank", "RankResult", "CONVERTED_NAME", "native_event_files"]
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("path", type=Path, metavar="RUN_OR_OUTPUT_DIR",
-                        help="a run directory (holding rank<R>/), one rank<R>/ of a run, or a directory of runs")
-    parser.add_argument("-o", "--output", type=Path, metavar="DIR",
-                        help="write events to DIR/<run_id>/rank<R>/ instead of <run>/tensorboard/rank<R>/")
+    parser.add_argument(
+        "path",
+        type=Path,
+        metavar="RUN_OR_OUTPUT_DIR",
+        help="a run directory (holding rank<R>/), one rank<R>/ of a run, or a directory of runs",
+    )
+    parser.add_argument(
+        "-o",
+        "--output",
+        type=Path,
+        metavar="DIR",
+        help="write events to DIR/<run_id>/rank<R>/ instead of <run>/tensorboard/rank<R>/",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -50,7 +67,7 @@ class RankResult:
     files: int = 0
     rows: int = 0
     scalars: int = 0
-    skipped: str = ""                       # why nothing was written, if so
+    skipped: str = ""  # why nothing was written, if so
     unreadable: list[str] = field(default_factory=list)
 
 
@@ -58,8 +75,7 @@ def native_event_files(directory: Path) -> list[Path]:
     """Event files in ``directory`` that csv2tb did not write."""
     if not directory.is_dir():
         return []
-    return sorted(p for p in directory.iterdir()
-                  if "tfevents" in p.name and p.name != CONVERTED_NAME and p.is_file())
+    return sorted(p for p in directory.iterdir() if "tfevents" in p.name and p.name != CONVERTED_NAME and p.is_file())
 
 
 def _targets(runs: list[Path], output: Path | None) -> list[tuple[Path, Path]]:
@@ -81,7 +97,7 @@ def run(args) -> int:
         raise CommandError(f"{args.output}: not a directory")
     if runs:
         jobs = _targets(runs, args.output)
-    elif rank_of(args.path) is not None and family_files(args.path):   # one rank of a run
+    elif rank_of(args.path) is not None and family_files(args.path):  # one rank of a run
         run_dir = args.path.resolve().parent
         base = run_dir / TB_DIRNAME if args.output is None else args.output / run_dir.name
         runs, jobs = [run_dir], [(args.path, base / args.path.name)]
@@ -104,8 +120,16 @@ def _progress(total: int, disable: bool):
     from tqdm import tqdm
 
     # disable=None: no bar when stderr is not a terminal (logs, CI)
-    return tqdm(total=total, unit="B", unit_scale=True, desc="csv2tb", file=sys.stderr,
-                disable=True if disable else None, delay=PROGRESS_DELAY_S, leave=False)
+    return tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        desc="csv2tb",
+        file=sys.stderr,
+        disable=True if disable else None,
+        delay=PROGRESS_DELAY_S,
+        leave=False,
+    )
 
 
 def _report(results: list[RankResult], n_runs: int, seconds: float) -> None:
@@ -118,9 +142,11 @@ def _report(results: list[RankResult], n_runs: int, seconds: float) -> None:
     scalars = sum(r.scalars for r in done)
     rate = f", {scalars / seconds:,.0f} scalars/s" if seconds > 0 and scalars else ""
     where = sorted({str(r.target.parent) for r in done})
-    print(f"converted {len(done)} rank(s) of {n_runs} run(s): {sum(r.files for r in done)} CSV files, "
-          f"{sum(r.rows for r in done):,} rows, {scalars:,} scalars in {seconds:.1f} s{rate}"
-          + (f" -> {', '.join(where)}" if where else ""))
+    print(
+        f"converted {len(done)} rank(s) of {n_runs} run(s): {sum(r.files for r in done)} CSV files, "
+        f"{sum(r.rows for r in done):,} rows, {scalars:,} scalars in {seconds:.1f} s{rate}"
+        + (f" -> {', '.join(where)}" if where else "")
+    )
 
 
 def convert_rank(rank_dir: Path, target: Path, *, progress: Callable[[int], object] | None = None) -> RankResult:
@@ -136,13 +162,14 @@ def convert_rank(rank_dir: Path, target: Path, *, progress: Callable[[int], obje
         return result
     native = native_event_files(target)
     if native:
-        result.skipped = (f"{target} already holds native TensorBoard events ({native[0].name}); "
-                          f"use -o DIR to convert anyway")
+        result.skipped = (
+            f"{target} already holds native TensorBoard events ({native[0].name}); use -o DIR to convert anyway"
+        )
         _advance(progress, files)
         return result
     target.mkdir(parents=True, exist_ok=True)
     _remove_stale_temps(target)
-    tmp = target / f"{_TMP_PREFIX}{os.getpid()}.tmp"   # no "tfevents" in it: TensorBoard ignores it
+    tmp = target / f"{_TMP_PREFIX}{os.getpid()}.tmp"  # no "tfevents" in it: TensorBoard ignores it
     events = EventFile(tmp)
     try:
         converter = _Converter(events)
@@ -209,13 +236,13 @@ class _Converter:
 
         # a cell that is not a number becomes NaN, as in the native sink
         numbers = df[list(roles.stats)].apply(pd.to_numeric, errors="coerce")
-        with np.errstate(over="ignore"):   # beyond float32's range is +-inf, as in the native sink
+        with np.errstate(over="ignore"):  # beyond float32's range is +-inf, as in the native sink
             values = numbers.to_numpy(dtype=np.float64).astype("<f4").tobytes()
         steps = df["step"].to_numpy(dtype=np.int64)
         cuts = [0, *(np.flatnonzero(np.diff(steps)) + 1).tolist(), len(steps)]
         now = time.time()
-        for a, b in zip(cuts, cuts[1:]):
-            chunks = [values[i:i + 4] for i in range(a * width * 4, b * width * 4, 4)]
+        for a, b in pairwise(cuts):
+            chunks = [values[i : i + 4] for i in range(a * width * 4, b * width * 4, 4)]
             body = b"".join(chain.from_iterable(zip(chain.from_iterable(heads[a:b]), chunks)))
             self.events.write_event(int(steps[a]), now, body)
 
@@ -225,10 +252,12 @@ class _Converter:
 
         cache = self._heads.setdefault((family, roles.stats), {})
         n = len(df)
-        columns = [df["vpp_stage"].tolist() if "vpp_stage" in df.columns else [0] * n,
-                   df["name"].tolist(),
-                   df["micro_step"].tolist() if "micro_step" in df.columns else [None] * n,
-                   *(df[c].tolist() for c in roles.extras)]
+        columns = [
+            df["vpp_stage"].tolist() if "vpp_stage" in df.columns else [0] * n,
+            df["name"].tolist(),
+            df["micro_step"].tolist() if "micro_step" in df.columns else [None] * n,
+            *(df[c].tolist() for c in roles.extras),
+        ]
         out = []
         for key in zip(*columns):
             heads = cache.get(key)

@@ -1,4 +1,5 @@
 """``trainmon demo``: train a tiny GPT on synthetic data on the CPU with monitoring on."""
+
 from __future__ import annotations
 
 import json
@@ -27,8 +28,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
     parser.add_argument("--grad-acc-steps", type=int, default=2, help="micro-batches per step (default 2)")
     parser.add_argument("--config", type=Path, help="monitor config JSON (default: a built-in one, all kinds on)")
-    parser.add_argument("--output", type=Path, default=None,
-                        help="output root (default: $MONITOR_OUTPUT_DIR or ./monitor_output)")
+    parser.add_argument(
+        "--output", type=Path, default=None, help="output root (default: $MONITOR_OUTPUT_DIR or ./monitor_output)"
+    )
 
 
 def run(args) -> int:
@@ -48,8 +50,8 @@ def _train(args) -> int:
     import torch
 
     from trainmon import TrainerMon, seed_all
-    from trainmon.testing.tiny_gpt import TinyGPT, train
     from trainmon.runtime.run_dir import output_root
+    from trainmon.testing.tiny_gpt import TinyGPT, train
 
     config_path = args.config
     if config_path is None:
@@ -73,6 +75,8 @@ def _train(args) -> int:
         print(f"  {f}")
     if len(files) > 12:
         print(f"  ... and {len(files) - 12} more")
-    print(f"next: trainmon anomalies {monitor.run_dir} | trainmon csv2tb {monitor.run_dir} | "
-          f"trainmon plot {monitor.run_dir} --kind grad_reduced --op norm")
+    print(
+        f"next: trainmon anomalies {monitor.run_dir} | trainmon csv2tb {monitor.run_dir} | "
+        f"trainmon plot {monitor.run_dir} --kind grad_reduced --op norm"
+    )
     return 0

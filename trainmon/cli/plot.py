@@ -1,4 +1,5 @@
 """``trainmon plot RUN_DIR --kind K --op O``: layers x steps heatmap plus a per-layer profile."""
+
 from __future__ import annotations
 
 import argparse
@@ -15,13 +16,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--op", default="norm", help="stat column (default norm)")
     parser.add_argument("--rank", type=int, default=None, help="rank to plot (default: the lowest)")
     parser.add_argument("--step", type=int, default=None, help="step of the profile panel (default: last)")
-    parser.add_argument("--micro-step", type=int, default=None,
-                        help="micro-batch of actv/actv_grad (default: the first)")
+    parser.add_argument(
+        "--micro-step", type=int, default=None, help="micro-batch of actv/actv_grad (default: the first)"
+    )
     scale = parser.add_mutually_exclusive_group()
     scale.add_argument("--log", dest="log", action="store_true", default=None, help="log colour scale")
     scale.add_argument("--linear", dest="log", action="store_false", help="linear colour scale")
-    parser.add_argument("-o", "--output", default=None,
-                        help="PNG path, or a folder to put <kind>_<op>_rank<R>.png in (default: that name in ./)")
+    parser.add_argument(
+        "-o",
+        "--output",
+        default=None,
+        help="PNG path, or a folder to put <kind>_<op>_rank<R>.png in (default: that name in ./)",
+    )
     parser.add_argument("--json", action="store_true", help="print what was written as JSON")
 
 
@@ -56,9 +62,19 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(f"cannot write {out}: {getattr(exc, 'strerror', None) or exc}") from None
     step = int(grid.steps[-1]) if args.step is None else args.step
     if args.json:
-        dump_json({"output": str(out), "kind": grid.kind, "op": grid.op, "rank": grid.rank,
-                   "micro_step": grid.micro_step, "layers": len(grid.layers), "steps": len(grid.steps),
-                   "profile_step": step, "bytes": out.stat().st_size})
+        dump_json(
+            {
+                "output": str(out),
+                "kind": grid.kind,
+                "op": grid.op,
+                "rank": grid.rank,
+                "micro_step": grid.micro_step,
+                "layers": len(grid.layers),
+                "steps": len(grid.steps),
+                "profile_step": step,
+                "bytes": out.stat().st_size,
+            }
+        )
     else:
         print(f"wrote {out} ({len(grid.layers)} layers x {len(grid.steps)} steps, profile at step {step})")
     return 0

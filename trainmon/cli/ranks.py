@@ -1,4 +1,5 @@
 """``trainmon ranks RUN_DIR``: what must agree across data-parallel ranks, step by step."""
+
 from __future__ import annotations
 
 import argparse
@@ -18,18 +19,34 @@ _TEXT_LIMIT = 30
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", metavar="RUN_DIR", help="run directory (or its output dir)")
     parser.add_argument("--json", action="store_true", help="machine-readable output (fields: docs/diagnosis.md)")
-    parser.add_argument("--rtol", type=float, default=1e-5,
-                        help="relative tolerance of 'identical' and 'average' (default 1e-5, "
-                             "raised to 4 eps of the dtype)")
-    parser.add_argument("--outlier-factor", type=float, default=10.0,
-                        help="pre-reduce norm this many times off the other ranks is an outlier (default 10)")
-    parser.add_argument("--reduce", choices=("mean", "sum"), default="mean",
-                        help="what the data-parallel reduce computes (default mean)")
+    parser.add_argument(
+        "--rtol",
+        type=float,
+        default=1e-5,
+        help="relative tolerance of 'identical' and 'average' (default 1e-5, raised to 4 eps of the dtype)",
+    )
+    parser.add_argument(
+        "--outlier-factor",
+        type=float,
+        default=10.0,
+        help="pre-reduce norm this many times off the other ranks is an outlier (default 10)",
+    )
+    parser.add_argument(
+        "--reduce",
+        choices=("mean", "sum"),
+        default="mean",
+        help="what the data-parallel reduce computes (default mean)",
+    )
     parser.add_argument("--checks", default=None, help=f"comma list of {', '.join(CHECKS)} (default: all)")
-    parser.add_argument("--ranks", default=None,
-                        help="comma list of ranks forming one data-parallel group (default: all)")
-    parser.add_argument("--limit", type=int, default=None,
-                        help=f"show at most N issues (text default {_TEXT_LIMIT}, JSON default all; 0 = all)")
+    parser.add_argument(
+        "--ranks", default=None, help="comma list of ranks forming one data-parallel group (default: all)"
+    )
+    parser.add_argument(
+        "--limit",
+        type=int,
+        default=None,
+        help=f"show at most N issues (text default {_TEXT_LIMIT}, JSON default all; 0 = all)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,18 +66,29 @@ def run(args: argparse.Namespace) -> int:
     finally:
         progress.done()
     check_recorded(ranks, run_table.ranks_on_disk, "rank", run_table.path)
-    issues = check_ranks(run_table, rtol=args.rtol, outlier_factor=args.outlier_factor,
-                         reduce=args.reduce, checks=checks)
+    issues = check_ranks(
+        run_table, rtol=args.rtol, outlier_factor=args.outlier_factor, reduce=args.reduce, checks=checks
+    )
     limit = args.limit if args.limit is not None else (0 if args.json else _TEXT_LIMIT)
     shown = issues if limit == 0 else issues[:limit]
     by_check = dict(Counter(i.check for i in issues))
     if args.json:
-        dump_json({"run_dir": str(run_table.path), "ranks": list(run_table.ranks), "checks": checks,
-                   "count": len(issues), "by_check": by_check, "issues": [i.to_json() for i in shown]})
+        dump_json(
+            {
+                "run_dir": str(run_table.path),
+                "ranks": list(run_table.ranks),
+                "checks": checks,
+                "count": len(issues),
+                "by_check": by_check,
+                "issues": [i.to_json() for i in shown],
+            }
+        )
         return 0
     counts = ", ".join(f"{k} {v}" for k, v in by_check.items())
-    print(f"run: {run_table.path}  ranks: {','.join(map(str, run_table.ranks)) or '-'}  "
-          f"issues: {len(issues)}" + (f" ({counts})" if issues else ""))
+    print(
+        f"run: {run_table.path}  ranks: {','.join(map(str, run_table.ranks)) or '-'}  "
+        f"issues: {len(issues)}" + (f" ({counts})" if issues else "")
+    )
     if len(run_table.ranks) < 2:
         print("only one rank: nothing to compare across ranks")
         return 0
@@ -69,8 +97,10 @@ def run(args: argparse.Namespace) -> int:
         return 0
     i = issues[0]
     print(f"first: step {i.step}, {i.phase}, {i.kind} {i.name}, rank {i.rank}: {i.check} ({i.detail})")
-    table(["step", "phase", "kind", "name", "rank", "check", "op", "value", "expected"],
-          [(x.step, x.phase, x.kind, x.name, x.rank, x.check, x.op, x.value, x.expected) for x in shown])
+    table(
+        ["step", "phase", "kind", "name", "rank", "check", "op", "value", "expected"],
+        [(x.step, x.phase, x.kind, x.name, x.rank, x.check, x.op, x.value, x.expected) for x in shown],
+    )
     if len(shown) < len(issues):
         print(f"... {len(issues) - len(shown)} more (--limit 0 shows all; --json for machines)")
     return 0

@@ -39,6 +39,7 @@ run inside the autograd engine are checkpoint recomputations: they record no ``a
 micro-batch was recorded in the real forward), but grad hooks are installed on them because the
 reentrant checkpoint's backward runs through the recomputed graph.
 """
+
 from __future__ import annotations
 
 import functools
@@ -49,13 +50,22 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from trainmon.collectors.base import Collector, register_collector
+from trainmon.collectors.module_io import (
+    HookedModule,
+    hook_fn,
+    in_backward,
+    io_names,
+    pick,
+    replace_tensors,
+    select_modules,
+    tensors_of,
+    uses_compile,
+)
 from trainmon.core.dtensor import dtensor_parts
+from trainmon.core.hooks import Handle
 from trainmon.families import Family
 from trainmon.stats.engine import Tracked
-from trainmon.collectors.base import Collector, register_collector
-from trainmon.collectors.module_io import (HookedModule, hook_fn, in_backward, io_names, pick,
-                                           replace_tensors, select_modules, tensors_of, uses_compile)
-from trainmon.core.hooks import Handle
 
 __all__ = ["ActivationCollector"]
 
@@ -124,9 +134,14 @@ def _is_dtensor(t: torch.Tensor) -> bool:
 def _same_elements_base(t: torch.Tensor) -> torch.Tensor | None:
     """The base of view ``t`` when both are contiguous and hold exactly the same elements."""
     base = t._base
-    if (base is None or not base.requires_grad or base.numel() != t.numel()
-            or base.storage_offset() != t.storage_offset() or base.dtype != t.dtype
-            or not (t.is_contiguous() and base.is_contiguous())):
+    if (
+        base is None
+        or not base.requires_grad
+        or base.numel() != t.numel()
+        or base.storage_offset() != t.storage_offset()
+        or base.dtype != t.dtype
+        or not (t.is_contiguous() and base.is_contiguous())
+    ):
         return None
     return base
 
@@ -160,19 +175,20 @@ class ActivationCollector(Collector):
         self.modules = select_modules(self.ctx.chunks, self.ctx.matcher, cfg.all_xy, cfg.squash_name, specs)
         compiled = uses_compile(self.ctx.chunks)
         if compiled and self.modules:
-            log.warning("trainmon: the model uses torch.compile; each of the %d modules recorded "
-                        "by xy_distribution runs its hooks eagerly (a graph break), so the values are "
-                        "those of the uncompiled module boundaries and the compiled model runs in "
-                        "more pieces (select fewer modules with targets to keep it fast)",
-                        len(self.modules))
+            log.warning(
+                "trainmon: the model uses torch.compile; each of the %d modules recorded "
+                "by xy_distribution runs its hooks eagerly (a graph break), so the values are "
+                "those of the uncompiled module boundaries and the compiled model runs in "
+                "more pieces (select fewer modules with targets to keep it fast)",
+                len(self.modules),
+            )
         wrap = lambda fn: hook_fn(self._gated(fn), compiled)  # noqa: E731
         for vpp, chunk in enumerate(self.ctx.chunks):  # first: counting runs before recording
             self._hook(chunk.register_forward_pre_hook(wrap(functools.partial(self._chunk_begins, vpp))))
             if self._backward:
                 self._hook(chunk.register_forward_hook(wrap(self._chunk_ends)))
         for hm in self.modules:
-            self._hook(hm.module.register_forward_pre_hook(
-                wrap(functools.partial(self._inputs, hm)), with_kwargs=True))
+            self._hook(hm.module.register_forward_pre_hook(wrap(functools.partial(self._inputs, hm)), with_kwargs=True))
             self._hook(hm.module.register_forward_hook(wrap(functools.partial(self._outputs, hm))))
         self._grad_hook = self.ctx.guard.gated(self, self._on_grad, self.ctx.clock)
         self._base_grad_hook = self.ctx.guard.gated(self, self._on_base_grad, self.ctx.clock)
@@ -216,7 +232,7 @@ class ActivationCollector(Collector):
         """Records the inputs; returns (args, kwargs) with aliases of the inputs whose grads are
         recorded (None: the module's arguments unchanged)."""
         if module is not hm.module:
-            return None   # a copy of the model (copy.deepcopy) carries the hook: not monitored
+            return None  # a copy of the model (copy.deepcopy) carries the hook: not monitored
         tensors = tensors_of(kwargs, tensors_of(args)) if kwargs else tensors_of(args)
         if not tensors:
             return None
@@ -227,7 +243,7 @@ class ActivationCollector(Collector):
         want = [i for i in pick(hm, "input_grad", len(tensors), self._warned) if tensors[i].requires_grad]
         if not want:
             return None
-        labels: dict[int, list[tuple[int, str]]] = {}   # id(input) -> its names in this call
+        labels: dict[int, list[tuple[int, str]]] = {}  # id(input) -> its names in this call
         for i in want:
             labels.setdefault(id(tensors[i]), []).append((hm.vpp_stage, names[i]))
         recompute = in_backward()
@@ -241,7 +257,7 @@ class ActivationCollector(Collector):
                 return t
             if id(t) in made:
                 return made[id(t)]
-            if not replaceable:   # inside a container we cannot rebuild: its total gradient
+            if not replaceable:  # inside a container we cannot rebuild: its total gradient
                 for name in mine:
                     self._hook_shared(t, name)
                 made[id(t)] = t
@@ -259,7 +275,7 @@ class ActivationCollector(Collector):
 
     def _outputs(self, hm: HookedModule, module: nn.Module, _args: Any, output: Any) -> None:
         if module is not hm.module:
-            return    # a copy of the model (copy.deepcopy) carries the hook: not monitored
+            return  # a copy of the model (copy.deepcopy) carries the hook: not monitored
         tensors = tensors_of(output)
         if not tensors:
             return
@@ -272,7 +288,7 @@ class ActivationCollector(Collector):
 
     def _record_actv(self, hm: HookedModule, kind: str, names: tuple[str, ...], tensors: list[torch.Tensor]) -> None:
         if not self._forward or in_backward():
-            return   # forwards inside backward are checkpoint recomputations: recorded already
+            return  # forwards inside backward are checkpoint recomputations: recorded already
         chosen = pick(hm, kind, len(tensors), self._warned)
         if len(chosen) != len(tensors):
             names, tensors = tuple(names[i] for i in chosen), [tensors[i] for i in chosen]
@@ -306,21 +322,28 @@ class ActivationCollector(Collector):
         if grad is not None and self._live:
             self._capture_grad(names, grad, None)
 
-    def _on_base_grad(self, names: list[tuple[int, str]], fired: list[bool], shape: tuple[int, ...],
-                      grad: torch.Tensor | None) -> None:
+    def _on_base_grad(
+        self, names: list[tuple[int, str]], fired: list[bool], shape: tuple[int, ...], grad: torch.Tensor | None
+    ) -> None:
         if not fired[0] and grad is not None and self._live:  # fired: the view's hook ran
             self._capture_grad(names, grad, shape)
 
-    def _capture_grad(self, names: list[tuple[int, str]], grad: torch.Tensor,
-                      shape: tuple[int, ...] | None) -> None:
+    def _capture_grad(self, names: list[tuple[int, str]], grad: torch.Tensor, shape: tuple[int, ...] | None) -> None:
         micro = self.ctx.clock.enter_backward()
         for vpp in dict.fromkeys(v for v, _ in names):  # one stage in practice
             labels = [n for v, n in names if v == vpp]
             self._capture(Family.ACTV_GRAD, vpp, labels, [grad] * len(labels), micro, shape=shape)
 
     # -- stats -----------------------------------------------------------------------------
-    def _capture(self, family: str, vpp: int, names: list[str], tensors: list[torch.Tensor],
-                 micro: int, shape: tuple[int, ...] | None = None) -> None:
+    def _capture(
+        self,
+        family: str,
+        vpp: int,
+        names: list[str],
+        tensors: list[torch.Tensor],
+        micro: int,
+        shape: tuple[int, ...] | None = None,
+    ) -> None:
         if any(type(t) not in _PLAIN for t in tensors):
             tensors = [_waited(t) for t in tensors]
         if any(_is_dtensor(t) for t in tensors):
@@ -328,7 +351,7 @@ class ActivationCollector(Collector):
             return
         cache, engine = self._cache, self.ctx.engine
         rows = [cache.get(t) for t in tensors]
-        missing: dict[int, list[int]] = {}   # distinct tensor -> its positions: reduced once
+        missing: dict[int, list[int]] = {}  # distinct tensor -> its positions: reduced once
         for i, r in enumerate(rows):
             if r is None:
                 missing.setdefault(id(tensors[i]), []).append(i)
@@ -340,8 +363,9 @@ class ActivationCollector(Collector):
                 cache.put(tensors[at[0]], row)
         engine.capture_tensors(family, vpp, names, tensors, rows, micro_step=micro, shape=shape)
 
-    def _capture_dtensors(self, family: str, vpp: int, names: list[str], tensors: list[torch.Tensor],
-                          micro: int) -> None:
+    def _capture_dtensors(
+        self, family: str, vpp: int, names: list[str], tensors: list[torch.Tensor], micro: int
+    ) -> None:
         """Outputs of tensor-parallel modules kept as DTensors (``use_local_output=False``): the
         full tensor's stats, from this rank's shard merged over the TP group like a sharded param
         (a ``Partial`` one, not yet reduced, is reduced first: a collective of the TP group, which

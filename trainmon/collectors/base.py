@@ -6,13 +6,15 @@ not yet touched), ``on_step_begin`` (the update's grads are final: at entry too,
 closure's backward) / ``on_step_end`` (step exit), on collected steps only, ``detach`` (remove
 everything it installed).
 """
+
 from __future__ import annotations
 
 import itertools
 import logging
 from abc import ABC
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Sequence
+from typing import Any, ClassVar
 
 import torch
 import torch.nn as nn
@@ -23,8 +25,7 @@ from trainmon.core.naming import TargetMatcher, TrackedParam
 from trainmon.core.schedule import StepClock
 from trainmon.stats.engine import StatsEngine, Tracked
 
-__all__ = ["Collector", "CollectorContext", "register_collector", "collector_classes", "Guard",
-           "capture_views"]
+__all__ = ["Collector", "CollectorContext", "register_collector", "collector_classes", "Guard", "capture_views"]
 
 log = logging.getLogger(__name__)
 
@@ -35,23 +36,24 @@ class CollectorContext:
 
     config: MonitorConfig
     chunks: Sequence[nn.Module]
-    params: list[TrackedParam]            # trainable params selected by ``targets``
+    params: list[TrackedParam]  # trainable params selected by ``targets``
     matcher: TargetMatcher
     engine: StatsEngine
     clock: StepClock
     optimizer: Any = None
     use_main_grad: bool = False
-    distributed: bool = False             # grads may be reduced during backward
+    distributed: bool = False  # grads may be reduced during backward
     dp_group: Any = None
     tp_group: Any = None
-    integration: Any = None               # trainmon.integrations.base.Integration
-    run_dir: Any = None                   # pathlib.Path of the run, None when nothing is written
+    integration: Any = None  # trainmon.integrations.base.Integration
+    run_dir: Any = None  # pathlib.Path of the run, None when nothing is written
     rank: int = 0
-    guard: "Guard" = field(default=None)  # type: ignore[assignment]
+    guard: Guard = field(default=None)  # type: ignore[assignment]
 
 
-def capture_views(ctx: CollectorContext, family: str, pairs: Sequence[tuple[TrackedParam, Any]],
-                  micro_step: int | None = None) -> None:
+def capture_views(
+    ctx: CollectorContext, family: str, pairs: Sequence[tuple[TrackedParam, Any]], micro_step: int | None = None
+) -> None:
     """Capture ``(param, View)`` pairs; shards of one process group are merged over it."""
     by_group: dict[tuple[int, int], tuple[Any, Any, list[Tracked]]] = {}
     for tp, view in pairs:
@@ -71,8 +73,9 @@ def capture_views(ctx: CollectorContext, family: str, pairs: Sequence[tuple[Trac
 
 
 @torch.no_grad()
-def _capture_modulus(ctx: CollectorContext, family: str, items: list[Tracked], micro_step: int | None,
-                     group: Any, scale: Any = None) -> None:
+def _capture_modulus(
+    ctx: CollectorContext, family: str, items: list[Tracked], micro_step: int | None, group: Any, scale: Any = None
+) -> None:
     """Complex tensors: every statistic is of the modulus ``|z|`` (so ``norm`` is the complex
     2-norm, ``min``/``max``/``mean`` are of ``|z|``), recorded under the tensor's own dtype."""
     rows = ctx.engine.partials([it.tensor.abs() for it in items])
@@ -144,7 +147,7 @@ class Guard:
             return None
         try:
             return fn(*args)
-        except Exception:  # noqa: BLE001 - the monitor must never take the run down
+        except Exception:
             self._fail(collector)
             return None
 
@@ -158,7 +161,7 @@ class Guard:
             if clock.collecting and name not in failed:
                 try:
                     return fn(*args)  # None but for forward pre-hooks handing the module new args
-                except Exception:  # noqa: BLE001 - the monitor must never take the run down
+                except Exception:
                     self._fail(collector)
             return None
 
@@ -166,8 +169,11 @@ class Guard:
 
     def _fail(self, collector: Collector) -> None:
         self.failed.add(collector.name)
-        log.exception("trainmon: collector '%s' failed at step %d and is switched off; "
-                      "training continues", collector.name, collector.ctx.clock.step)
+        log.exception(
+            "trainmon: collector '%s' failed at step %d and is switched off; training continues",
+            collector.name,
+            collector.ctx.clock.step,
+        )
         self._on_failure(collector)
 
     def wrap(self, collector: Collector, fn: Callable[..., Any]) -> Callable[..., None]:

@@ -27,6 +27,7 @@ Only Python callers that look the op up on the module are seen: DDP's C++ reduce
 ``trainmon.integrations.torch_ddp`` for DDP's bucket reduces).  The monitor's own collectives
 (run directory, shard merges) are never recorded.
 """
+
 from __future__ import annotations
 
 import functools
@@ -36,27 +37,46 @@ import re
 import sys
 import threading
 import weakref
-from typing import Any, Callable, cast
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
-from trainmon.families import Family
-from trainmon.core import dist as _dist
 from trainmon.collectors.base import Collector, register_collector
+from trainmon.core import dist as _dist
 from trainmon.core.hooks import Handle
+from trainmon.families import Family
 from trainmon.stats.engine import Tracked
 
 __all__ = ["CommCollector", "COMM_OPS"]
 
 log = logging.getLogger(__name__)
 
-COMM_OPS = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-            "reduce_scatter_tensor", "broadcast", "reduce", "gather", "scatter", "all_to_all",
-            "all_to_all_single", "send", "recv", "isend", "irecv", "batch_isend_irecv",
-            # newer names (FSDP2 in torch 2.13 calls these) and the legacy ones (older Megatron);
-            # whichever this torch lacks is skipped
-            "all_gather_single", "reduce_scatter_single", "_all_gather_base", "_reduce_scatter_base")
+COMM_OPS = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "broadcast",
+    "reduce",
+    "gather",
+    "scatter",
+    "all_to_all",
+    "all_to_all_single",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
+    # newer names (FSDP2 in torch 2.13 calls these) and the legacy ones (older Megatron);
+    # whichever this torch lacks is skipped
+    "all_gather_single",
+    "reduce_scatter_single",
+    "_all_gather_base",
+    "_reduce_scatter_base",
+)
 _ALWAYS_ASYNC = ("isend", "irecv", "batch_isend_irecv")
 # P2POp validates ``op`` against these names in distributed_c10d: they are replaced there too.
 _ALSO_IN_C10D = ("isend", "irecv")
@@ -121,8 +141,11 @@ class _Patch:
             if getattr(module, name) is wrapper:
                 setattr(module, name, original)
             else:  # someone wrapped over us: leave theirs; ours now passes straight through
-                log.warning("trainmon: torch.distributed.%s was replaced after trainmon wrapped it; "
-                            "leaving the newer one in place", name)
+                log.warning(
+                    "trainmon: torch.distributed.%s was replaced after trainmon wrapped it; "
+                    "leaving the newer one in place",
+                    name,
+                )
         self._entries.clear()
 
 
@@ -141,7 +164,7 @@ class CommCollector(Collector):
         self._filters = [re.compile(p) for p in cfg.cc_codeline]
         self._sites: dict[tuple[str, int], bool] = {}
         self._lock = threading.RLock()
-        self._inflight: list[tuple[list, list, dict]] = []   # (works, tensors, meta) of async calls
+        self._inflight: list[tuple[list, list, dict]] = []  # (works, tensors, meta) of async calls
         self._count_step: int | None
         self._count_step, self._count = None, 0
         self.active = True
@@ -167,8 +190,10 @@ class CommCollector(Collector):
             self.active = False
             self.poll()
             if self._inflight:
-                log.warning("trainmon: %d async comm ops had not completed at close; their post rows "
-                            "are missing", len(self._inflight))
+                log.warning(
+                    "trainmon: %d async comm ops had not completed at close; their post rows are missing",
+                    len(self._inflight),
+                )
                 self._inflight.clear()
         super().detach()
 
@@ -198,9 +223,11 @@ class CommCollector(Collector):
         engine = self.ctx.engine
         with self._lock:
             for pos, item, t in tensors:
-                engine.capture(Family.COMM, [Tracked(op, t.detach())],
-                               extra={"call": meta["call"], "when": when, "arg": pos, "item": item,
-                                      "caller": meta["caller"]})
+                engine.capture(
+                    Family.COMM,
+                    [Tracked(op, t.detach())],
+                    extra={"call": meta["call"], "when": when, "arg": pos, "item": item, "caller": meta["caller"]},
+                )
 
     def track(self, works: list, tensors: list, meta: dict) -> None:
         with self._lock:
@@ -249,8 +276,7 @@ class _AlignedP2P:
         import torch.distributed.distributed_c10d as c10d
 
         ops = args[0] if args else kwargs.get("p2p_op_list", [])
-        current = {getattr(getattr(c10d, n), "__trainmon_original__", None): getattr(c10d, n)
-                   for n in _ALSO_IN_C10D}
+        current = {getattr(getattr(c10d, n), "__trainmon_original__", None): getattr(c10d, n) for n in _ALSO_IN_C10D}
         self._swapped = [(p, p.op) for p in ops if getattr(p, "op", None) in current and p.op is not None]
         self._current = current
 
@@ -263,7 +289,7 @@ class _AlignedP2P:
             p.op = old
 
 
-def _make_wrapper(op: _Op, ref: "weakref.ref[CommCollector]") -> Callable:
+def _make_wrapper(op: _Op, ref: weakref.ref[CommCollector]) -> Callable:
     original = op.original
     peer_fix = _PEER_KEY.get(op.name)
 

@@ -27,12 +27,14 @@ similarity``).  A row is ``n`` (positions sampled) and words ``w0..w31``: bit ``
 is 1 when the grad at sample ``32*i + j`` is > 0.  Sharded grads (FSDP2, TP) get L0 and L1
 (counts summed over the shard group) but no L2.
 """
+
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
+from collections.abc import Sequence
 from functools import lru_cache
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -42,14 +44,20 @@ from trainmon.core.naming import TargetMatcher, TrackedParam
 from trainmon.families import Family
 from trainmon.stats.engine import Meta
 
-__all__ = ["GradProbeCollector", "DIRECTION_SAMPLES", "DIRECTION_WORDS", "direction_positions",
-           "interval_labels", "direction_columns"]
+__all__ = [
+    "GradProbeCollector",
+    "DIRECTION_SAMPLES",
+    "DIRECTION_WORDS",
+    "direction_positions",
+    "interval_labels",
+    "direction_columns",
+]
 
 log = logging.getLogger(__name__)
 
 DIRECTION_SAMPLES = 1024
 DIRECTION_WORDS = DIRECTION_SAMPLES // 32
-_CHUNK = 1 << 24   # elements counted at a time: bounds the int32 index buffer to 64 MiB
+_CHUNK = 1 << 24  # elements counted at a time: bounds the int32 index buffer to 64 MiB
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -60,7 +68,7 @@ def _bound_text(b: float) -> str:
 def interval_labels(bounds: Sequence[float]) -> tuple[str, ...]:
     """msprobe's column labels: ``(-inf, b0]``, ``(b0, b1]``, ..., ``(bn, inf)``, then ``=0``."""
     edges = ["-inf", *(_bound_text(b) for b in bounds)]
-    labels = [f"({lo}, {hi}]" for lo, hi in zip(edges, edges[1:])]
+    labels = [f"({lo}, {hi}]" for lo, hi in itertools.pairwise(edges)]
     return (*labels, f"({edges[-1]}, inf)", "=0")
 
 
@@ -90,7 +98,7 @@ def direction_positions(name: str, shape: tuple[int, ...], k: int = DIRECTION_SA
     picked: list[np.ndarray] = []
     have = 0
     counter = 0
-    while have < k:   # a few rounds at most: k is tiny next to numel
+    while have < k:  # a few rounds at most: k is tiny next to numel
         draws = _splitmix64(np.arange(counter, counter + 2 * k, dtype=np.uint64) + np.uint64(seed)) % np.uint64(numel)
         counter += 2 * k
         picked.append(draws.astype(np.int64))
@@ -120,17 +128,17 @@ def interval_counts(grad: torch.Tensor, bounds: Sequence[float]) -> torch.Tensor
     flat = grad.detach().reshape(-1)
     work = torch.float32 if flat.dtype in _HALF or not flat.is_floating_point() else flat.dtype
     cuts = _floored_bounds(tuple(bounds), work, flat.device)
-    n = len(bounds) + 1              # intervals
-    nan_bin = n                      # NaN: counted apart, reported in no interval
+    n = len(bounds) + 1  # intervals
+    nan_bin = n  # NaN: counted apart, reported in no interval
     width = n + 1
     counts = torch.zeros(2 * width, dtype=torch.int64, device=flat.device)
     for chunk in flat.split(_CHUNK):
         x = chunk.to(work)
         idx = torch.bucketize(x, cuts, out_int32=True)
         idx.masked_fill_(torch.isnan(x), nan_bin)
-        idx.add_((x == 0).to(torch.int32), alpha=width)   # zeros land in the upper copy of the bins
+        idx.add_((x == 0).to(torch.int32), alpha=width)  # zeros land in the upper copy of the bins
         counts += torch.bincount(idx, minlength=2 * width)
-    per_interval = counts[:n] + counts[width:width + n]
+    per_interval = counts[:n] + counts[width : width + n]
     return torch.cat([per_interval, counts[width:].sum().reshape(1)])
 
 
@@ -144,7 +152,7 @@ def direction_words(grad: torch.Tensor, positions: torch.Tensor) -> torch.Tensor
     """float64 ``[1 + DIRECTION_WORDS]``: ``n`` then the sign bits (> 0) packed 32 per word."""
     bits = (grad.detach().reshape(-1).index_select(0, positions) > 0).to(torch.int64)
     padded = torch.zeros(DIRECTION_SAMPLES, dtype=torch.int64, device=bits.device)
-    padded[:bits.numel()] = bits
+    padded[: bits.numel()] = bits
     weights = _bit_weights(bits.device)
     words = (padded.view(DIRECTION_WORDS, 32) * weights).sum(1)
     n = torch.full((1,), float(bits.numel()), dtype=torch.float64, device=bits.device)
@@ -174,7 +182,7 @@ class GradProbeCollector(Collector):
         assert probe is not None  # enabled() requires it
         reduced = ctx.integration.reduced_grad
         pairs = [(tp, v) for tp in self._params if (v := reduced(tp)) is not None]
-        if not ctx.config.wg_distribution:   # L0: weight_grads records grad_reduced already when on
+        if not ctx.config.wg_distribution:  # L0: weight_grads records grad_reduced already when on
             capture_views(ctx, Family.GRAD_REDUCED, pairs)
         if probe.level >= 1:
             self._capture_intervals(pairs, probe.bounds)
@@ -214,8 +222,11 @@ class GradProbeCollector(Collector):
     def _warn_sharded(self, name: str) -> None:
         if not self._warned_sharded:
             self._warned_sharded = True
-            log.warning("trainmon: grad_probe L2: %s is sharded; sign samples are taken of whole "
-                        "grads only, so sharded params have no grad_direction rows", name)
+            log.warning(
+                "trainmon: grad_probe L2: %s is sharded; sign samples are taken of whole "
+                "grads only, so sharded params have no grad_direction rows",
+                name,
+            )
 
 
 def _merge_counts(views: list, counts: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -20,10 +20,12 @@ Columns: ``vpp_stage,name,step,group,value,shape,dtype`` (``dtype`` is the setti
 type: ``float``, ``int``, ``bool``, or the tensor's dtype).  No host sync: a tensor setting is
 copied to the host with the step's other rows.
 """
+
 from __future__ import annotations
 
 import numbers
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -56,7 +58,7 @@ def _call(obj: Any, name: str) -> Any:
     fn = getattr(obj, name, None)
     try:
         return fn() if callable(fn) else None
-    except Exception:  # noqa: BLE001 - a framework getter that fails means "not known"
+    except Exception:
         return None
 
 

@@ -12,6 +12,7 @@ sink, so its row is written on its own and its value read on the writer thread. 
 forward ran last, a forward pre-hook on the first model chunk counts forward calls (a counter
 increment per forward; no tensor is touched).
 """
+
 from __future__ import annotations
 
 import functools
@@ -38,7 +39,7 @@ log = logging.getLogger(__name__)
 
 def _as_tensor(loss: Any) -> torch.Tensor | None:
     if isinstance(loss, torch.Tensor) and loss.numel() and not loss.is_complex():
-        return loss.detach().double().mean().reshape(1)   # a new tensor: later in-place ops cannot reach it
+        return loss.detach().double().mean().reshape(1)  # a new tensor: later in-place ops cannot reach it
     if isinstance(loss, numbers.Real) and not isinstance(loss, bool):
         return torch.tensor([float(loss)], dtype=torch.float64)
     return None
@@ -51,10 +52,10 @@ class LossCollector(Collector):
 
     @staticmethod
     def enabled(config) -> bool:
-        return True   # costs one counter per forward; rows only when record_loss is called
+        return True  # costs one counter per forward; rows only when record_loss is called
 
     def attach(self) -> None:
-        self._forward_step: int | None = None        # step of the last forward
+        self._forward_step: int | None = None  # step of the last forward
         self._calls: dict[int, int] = {}  # step -> record_loss calls so far
         self._collected: int | None = None
         self._warned = False
@@ -77,8 +78,10 @@ class LossCollector(Collector):
         if value is None:
             if not self._warned:
                 self._warned = True
-                log.warning("trainmon: record_loss takes a non-empty real tensor or a number, got %s; "
-                            "not recorded", type(loss).__name__)
+                log.warning(
+                    "trainmon: record_loss takes a non-empty real tensor or a number, got %s; not recorded",
+                    type(loss).__name__,
+                )
             return None
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else ()
         dtype = str(loss.dtype) if isinstance(loss, torch.Tensor) else type(loss).__name__
@@ -99,5 +102,6 @@ class LossCollector(Collector):
 
 def _late_block(step: int, micro: int, shape: tuple, dtype: str, value: torch.Tensor) -> list[RowBlock]:
     """Runs on the sink's writer thread: the one place this value is read on the host."""
-    return [RowBlock(Family.LOSS, step, micro, None, _COLUMNS, ["loss"], [0], [shape], [dtype],
-                     [[float(value.item())]])]
+    return [
+        RowBlock(Family.LOSS, step, micro, None, _COLUMNS, ["loss"], [0], [shape], [dtype], [[float(value.item())]])
+    ]

@@ -7,6 +7,7 @@ tensors (token ids) are measured as float64, their ``dtype`` column stays the te
 Recomputation forwards (activation checkpointing, inside backward) are skipped; ``micro_step``
 is the n-th forward call of that chunk in the step.
 """
+
 from __future__ import annotations
 
 import functools
@@ -40,7 +41,7 @@ class ModelInputCollector(Collector):
         return config.loss_alignment
 
     def attach(self) -> None:
-        self._step, self._forwards = -1, 0    # forwards seen in ``_step``: the micro-batch index
+        self._step, self._forwards = -1, 0  # forwards seen in ``_step``: the micro-batch index
         compiled = uses_compile(self.ctx.chunks)
         for vpp, chunk in enumerate(self.ctx.chunks):
             body = self.ctx.guard.gated(self, functools.partial(self._record, vpp), self.ctx.clock)
@@ -63,5 +64,4 @@ class ModelInputCollector(Collector):
         measured = [t if t.is_floating_point() else t.double() for t in tensors]
         engine = self.ctx.engine
         rows = engine.partials(measured, no_sync=True)
-        engine.capture_tensors(Family.MODEL_INPUT, vpp, names, tensors, rows,
-                               micro_step=micro)
+        engine.capture_tensors(Family.MODEL_INPUT, vpp, names, tensors, rows, micro_step=micro)

@@ -14,6 +14,7 @@ after that can be compared meaningfully.  Format::
 "initial params" stage); they are computed on the device and copied to the host in one copy.
 Names are the ones every family uses (wrappers stripped).
 """
+
 from __future__ import annotations
 
 import json
@@ -59,7 +60,7 @@ def _init_stats(params: list[torch.Tensor]) -> list[dict[str, float | str]]:
 
 
 def _json_float(v: float) -> float | str:
-    return v if math.isfinite(v) else repr(v)   # JSON has no NaN/inf: "nan", "inf", "-inf"
+    return v if math.isfinite(v) else repr(v)  # JSON has no NaN/inf: "nan", "inf", "-inf"
 
 
 def model_meta(chunks: list) -> dict[str, Any]:
@@ -68,8 +69,16 @@ def model_meta(chunks: list) -> dict[str, Any]:
         model = unwrap_model(chunk)
         named = [(clean_name(n), p) for n, p in model.named_parameters()]
         init = _init_stats([p for _, p in named])
-        params = [{"name": n, "shape": list(p.shape), "dtype": str(p.dtype), "requires_grad": bool(p.requires_grad),
-                   "init": s} for (n, p), s in zip(named, init)]
+        params = [
+            {
+                "name": n,
+                "shape": list(p.shape),
+                "dtype": str(p.dtype),
+                "requires_grad": bool(p.requires_grad),
+                "init": s,
+            }
+            for (n, p), s in zip(named, init)
+        ]
         modules = [{"name": clean_name(n) or ROOT_NAME, "type": type(m).__name__} for n, m in model.named_modules()]
         out.append({"vpp_stage": vpp, "type": type(model).__name__, "modules": modules, "params": params})
     return {"format": META_FORMAT, "chunks": out}
@@ -89,7 +98,7 @@ class ModelMetaCollector(Collector):
         if run_dir is None or (cfg.module_ranks and self.ctx.rank not in cfg.module_ranks):
             return
         target = Path(run_dir) / rank_dir_name(self.ctx.rank) / MODEL_META
-        if target.exists():   # written once: a dynamic-mode restart keeps the first one
+        if target.exists():  # written once: a dynamic-mode restart keeps the first one
             return
         data = model_meta(list(self.ctx.chunks))
         try:
@@ -98,5 +107,4 @@ class ModelMetaCollector(Collector):
             tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
             os.replace(tmp, target)
         except OSError as exc:
-            log.warning("trainmon: could not write %s (%s); compare cannot check the model metadata",
-                        target, exc)
+            log.warning("trainmon: could not write %s (%s); compare cannot check the model metadata", target, exc)

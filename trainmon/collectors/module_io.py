@@ -6,12 +6,14 @@ positional args (containers walked depth-first), then its keyword args in call o
 tensors only.  One tensor -> ``<module>.input``; several -> ``<module>.input.<i>`` with ``i`` the
 index among those tensors.  Outputs likewise (``<module>.output[.<i>]``).
 """
+
 from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -19,8 +21,19 @@ import torch.nn as nn
 from trainmon.config import IoSelect
 from trainmon.core.naming import ROOT_NAME, TargetMatcher, clean_name, squash_name, unwrap_model
 
-__all__ = ["HookedModule", "select_modules", "walk_modules", "tensors_of", "io_names", "in_backward",
-           "is_container", "uses_compile", "hook_fn", "replace_tensors", "pick"]
+__all__ = [
+    "HookedModule",
+    "select_modules",
+    "walk_modules",
+    "tensors_of",
+    "io_names",
+    "in_backward",
+    "is_container",
+    "uses_compile",
+    "hook_fn",
+    "replace_tensors",
+    "pick",
+]
 
 log = logging.getLogger(__name__)
 
@@ -28,13 +41,13 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class HookedModule:
     vpp_stage: int
-    name: str            # as targets spell it (wrappers stripped); ROOT_NAME for the root
-    label: str           # as written to the output (squashed when squash_name is on)
+    name: str  # as targets spell it (wrappers stripped); ROOT_NAME for the root
+    label: str  # as written to the output (squashed when squash_name is on)
     module: nn.Module
     # msprobe per-target spec: kind ("input", "output", "input_grad", "output_grad") -> which
     # of the module's tensors of that kind are recorded; a kind not in it records all of them
     spec: dict[str, IoSelect] = field(default_factory=dict, compare=False, hash=False)
-    target: str = ""     # the target as the user wrote it (for messages)
+    target: str = ""  # the target as the user wrote it (for messages)
 
 
 def walk_modules(chunks: Sequence[nn.Module]) -> list[tuple[int, str, nn.Module]]:
@@ -56,8 +69,13 @@ def is_container(module: nn.Module) -> bool:
     return type(module).forward is nn.Module.forward
 
 
-def select_modules(chunks: Sequence[nn.Module], matcher: TargetMatcher, all_xy: bool,
-                   squash: bool, specs: Sequence[tuple[str, dict[str, IoSelect]]] = ()) -> list[HookedModule]:
+def select_modules(
+    chunks: Sequence[nn.Module],
+    matcher: TargetMatcher,
+    all_xy: bool,
+    squash: bool,
+    specs: Sequence[tuple[str, dict[str, IoSelect]]] = (),
+) -> list[HookedModule]:
     """``all_xy``: every callable module but the root; ``targets``: exactly the named modules
     (``layers.1`` is that block, not ``layers.10`` and not the blocks' children).  ``specs``:
     (target as written, parsed per-target spec) for targets that carry one."""
@@ -65,9 +83,13 @@ def select_modules(chunks: Sequence[nn.Module], matcher: TargetMatcher, all_xy: 
     for vpp, name, module in walk_modules(chunks):
         targeted = matcher.names_exactly(name, vpp)
         if targeted and is_container(module):
-            log.warning("trainmon: target %r is a %s, which is never called, so it records no "
-                        "activations; name its children instead (e.g. %r)", name,
-                        type(module).__name__, f"{name}.{next(iter(module._modules), '0')}")
+            log.warning(
+                "trainmon: target %r is a %s, which is never called, so it records no "
+                "activations; name its children instead (e.g. %r)",
+                name,
+                type(module).__name__,
+                f"{name}.{next(iter(module._modules), '0')}",
+            )
         if is_container(module) or not (targeted or (all_xy and name != ROOT_NAME)):
             continue
         picked.append((vpp, name, module))
@@ -88,8 +110,11 @@ def _labels(picked: list[tuple[int, str, nn.Module]], squash: bool) -> dict[tupl
     clashes = [names for names in owners.values() if len(names) > 1]
     if clashes:
         # Two modules written under one name would be indistinguishable: keep their full names.
-        log.warning("trainmon: squash_name would give %d modules the same name (e.g. %s); those "
-                    "keep their full names", sum(map(len, clashes)), ", ".join(clashes[0][:2]))
+        log.warning(
+            "trainmon: squash_name would give %d modules the same name (e.g. %s); those keep their full names",
+            sum(map(len, clashes)),
+            ", ".join(clashes[0][:2]),
+        )
         for names in clashes:
             for vpp_n in [(v, n) for (v, n) in labels if n in names]:
                 labels[vpp_n] = vpp_n[1]
@@ -143,11 +168,21 @@ def pick(hm: HookedModule, kind: str, n: int, warned: set) -> range | tuple[int,
     chosen = range(n) if sel.index is None else ((sel.index,) if sel.index < n else ())
     if (sel.count != n or not chosen) and (hm.vpp_stage, hm.name, kind) not in warned:
         warned.add((hm.vpp_stage, hm.name, kind))
-        text = "tensor" if sel.count == 1 and sel.index == 0 else \
-            f"tuple[{sel.count}]" + ("" if sel.index is None else f":{sel.index}")
-        log.warning("trainmon: targets[%r].%s is %r but %s was called with %d %s tensor(s); %s",
-                    hm.target, kind, text, hm.name, n, kind.replace("_grad", ""),
-                    f"recording {kind} {list(chosen)}" if chosen else f"no {kind} is recorded for it")
+        text = (
+            "tensor"
+            if sel.count == 1 and sel.index == 0
+            else f"tuple[{sel.count}]" + ("" if sel.index is None else f":{sel.index}")
+        )
+        log.warning(
+            "trainmon: targets[%r].%s is %r but %s was called with %d %s tensor(s); %s",
+            hm.target,
+            kind,
+            text,
+            hm.name,
+            n,
+            kind.replace("_grad", ""),
+            f"recording {kind} {list(chosen)}" if chosen else f"no {kind} is recorded for it",
+        )
     return chosen
 
 

@@ -10,23 +10,31 @@ exp_avg_sq  after the step second moment the step just produced
 =========== ============== ===============================================================
 
 Config: ``{"mv_distribution": true}``.  Moments are found through the session's integration, which
-by default asks a ``MomentAdapter``: torch optimizers that keep ``exp_avg``/``exp_avg_sq`` in ``optimizer.state`` (Adam, AdamW, NAdam,
+by default asks a ``MomentAdapter``: torch optimizers that keep ``exp_avg``/``exp_avg_sq`` in
+``optimizer.state`` (Adam, AdamW, NAdam,
 RAdam, ...) work as they are; framework wrappers register their own adapter with
 ``register_moment_adapter``.  An optimizer no adapter understands gets one warning, not a crash.
 """
+
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import torch
 
-from trainmon.families import MOMENTS
 from trainmon.collectors.base import Collector, capture_views, register_collector
+from trainmon.families import MOMENTS
 
-__all__ = ["OptimizerStateCollector", "MomentAdapter", "TorchStateAdapter", "register_moment_adapter",
-           "MOMENT_FAMILIES"]
+__all__ = [
+    "OptimizerStateCollector",
+    "MomentAdapter",
+    "TorchStateAdapter",
+    "register_moment_adapter",
+    "MOMENT_FAMILIES",
+]
 
 log = logging.getLogger(__name__)
 
@@ -85,9 +93,12 @@ class OptimizerStateCollector(Collector):
         self._warned = False
         if not self.ctx.integration.has_moments():
             self._warned = True
-            log.warning("trainmon: mv_distribution: no moment adapter for optimizer type %s "
-                        "(built in: torch optimizers with exp_avg/exp_avg_sq state); exp_avg* not "
-                        "recorded", type(self.ctx.optimizer).__name__)
+            log.warning(
+                "trainmon: mv_distribution: no moment adapter for optimizer type %s "
+                "(built in: torch optimizers with exp_avg/exp_avg_sq state); exp_avg* not "
+                "recorded",
+                type(self.ctx.optimizer).__name__,
+            )
 
     def on_step_end(self) -> None:
         found: dict[str, list] = {k: [] for k in MOMENT_FAMILIES}
@@ -98,6 +109,9 @@ class OptimizerStateCollector(Collector):
             capture_views(self.ctx, family, pairs)
         if not any(found.values()) and not self._warned:
             self._warned = True
-            log.warning("trainmon: mv_distribution: optimizer %s has no exp_avg/exp_avg_sq state "
-                        "after step %d (not an Adam-like optimizer?); nothing recorded",
-                        type(self.ctx.optimizer).__name__, self.ctx.clock.step)
+            log.warning(
+                "trainmon: mv_distribution: optimizer %s has no exp_avg/exp_avg_sq state "
+                "after step %d (not an Adam-like optimizer?); nothing recorded",
+                type(self.ctx.optimizer).__name__,
+                self.ctx.clock.step,
+            )

@@ -19,14 +19,15 @@ before calling its closure (SAM); ``grad_reduced`` is read after the closure (``
 preallocated buffer per (device, dtype) at step entry on collected steps: it is the one family
 whose memory cost is a copy of what it monitors (narrow it with ``targets``).
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
 
 import torch
 
-from trainmon.families import Family
 from trainmon.collectors.base import Collector, capture_views, register_collector
+from trainmon.families import Family
 from trainmon.stats.engine import Meta
 
 __all__ = ["ParamCollector"]
@@ -73,13 +74,16 @@ class ParamCollector(Collector):
         before, delta = self._snapshot.norms_and_delta_norms([v.tensor for v in views], fp64=on_host)
         before, delta = _merge_norms(views, before, delta)
         ratios = [d / b for b, d in zip(before, delta)]  # IEEE: inf if theta_before is 0, nan if 0/0
-        metas = [Meta(Family.UPDATE_RATIO, tp.name, tp.vpp_stage, v.shape or tuple(tp.param.shape),
-                      str(tp.param.dtype)) for tp, v in zip(self.ctx.params, views)]
+        metas = [
+            Meta(Family.UPDATE_RATIO, tp.name, tp.vpp_stage, v.shape or tuple(tp.param.shape), str(tp.param.dtype))
+            for tp, v in zip(self.ctx.params, views)
+        ]
         self.ctx.engine.capture_values(Family.UPDATE_RATIO, metas, ratios, ("update_ratio",))
 
 
-def _merge_norms(views: list, before: list[torch.Tensor], delta: list[torch.Tensor]
-                 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _merge_norms(
+    views: list, before: list[torch.Tensor], delta: list[torch.Tensor]
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Full-tensor norms from shard norms: one SUM all-reduce of the squares per group."""
     by_group: dict[int, list[int]] = {}
     for i, v in enumerate(views):
@@ -87,8 +91,9 @@ def _merge_norms(views: list, before: list[torch.Tensor], delta: list[torch.Tens
             by_group.setdefault(id(v.group), []).append(i)
     if not by_group:
         return before, delta
-    from trainmon.core import dist as _dist
     import torch.distributed as dist
+
+    from trainmon.core import dist as _dist
 
     before, delta = list(before), list(delta)
     for idx in by_group.values():
@@ -125,14 +130,15 @@ class _Snapshot:
         self._views = []
         for p in params:
             key = (p.device, p.dtype)
-            view = self._buffers[key][offsets[key]:offsets[key] + p.numel()].view_as(p)
+            view = self._buffers[key][offsets[key] : offsets[key] + p.numel()].view_as(p)
             offsets[key] += p.numel()
             view.copy_(p)
             self._views.append(view)
 
     @torch.no_grad()
-    def norms_and_delta_norms(self, params: list[torch.Tensor], fp64: bool = True
-                              ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def norms_and_delta_norms(
+        self, params: list[torch.Tensor], fp64: bool = True
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """0-d norms of theta_before and of theta_before - theta_after.  ``fp64``: float64 results
         (CPU tensors: free there); otherwise float32 (accelerators: no fp64 on the device, MPS has
         none, Ascend emulates it), accumulated in fp32 inside the reduction for every dtype."""
@@ -149,6 +155,7 @@ class _Snapshot:
     def _fp32_norms(self, params: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The device path: one fp32 norm per tensor per side, nothing else per tensor (an fp64
         param is reduced in fp64, its own dtype, and its norms cast to fp32: 0-d)."""
+
         def norm(v: torch.Tensor) -> torch.Tensor:
             if v.dtype == torch.float64:
                 return torch.linalg.vector_norm(v).float()

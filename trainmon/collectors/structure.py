@@ -17,6 +17,7 @@ modules, or every called module when none are selected), outermost frame first, 
 trainmon's own frames left out.  One ``traceback.extract_stack`` per module, once: the hooks are
 removed at the end of that step.
 """
+
 from __future__ import annotations
 
 import csv
@@ -32,12 +33,20 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from trainmon.output.layout import STACK_INFO_FILE, rank_dir_name
 from trainmon.collectors.base import Collector, register_collector
-from trainmon.collectors.module_io import (hook_fn, in_backward, io_names, is_container, select_modules,
-                                           tensors_of, uses_compile, walk_modules)
+from trainmon.collectors.module_io import (
+    hook_fn,
+    in_backward,
+    io_names,
+    is_container,
+    select_modules,
+    tensors_of,
+    uses_compile,
+    walk_modules,
+)
 from trainmon.core.hooks import Handle
 from trainmon.core.naming import ROOT_NAME, squash_name
+from trainmon.output.layout import STACK_INFO_FILE, rank_dir_name
 
 __all__ = ["ModuleStructCollector", "StackInfoCollector", "STRUCT_FILE"]
 
@@ -76,7 +85,8 @@ class ModuleStructCollector(Collector):
         label = squash_name(name) if self.ctx.config.squash_name and name != ROOT_NAME else name
         self._seen[(vpp, name)] = {
             "input": _io(label, "input", tensors_of(kwargs, tensors_of(args))),
-            "output": _io(label, "output", tensors_of(output))}
+            "output": _io(label, "output", tensors_of(output)),
+        }
 
     def _chunk_done(self, vpp: int, module: nn.Module, _args: Any, _output: Any) -> None:
         if module is not self.ctx.chunks[vpp]:
@@ -102,9 +112,14 @@ class ModuleStructCollector(Collector):
             if v != vpp:
                 continue
             seen = self._seen.get((v, name))
-            nodes[name] = {"name": name, "type": type(module).__name__, "called": seen is not None,
-                           "input": seen["input"] if seen else [], "output": seen["output"] if seen else [],
-                           "children": []}
+            nodes[name] = {
+                "name": name,
+                "type": type(module).__name__,
+                "called": seen is not None,
+                "input": seen["input"] if seen else [],
+                "output": seen["output"] if seen else [],
+                "children": [],
+            }
         root = nodes.pop(ROOT_NAME)
         for name, node in nodes.items():  # named_modules order: a parent comes before its children
             parent = name.rpartition(".")[0]
@@ -117,7 +132,9 @@ class ModuleStructCollector(Collector):
         cfg, run_dir = self.ctx.config, self.ctx.run_dir
         if run_dir is None or (cfg.module_ranks and self.ctx.rank not in cfg.module_ranks):
             return
-        target = Path(run_dir) / (STRUCT_FILE if self.ctx.rank == 0 else f"{rank_dir_name(self.ctx.rank)}/{STRUCT_FILE}")
+        target = Path(run_dir) / (
+            STRUCT_FILE if self.ctx.rank == 0 else f"{rank_dir_name(self.ctx.rank)}/{STRUCT_FILE}"
+        )
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
             tmp = target.with_suffix(".json.tmp")
@@ -134,8 +151,10 @@ class ModuleStructCollector(Collector):
 
 # PyTorch's frames (module call plumbing) and trainmon's own hook frames are not the user's stack
 _TRAINMON = Path(__file__).resolve().parents[1]
-_SKIP_FRAMES = tuple(os.path.join(str(d), "") for d in (Path(torch.__file__).resolve().parent,
-                                                        _TRAINMON / "collectors", _TRAINMON / "runtime"))
+_SKIP_FRAMES = tuple(
+    os.path.join(str(d), "")
+    for d in (Path(torch.__file__).resolve().parent, _TRAINMON / "collectors", _TRAINMON / "runtime")
+)
 
 
 @register_collector
@@ -152,11 +171,16 @@ class StackInfoCollector(Collector):
         self._stacks: dict[tuple[int, str], str] = {}
         self._done = False
         if cfg.xy_distribution:
-            picked = [(hm.vpp_stage, hm.label, hm.module)
-                      for hm in select_modules(self.ctx.chunks, self.ctx.matcher, cfg.all_xy, cfg.squash_name)]
+            picked = [
+                (hm.vpp_stage, hm.label, hm.module)
+                for hm in select_modules(self.ctx.chunks, self.ctx.matcher, cfg.all_xy, cfg.squash_name)
+            ]
         else:
-            picked = [(vpp, squash_name(n) if cfg.squash_name and n != ROOT_NAME else n, m)
-                      for vpp, n, m in walk_modules(self.ctx.chunks) if not is_container(m)]
+            picked = [
+                (vpp, squash_name(n) if cfg.squash_name and n != ROOT_NAME else n, m)
+                for vpp, n, m in walk_modules(self.ctx.chunks)
+                if not is_container(m)
+            ]
         compiled = uses_compile(self.ctx.chunks)
         for vpp, label, module in picked:
             hook = self.ctx.guard.gated(self, functools.partial(self._see, vpp, label, module), self.ctx.clock)
@@ -171,7 +195,7 @@ class StackInfoCollector(Collector):
     def on_step_end(self) -> None:
         if self._stacks and not self._done:
             self._done = True
-            super().detach()   # the stacks of one step are enough: hooks off
+            super().detach()  # the stacks of one step are enough: hooks off
             self._write()
 
     def _write(self) -> None:
@@ -199,15 +223,19 @@ class StackInfoCollector(Collector):
 
 
 def _io(label: str, kind: str, tensors: list) -> list[dict[str, Any]]:
-    return [{"name": n, "shape": list(t.shape), "dtype": str(t.dtype)}
-            for n, t in zip(io_names(label, kind, len(tensors)), tensors)]
+    return [
+        {"name": n, "shape": list(t.shape), "dtype": str(t.dtype)}
+        for n, t in zip(io_names(label, kind, len(tensors)), tensors)
+    ]
 
 
 def _render(node: dict[str, Any], depth: int, vpp: int, n_chunks: int) -> list[str]:
     prefix = f"{vpp}:" if n_chunks > 1 else ""
     if node["called"]:
+
         def fmt(ios: list) -> str:
             return ", ".join(f"{io['dtype'].replace('torch.', '')}{io['shape']}" for io in ios) or "-"
+
         info = f"in: {fmt(node['input'])}  out: {fmt(node['output'])}"
     else:
         info = "not called"

@@ -34,14 +34,15 @@ bucket ``start_grad_sync``); ``main_grad`` without one records only ``grad_reduc
 that reduces every micro-batch (DeepSpeed ZeRO-2/3) emits with a ``micro_step``: then
 ``grad_unreduced`` has one row per param per micro-batch, each that micro-batch's local grad.
 """
+
 from __future__ import annotations
 
 import logging
 
-from trainmon.families import Family
 from trainmon.collectors.base import Collector, capture_views, register_collector
 from trainmon.core.hooks import Handle, post_accumulate_grad_hook
 from trainmon.core.naming import TrackedParam
+from trainmon.families import Family
 
 __all__ = ["WeightGradCollector"]
 
@@ -64,16 +65,22 @@ class WeightGradCollector(Collector):
         integration = self.ctx.integration
         points = integration.pre_reduce_points(self.ctx.params, self.ctx.guard.wrap(self, self._emit))
         if self.ctx.config.monitor_mbs_grad and points is not None and not integration.reduces_every_micro_batch:
-            log.warning("trainmon: monitor_mbs_grad: under '%s' grad_unreduced is read at the stack's own "
-                        "pre-reduce point (grads accumulated over the micro-batches), so it has no "
-                        "per-micro-batch rows", integration.name)
+            log.warning(
+                "trainmon: monitor_mbs_grad: under '%s' grad_unreduced is read at the stack's own "
+                "pre-reduce point (grads accumulated over the micro-batches), so it has no "
+                "per-micro-batch rows",
+                integration.name,
+            )
         if points is not None:
             self.handles.extend(points)
             self._generic = False
             if not points:
-                log.warning("trainmon: integration '%s' knows no pre-reduce point for these params "
-                            "(e.g. main_grad without a framework integration, FSDP2 without the opt-in); "
-                            "grad_unreduced is not recorded", self.ctx.integration.name)
+                log.warning(
+                    "trainmon: integration '%s' knows no pre-reduce point for these params "
+                    "(e.g. main_grad without a framework integration, FSDP2 without the opt-in); "
+                    "grad_unreduced is not recorded",
+                    self.ctx.integration.name,
+                )
             return
         self._generic = True
         guard = self.ctx.guard
@@ -105,8 +112,7 @@ class WeightGradCollector(Collector):
             return
         index = clock.enter_backward()
         self._captured.add(id(tp.param))
-        capture_views(self.ctx, Family.GRAD_UNREDUCED, [(tp, self.ctx.integration.tp_view(tp, grad))],
-                      micro_step=index)
+        capture_views(self.ctx, Family.GRAD_UNREDUCED, [(tp, self.ctx.integration.tp_view(tp, grad))], micro_step=index)
 
     def _emit(self, params: list[TrackedParam], micro_step: int | None = None) -> None:
         """Called by an integration at its pre-reduce point (``micro_step`` when the stack
@@ -135,8 +141,12 @@ class WeightGradCollector(Collector):
 
     def _capture(self, params: list[TrackedParam], micro_step: int | None = None) -> None:
         local = self.ctx.integration.local_grad
-        capture_views(self.ctx, Family.GRAD_UNREDUCED, [(tp, v) for tp in params if (v := local(tp)) is not None],
-                      micro_step=micro_step)
+        capture_views(
+            self.ctx,
+            Family.GRAD_UNREDUCED,
+            [(tp, v) for tp in params if (v := local(tp)) is not None],
+            micro_step=micro_step,
+        )
 
     def on_step_begin(self) -> None:
         reduced = self.ctx.integration.reduced_grad
@@ -144,22 +154,32 @@ class WeightGradCollector(Collector):
         pairs = [(tp, v) for tp in self.ctx.params if (v := reduced(tp)) is not None] if self._at_entry else []
         capture_views(self.ctx, Family.GRAD_REDUCED, pairs)
         if self._generic and len(self._captured) < len(self.ctx.params):
-            with_grad = [tp for tp, _ in pairs] if self._at_entry else \
-                [tp for tp in self.ctx.params if reduced(tp) is not None]
+            with_grad = (
+                [tp for tp, _ in pairs] if self._at_entry else [tp for tp in self.ctx.params if reduced(tp) is not None]
+            )
             self._warn_missed([tp.name for tp in with_grad if id(tp.param) not in self._captured])
         self._captured.clear()
 
     def on_step_end(self) -> None:
         if not self._at_entry and not self._applied_seen and not getattr(self, "_warned_skip", False):
             self._warned_skip = True
-            log.warning("trainmon: step %d: the optimizer applied no update (e.g. an fp16 overflow skipped "
-                        "it), so grad_reduced has no rows for that step (said once)", self.ctx.clock.step)
+            log.warning(
+                "trainmon: step %d: the optimizer applied no update (e.g. an fp16 overflow skipped "
+                "it), so grad_reduced has no rows for that step (said once)",
+                self.ctx.clock.step,
+            )
 
     def _warn_missed(self, missed: list[str]) -> None:
         if missed and not getattr(self, "_warned_missed", False):
             self._warned_missed = True
             clock = self.ctx.clock
-            log.warning("trainmon: step %d: %d params had a grad at optimizer step but none was seen "
-                        "on the last micro-batch (%d backward passes seen, grad_acc_steps=%d), e.g. %s; "
-                        "their grad_unreduced rows are missing", clock.step, len(missed),
-                        clock.backward_index, clock.acc_steps, missed[0])
+            log.warning(
+                "trainmon: step %d: %d params had a grad at optimizer step but none was seen "
+                "on the last micro-batch (%d backward passes seen, grad_acc_steps=%d), e.g. %s; "
+                "their grad_unreduced rows are missing",
+                clock.step,
+                len(missed),
+                clock.backward_index,
+                clock.acc_steps,
+                missed[0],
+            )

@@ -6,6 +6,7 @@ fallback: the loader walks the whole file, collects every problem with its JSON 
 (``ops[1]``, ``alert.rules[0].args.threshold``) and raises one :class:`ConfigError`, so a user
 fixes the file in one go.  Nothing here imports torch: the CLI and the config watcher use it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,17 +14,31 @@ import json
 import math
 import os
 import re
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
 
-from trainmon.config.reader import _Reader, _at, _did_you_mean, _join, _json_type, _pairs_hook, _show
+from trainmon.config.reader import _at, _did_you_mean, _join, _json_type, _pairs_hook, _Reader, _show
 from trainmon.errors import ConfigError, Problem
 from trainmon.stats.table import DEFAULT_OPS, STAT_NAMES
 
-__all__ = ["KNOWN_FORMATS", "KNOWN_RULES", "GRAD_LEVELS", "CommConfig", "AlertRule", "AlertConfig", "AnomalyConfig",
-           "ESCALATION_KEYS", "GradProbeConfig", "MonitorConfig", "IoSelect", "SPEC_KEYS", "io_select", "load_config",
-           "parse_config"]
+__all__ = [
+    "KNOWN_FORMATS",
+    "KNOWN_RULES",
+    "GRAD_LEVELS",
+    "CommConfig",
+    "AlertRule",
+    "AlertConfig",
+    "AnomalyConfig",
+    "ESCALATION_KEYS",
+    "GradProbeConfig",
+    "MonitorConfig",
+    "IoSelect",
+    "SPEC_KEYS",
+    "io_select",
+    "load_config",
+    "parse_config",
+]
 
 KNOWN_FORMATS: tuple[str, ...] = ("csv", "tensorboard", "parquet")
 
@@ -36,7 +51,7 @@ _MSPROBE_ONLY = ("mg_direction", "append_output")
 # msprobe's per-target spec keys: which of a module's tensors ``actv`` / ``actv_grad`` record.
 SPEC_KEYS: tuple[str, ...] = ("input", "output", "input_grad", "output_grad")
 _SPEC_VALUE = re.compile(r"^(?:tensor|tuple\[(\d+)\](?::(\d+))?)$")
-_SPEC_EXPECT = "\"tensor\", \"tuple[N]\" or \"tuple[N]:i\" with 0 <= i < N"
+_SPEC_EXPECT = '"tensor", "tuple[N]" or "tuple[N]:i" with 0 <= i < N'
 # msprobe's attention/linear "L2 features": accepted so its configs load, not recorded (one warning).
 L2_KEYS: tuple[str, ...] = ("recording_l2_features", "l2_targets", "sa_order")
 
@@ -125,8 +140,20 @@ class AnomalyConfig:
 # What an escalation's partial config may change: what is recorded, not when or where (the window
 # is the schedule; outputs, ranks and alert rules stay the base config's).
 ESCALATION_KEYS: tuple[str, ...] = (
-    "targets", "ops", "eps", "wg_distribution", "mv_distribution", "param_distribution", "ur_distribution",
-    "xy_distribution", "forward_only", "backward_only", "all_xy", "squash_name", "cc_distribution")
+    "targets",
+    "ops",
+    "eps",
+    "wg_distribution",
+    "mv_distribution",
+    "param_distribution",
+    "ur_distribution",
+    "xy_distribution",
+    "forward_only",
+    "backward_only",
+    "all_xy",
+    "squash_name",
+    "cc_distribution",
+)
 
 
 @dataclass(frozen=True)
@@ -154,20 +181,20 @@ class MonitorConfig:
     all_xy: bool = False
     print_struct: bool = False
     squash_name: bool = False
-    global_layer_names: bool = False   # Megatron PP/VPP: name layers by their global layer_number
+    global_layer_names: bool = False  # Megatron PP/VPP: name layers by their global layer_number
     module_ranks: tuple[int, ...] = ()
     step_count_per_record: int = 1
-    replicated_once: bool = False      # replicated families written on data-parallel rank 0 only
+    replicated_once: bool = False  # replicated families written on data-parallel rank 0 only
     dynamic_on: bool = False
-    monitor_mbs_grad: bool = False      # grad_unreduced once per micro-batch (its own local grad)
-    stack_info: bool = False            # stack_info.csv: where each recorded module is called from
+    monitor_mbs_grad: bool = False  # grad_unreduced once per micro-batch (its own local grad)
+    stack_info: bool = False  # stack_info.csv: where each recorded module is called from
     recording_l2_features: bool = False  # msprobe's L2 features: accepted, not recorded
     l2_targets: tuple[tuple[str, tuple[str, ...]], ...] = ()
     sa_order: str = ""
     cc_distribution: CommConfig = CommConfig()
     alert: AlertConfig = AlertConfig()
-    grad_probe: GradProbeConfig | None = None   # None: off
-    loss_alignment: bool = False       # model metadata, hyperparams and model_input families
+    grad_probe: GradProbeConfig | None = None  # None: off
+    loss_alignment: bool = False  # model metadata, hyperparams and model_input families
     on_anomaly: AnomalyConfig | None = None
     source: str = field(default="", compare=False)
 
@@ -175,7 +202,7 @@ class MonitorConfig:
         """The config as JSON-ready data that ``parse_config`` turns back into an equal config."""
         data = dataclasses.asdict(self)
         del data["source"]
-        specs = dict((name, dict(spec)) for name, spec in data.pop("target_specs"))
+        specs = {name: dict(spec) for name, spec in data.pop("target_specs")}
         if specs:
             data["targets"] = {name: specs.get(name, {}) for name in self.targets}
         data["l2_targets"] = {hook: list(names) for hook, names in self.l2_targets}
@@ -203,9 +230,11 @@ class MonitorConfig:
 # ----------------------------------------------------------------------------- sections
 # Each parser takes (reader, key path, value, default) and returns the parsed value.
 
+
 def _int(minimum: int, maximum: int | None = None, nullable: bool = False) -> Callable:
-    return lambda r, key, value, default: r.integer(key, value, default, minimum=minimum,
-                                                    maximum=maximum, nullable=nullable)
+    return lambda r, key, value, default: r.integer(
+        key, value, default, minimum=minimum, maximum=maximum, nullable=nullable
+    )
 
 
 def _target_key(name: str) -> str:
@@ -238,8 +267,11 @@ def _parse_targets(r: _Reader, key: str, value: object, default: tuple) -> tuple
             if r.string(_target_key(name), name, expect) is None:
                 continue
             if not isinstance(spec, dict):
-                r.bad(_target_key(name), f"{_show(spec)} is not an object ({{}} or a spec such as "
-                                         "{\"input\": \"tuple[2]:0\", \"output\": \"tensor\"})")
+                r.bad(
+                    _target_key(name),
+                    f"{_show(spec)} is not an object ({{}} or a spec such as "
+                    '{"input": "tuple[2]:0", "output": "tensor"})',
+                )
             elif spec:
                 parsed = _parse_spec(r, _target_key(name), spec)
                 if parsed:
@@ -248,15 +280,17 @@ def _parse_targets(r: _Reader, key: str, value: object, default: tuple) -> tuple
         r.derived["target_specs"] = tuple(specs)
         return tuple(names)
     if not isinstance(value, list):
-        r.bad(key, f"{_show(value)} is not a list or object (list of names, or {{\"name\": {{}}}})")
+        r.bad(key, f'{_show(value)} is not a list or object (list of names, or {{"name": {{}}}})')
         return default
     seen: dict = {}
-    return tuple(v for i, v in enumerate(value)
-                 if r.string(_at(key, i), v, expect) is not None and r.distinct(key, value, seen, i))
+    return tuple(
+        v
+        for i, v in enumerate(value)
+        if r.string(_at(key, i), v, expect) is not None and r.distinct(key, value, seen, i)
+    )
 
 
-def _names(r: _Reader, key: str, items: list, allowed: Sequence[str], what: str,
-           drop: Sequence[str] = ()) -> list[str]:
+def _names(r: _Reader, key: str, items: list, allowed: Sequence[str], what: str, drop: Sequence[str] = ()) -> list[str]:
     """The distinct known names in ``items`` in the user's order, minus ``drop``."""
     listed = ", ".join(allowed)
     seen: dict = {}
@@ -301,9 +335,11 @@ def _parse_module_ranks(r: _Reader, key: str, value: object, default: tuple) -> 
     if items is None:
         return default
     seen: dict = {}
-    return tuple(v for i, v in enumerate(items)
-                 if r.integer(_at(key, i), v, None, minimum=0) is not None
-                 and r.distinct(key, items, seen, i))
+    return tuple(
+        v
+        for i, v in enumerate(items)
+        if r.integer(_at(key, i), v, None, minimum=0) is not None and r.distinct(key, items, seen, i)
+    )
 
 
 def _parse_regexes(r: _Reader, key: str, value: object) -> tuple[str, ...]:
@@ -327,8 +363,7 @@ def _parse_comm(r: _Reader, key: str, value: object, default: CommConfig) -> Com
         return default
     if r.boolean(_join(key, "cc_log_only"), obj.get("cc_log_only", False), False):
         # msprobe ends the job after logging the call sites; trainmon never does that.
-        r.bad(_join(key, "cc_log_only"), "true is an msprobe option trainmon does not support "
-                                         "(only false is accepted)")
+        r.bad(_join(key, "cc_log_only"), "true is an msprobe option trainmon does not support (only false is accepted)")
     return CommConfig(
         enable=r.boolean(_join(key, "enable"), obj.get("enable", default.enable), default.enable),
         cc_codeline=_parse_regexes(r, _join(key, "cc_codeline"), obj.get("cc_codeline", [])),
@@ -366,8 +401,7 @@ def _parse_bounds(r: _Reader, key: str, value: object, default: tuple) -> tuple[
     return tuple(out) if len(out) == len(items) else default
 
 
-def _parse_grad_probe(r: _Reader, key: str, value: object, default: GradProbeConfig | None
-                      ) -> GradProbeConfig | None:
+def _parse_grad_probe(r: _Reader, key: str, value: object, default: GradProbeConfig | None) -> GradProbeConfig | None:
     if value is None:
         return None
     obj = r.obj(key, value, ("grad_level", "param_list", "bounds"))
@@ -378,42 +412,56 @@ def _parse_grad_probe(r: _Reader, key: str, value: object, default: GradProbeCon
     if level not in GRAD_LEVELS:
         hint = ""
         if isinstance(level, str):
-            hint = (f"did you mean {level.upper()!r}? " if level.upper() in GRAD_LEVELS
-                    else _did_you_mean(level, GRAD_LEVELS))
-        r.bad(_join(key, "grad_level"), f"{_js(level)} is not a grad level ({hint}allowed: "
-                                         f"{', '.join(GRAD_LEVELS)})")
+            hint = (
+                f"did you mean {level.upper()!r}? "
+                if level.upper() in GRAD_LEVELS
+                else _did_you_mean(level, GRAD_LEVELS)
+            )
+        r.bad(_join(key, "grad_level"), f"{_js(level)} is not a grad level ({hint}allowed: {', '.join(GRAD_LEVELS)})")
         level = base.grad_level
     names_key = _join(key, "param_list")
     items = r.array(names_key, obj.get("param_list", []), "list of parameter or module names; [] = all")
     seen: dict = {}
-    names = tuple(v for i, v in enumerate(items or ())
-                  if r.string(_at(names_key, i), v, "non-empty parameter or module name") is not None
-                  and r.distinct(names_key, items, seen, i))
+    names = tuple(
+        v
+        for i, v in enumerate(items or ())
+        if r.string(_at(names_key, i), v, "non-empty parameter or module name") is not None
+        and r.distinct(names_key, items, seen, i)
+    )
     bounds = _parse_bounds(r, _join(key, "bounds"), obj.get("bounds", list(base.bounds)), base.bounds)
     return GradProbeConfig(grad_level=level, param_list=names, bounds=bounds)
 
 
 def _parse_l2_targets(r: _Reader, key: str, value: object, default: tuple) -> tuple:
     if not isinstance(value, dict):
-        r.bad(key, f"{_show(value)} is not an object ({{\"attention_hook\": [names], ...}})")
+        r.bad(key, f'{_show(value)} is not an object ({{"attention_hook": [names], ...}})')
         return default
     out = []
     for hook, names in value.items():
         items = r.array(_join(key, str(hook)), names, "list of module names")
         if items is not None:
-            out.append((str(hook), tuple(n for i, n in enumerate(items)
-                                         if r.string(_at(_join(key, str(hook)), i), n, "module name") is not None)))
+            out.append(
+                (
+                    str(hook),
+                    tuple(
+                        n
+                        for i, n in enumerate(items)
+                        if r.string(_at(_join(key, str(hook)), i), n, "module name") is not None
+                    ),
+                )
+            )
     return tuple(out)
 
 
 def _parse_sa_order(r: _Reader, key: str, value: object, default: str) -> str:
     if not isinstance(value, str) or (value and sorted(value.replace(" ", "").split(",")) != ["b", "d", "h", "s"]):
-        r.bad(key, f"{_show(value)} is not an order of b,s,h,d (e.g. \"b,s,h,d\" or \"s,b,h,d\")")
+        r.bad(key, f'{_show(value)} is not an order of b,s,h,d (e.g. "b,s,h,d" or "s,b,h,d")')
         return default
     return value
 
 
 # ----------------------------------------------------------------------------- alert rules
+
 
 @dataclass(frozen=True)
 class _Arg:
@@ -495,10 +543,12 @@ def _parse_alert(r: _Reader, key: str, value: object, default: AlertConfig) -> A
     if obj is None:
         return default
     rules_key = _join(key, "rules")
-    items = r.array(rules_key, obj.get("rules", []), "list of {\"rule_name\": ..., \"args\": {...}}")
+    items = r.array(rules_key, obj.get("rules", []), 'list of {"rule_name": ..., "args": {...}}')
     rules = [_parse_rule(r, _at(rules_key, i), item) for i, item in enumerate(items or ())]
-    return AlertConfig(rules=tuple(rule for rule in rules if rule is not None),
-                       dump=r.boolean(_join(key, "dump"), obj.get("dump", False), False))
+    return AlertConfig(
+        rules=tuple(rule for rule in rules if rule is not None),
+        dump=r.boolean(_join(key, "dump"), obj.get("dump", False), False),
+    )
 
 
 # ----------------------------------------------------------------------------- on_anomaly
@@ -514,9 +564,16 @@ def _parse_on_anomaly(r: _Reader, key: str, value: object, default: AnomalyConfi
         return default
     for name in ("config", "steps"):
         if name not in obj:
-            r.bad(_join(key, name), "missing (" + ("the partial config to record, e.g. {\"xy_distribution\": true, "
-                                                   "\"all_xy\": true}" if name == "config"
-                                                   else "how many steps to record it for, integer >= 1") + ")")
+            r.bad(
+                _join(key, name),
+                "missing ("
+                + (
+                    'the partial config to record, e.g. {"xy_distribution": true, "all_xy": true}'
+                    if name == "config"
+                    else "how many steps to record it for, integer >= 1"
+                )
+                + ")",
+            )
     steps = r.integer(_join(key, "steps"), obj.get("steps", 1), 1, minimum=1)
     times = r.integer(_join(key, "max_times"), obj.get("max_times", 1), 1, minimum=1)
     history = r.integer(_join(key, "history_steps"), obj.get("history_steps", 0), 0, minimum=0)
@@ -536,8 +593,11 @@ def _parse_partial(r: _Reader, key: str, value: object) -> dict[str, object]:
         if name in ESCALATION_KEYS:
             out[name] = _SECTIONS[name](r, path, item, getattr(_DEFAULTS, name))
         elif name in _SECTIONS:
-            r.bad(path, "cannot be changed by an escalation (its window sets the schedule; outputs, ranks and "
-                        f"alert rules stay the base config's); allowed: {', '.join(ESCALATION_KEYS)}")
+            r.bad(
+                path,
+                "cannot be changed by an escalation (its window sets the schedule; outputs, ranks and "
+                f"alert rules stay the base config's); allowed: {', '.join(ESCALATION_KEYS)}",
+            )
         else:
             r.unknown(path, str(name), ESCALATION_KEYS, ESCALATION_KEYS)
     return out
@@ -549,8 +609,11 @@ def _check_on_anomaly(r: _Reader, values: Mapping[str, object]) -> None:
         return
     alert = values.get("alert")
     if not isinstance(alert, AlertConfig) or not alert.rules:
-        r.bad("on_anomaly", "needs alert.rules: an escalation starts when a run-time alert fires "
-                            "(e.g. \"alert\": {\"rules\": [{\"rule_name\": \"AnomalyNan\"}]})")
+        r.bad(
+            "on_anomaly",
+            "needs alert.rules: an escalation starts when a run-time alert fires "
+            '(e.g. "alert": {"rules": [{"rule_name": "AnomalyNan"}]})',
+        )
     merged = _Reader()
     _check_combinations(merged, {**values, **spec.config})
     for p in merged.problems:  # a combination only the merge makes: name the partial config
@@ -560,10 +623,25 @@ def _check_on_anomaly(r: _Reader, values: Mapping[str, object]) -> None:
 
 # ----------------------------------------------------------------------------- top level
 
-_BOOLS = ("wg_distribution", "mv_distribution", "param_distribution", "ur_distribution",
-          "xy_distribution", "forward_only", "backward_only", "all_xy", "print_struct",
-          "squash_name", "dynamic_on", "global_layer_names", "monitor_mbs_grad", "stack_info",
-          "recording_l2_features", "loss_alignment", "replicated_once")
+_BOOLS = (
+    "wg_distribution",
+    "mv_distribution",
+    "param_distribution",
+    "ur_distribution",
+    "xy_distribution",
+    "forward_only",
+    "backward_only",
+    "all_xy",
+    "print_struct",
+    "squash_name",
+    "dynamic_on",
+    "global_layer_names",
+    "monitor_mbs_grad",
+    "stack_info",
+    "recording_l2_features",
+    "loss_alignment",
+    "replicated_once",
+)
 
 _SECTIONS: dict[str, Callable] = {
     "targets": _parse_targets,
@@ -590,18 +668,16 @@ _DEFAULTS = MonitorConfig()
 
 def _check_combinations(r: _Reader, values: Mapping[str, object]) -> None:
     if values.get("forward_only") and values.get("backward_only"):
-        r.bad("backward_only", "true together with forward_only: true records nothing "
-                               "(set at most one of them)")
+        r.bad("backward_only", "true together with forward_only: true records nothing (set at most one of them)")
     if values.get("xy_distribution") and not values.get("targets") and not values.get("all_xy"):
-        r.bad("xy_distribution", "true needs targets (the modules to record) or all_xy: true "
-                                 "(every module)")
+        r.bad("xy_distribution", "true needs targets (the modules to record) or all_xy: true (every module)")
 
 
 def parse_config(data: object, source: str) -> MonitorConfig:
     """Validate already-decoded JSON; raise one ConfigError listing every problem."""
     r = _Reader()
     if not isinstance(data, dict):
-        r.bad("", f"the top level is {_json_type(data)}, expected an object ({{\"key\": value, ...}})")
+        r.bad("", f'the top level is {_json_type(data)}, expected an object ({{"key": value, ...}})')
         raise ConfigError(source, r.problems)
     r.dupes(str, data)
     values: dict[str, object] = {}
@@ -610,8 +686,10 @@ def parse_config(data: object, source: str) -> MonitorConfig:
             values[name] = _SECTIONS[name](r, name, value, getattr(_DEFAULTS, name))
         elif name in _MSPROBE_ONLY:
             if value:  # a falsy value requests nothing, so an msprobe config carrying it loads
-                r.bad(name, f"{_show(value)} is an msprobe option trainmon does not support "
-                            "(remove it or set it to false)")
+                r.bad(
+                    name,
+                    f"{_show(value)} is an msprobe option trainmon does not support (remove it or set it to false)",
+                )
         else:
             r.unknown(str(name), str(name), tuple(_SECTIONS) + _MSPROBE_ONLY, tuple(_SECTIONS))
     _check_combinations(r, values)
@@ -623,8 +701,10 @@ def parse_config(data: object, source: str) -> MonitorConfig:
 
 # ----------------------------------------------------------------------------- the file
 
+
 def _read_json(path: Path) -> object:
     """The decoded file, or a ConfigError naming the path and what is wrong with it."""
+
     def fail(message: str) -> ConfigError:
         return ConfigError(str(path), [Problem("", message)])
 

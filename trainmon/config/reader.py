@@ -2,15 +2,17 @@
 
 Kept apart from ``config.py`` (the schema and the section parsers) so each file has one job.
 """
+
 from __future__ import annotations
 
 import difflib
 import json
 import math
 from collections import Counter
-from typing import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from trainmon.errors import Problem
+
 
 class _JSONObject(dict):
     """A decoded JSON object that remembers keys the file repeated (json keeps the last)."""
@@ -63,8 +65,16 @@ class _Reader:
     def bad(self, key: str, message: str) -> None:
         self.problems.append(Problem(key, message))
 
-    def integer(self, key: str, value: object, default: int | None, *, minimum: int,
-                maximum: int | None = None, nullable: bool = False) -> int | None:
+    def integer(
+        self,
+        key: str,
+        value: object,
+        default: int | None,
+        *,
+        minimum: int,
+        maximum: int | None = None,
+        nullable: bool = False,
+    ) -> int | None:
         expect = f"integer {minimum}..{maximum}" if maximum is not None else f"integer >= {minimum}"
         expect += " or null" if nullable else ""
         if value is None and nullable:
@@ -77,8 +87,9 @@ class _Reader:
             return value
         return default
 
-    def number(self, key: str, value: object, default: float | None, *, minimum: float,
-               inclusive: bool) -> float | None:
+    def number(
+        self, key: str, value: object, default: float | None, *, minimum: float, inclusive: bool
+    ) -> float | None:
         expect = f"finite number {'>=' if inclusive else '>'} {minimum:g}"
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             self.bad(key, f"{_show(value)} is not a number ({expect})")
@@ -114,8 +125,7 @@ class _Reader:
         for name in getattr(obj, "dupes", ()):
             self.bad(key_of(name), "duplicate key (JSON would silently keep only the last value)")
 
-    def obj(self, key: str, value: object, known: Sequence[str],
-            accepted: Sequence[str] = ()) -> dict | None:
+    def obj(self, key: str, value: object, known: Sequence[str], accepted: Sequence[str] = ()) -> dict | None:
         """``value`` if it is an object whose keys are all in ``known`` + ``accepted``."""
         if not isinstance(value, dict):
             self.bad(key, f"{_show(value)} is not an object (keys: {', '.join(known)})")

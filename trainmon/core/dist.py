@@ -1,15 +1,16 @@
 """Rank/world helpers that work (as a single process) without torch.distributed."""
+
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["initialized", "rank", "world_size", "broadcast_object", "all_gather_rows", "internal",
-           "in_internal"]
+__all__ = ["initialized", "rank", "world_size", "broadcast_object", "all_gather_rows", "internal", "in_internal"]
 
 _state = threading.local()
 

@@ -5,6 +5,7 @@ splits the tensor, so rows are the statistics of the full tensor.  A tensor spli
 mesh dimensions (FSDP2 over TP: a 2-D DTensor) is merged over the group of all of them; one
 replicated over a dimension is not merged over it (replicas are not counted twice).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -45,8 +46,10 @@ def _flat_group(mesh: Any, dims: tuple[int, ...]) -> Any:
     if group is None:
         names = mesh.mesh_dim_names
         if len(dims) < mesh.ndim and names is None:
-            raise NotImplementedError(f"a DTensor split over mesh dimensions {dims} of a {mesh.ndim}-D mesh "
-                                      "without dimension names; name them (init_device_mesh(mesh_dim_names=...))")
+            raise NotImplementedError(
+                f"a DTensor split over mesh dimensions {dims} of a {mesh.ndim}-D mesh "
+                "without dimension names; name them (init_device_mesh(mesh_dim_names=...))"
+            )
         sub = mesh if len(dims) == mesh.ndim else mesh[tuple(names[d] for d in dims)]
         group = _FLAT_GROUPS[key] = sub._flatten().get_group()
     return group
@@ -67,7 +70,6 @@ def dtensor_parts(t: torch.Tensor, reduce_partial: bool = False) -> tuple[torch.
 
         if any(isinstance(p, Partial) for p in t.placements):
             with torch.no_grad():
-                t = t.redistribute(t.device_mesh, [Replicate() if isinstance(p, Partial) else p
-                                                   for p in t.placements])
+                t = t.redistribute(t.device_mesh, [Replicate() if isinstance(p, Partial) else p for p in t.placements])
     group = shard_group(t)
     return t.to_local().detach(), group, (tuple(t.shape) if group is not None else None)

@@ -1,10 +1,12 @@
 """Thin wrappers that install hooks and give back handles.  No math, no I/O here."""
+
 from __future__ import annotations
 
 import functools
 import logging
 import types
-from typing import Any, Callable, cast
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 
@@ -41,9 +43,11 @@ def step_optimizer(optimizer: Any) -> Any:
         seen.add(id(optimizer))
         optimizer = _inner_optimizer(optimizer)
     if not callable(getattr(optimizer, "step", None)):
-        raise TypeError(f"trainmon: set_monitor(optimizer=...) got a {type(optimizer).__name__}, which has no "
-                        "step() method; pass the optimizer whose step() applies the update, or pass none "
-                        "and call monitor.step() after each optimizer step")
+        raise TypeError(
+            f"trainmon: set_monitor(optimizer=...) got a {type(optimizer).__name__}, which has no "
+            "step() method; pass the optimizer whose step() applies the update, or pass none "
+            "and call monitor.step() after each optimizer step"
+        )
     return optimizer
 
 
@@ -57,16 +61,16 @@ def _inner_optimizer(obj: Any) -> Any:
 
 
 def _is_facade(obj: Any) -> bool:
-    return (isinstance(obj, torch.optim.Optimizer) and not _has_hook_registry(obj)
-            and _inner_optimizer(obj) is not None)
+    return isinstance(obj, torch.optim.Optimizer) and not _has_hook_registry(obj) and _inner_optimizer(obj) is not None
 
 
 def _has_hook_registry(obj: Any) -> bool:
     return isinstance(getattr(obj, "__dict__", {}).get("_optimizer_step_pre_hooks"), dict)
 
 
-def wrap_optimizer_step(optimizer: Any, before: Callable[[], None], after: Callable[[], None], *,
-                        entry: Callable[[], None] | None = None) -> Handle:
+def wrap_optimizer_step(
+    optimizer: Any, before: Callable[[], None], after: Callable[[], None], *, entry: Callable[[], None] | None = None
+) -> Handle:
     """Call ``before``/``after`` around every ``optimizer.step()`` (and ``entry`` first, at entry).
 
     ``before`` runs when the grads the update uses are final: at step entry, or, when ``step`` is
@@ -88,6 +92,7 @@ def wrap_optimizer_step(optimizer: Any, before: Callable[[], None], after: Calla
         # args[0] is the optimizer itself; a pre-hook may return replacement (args, kwargs).
         pre = target.register_step_pre_hook(lambda _opt, args, kwargs: boundary.enter(args, kwargs, 1))
         post = target.register_step_post_hook(lambda *_: boundary.exit())
+
         def remove() -> None:
             pre.remove()
             post.remove()
@@ -96,7 +101,7 @@ def wrap_optimizer_step(optimizer: Any, before: Callable[[], None], after: Calla
     return _wrap_instance_step(target, boundary)
 
 
-def _wrap_instance_step(optimizer: Any, boundary: "_Boundary") -> Handle:
+def _wrap_instance_step(optimizer: Any, boundary: _Boundary) -> Handle:
     had_own = "step" in vars(optimizer)
     original = vars(optimizer).get("step")
     inner = optimizer.step
@@ -123,12 +128,11 @@ def _wrap_instance_step(optimizer: Any, boundary: "_Boundary") -> Handle:
 class _Boundary:
     """``before`` at the right moment of one ``step()`` call, ``after`` at its end."""
 
-    def __init__(self, before: Callable[[], None], after: Callable[[], None],
-                 entry: Callable[[], None] | None = None):
+    def __init__(self, before: Callable[[], None], after: Callable[[], None], entry: Callable[[], None] | None = None):
         self._before = before
         self._after = after
         self._entry = entry
-        self._pending = False   # a closure was given and has not returned yet
+        self._pending = False  # a closure was given and has not returned yet
 
     def enter(self, args: tuple, kwargs: dict, first: int) -> tuple[tuple, dict] | None:
         """At step entry; ``args[first]`` is where a positional closure sits.  Returns the
@@ -140,7 +144,7 @@ class _Boundary:
             return args, {**kwargs, "closure": self._wrap(kwargs["closure"])}
         if "closure" not in kwargs and len(args) > first and callable(args[first]):
             self._pending = True
-            return (*args[:first], self._wrap(args[first]), *args[first + 1:]), kwargs
+            return (*args[:first], self._wrap(args[first]), *args[first + 1 :]), kwargs
         self._pending = False
         self._before()
         return None
@@ -150,13 +154,14 @@ class _Boundary:
             result = closure(*args, **kwargs)
             if self._pending:
                 self._pending = False
-                with torch.no_grad():   # optimizers call closures under enable_grad()
+                with torch.no_grad():  # optimizers call closures under enable_grad()
                     self._before()
             return result
+
         return closure_then_capture
 
     def exit(self) -> None:
-        if self._pending:   # the optimizer never called its closure: capture now, late but once
+        if self._pending:  # the optimizer never called its closure: capture now, late but once
             self._pending = False
             self._before()
         self._after()
@@ -174,10 +179,12 @@ def _hint_compiled() -> None:
     global _compile_hint_given
     if not _compile_hint_given:
         _compile_hint_given = True
-        log.warning("trainmon: the model runs under torch.compile; trainmon's module hooks run outside the "
-                    "compiled graphs (a graph break at each monitored module, values unchanged). For full "
-                    "compiled speed record activations only while investigating, or narrow 'targets'; "
-                    "weight grads, params and moments add no graph break")
+        log.warning(
+            "trainmon: the model runs under torch.compile; trainmon's module hooks run outside the "
+            "compiled graphs (a graph break at each monitored module, values unchanged). For full "
+            "compiled speed record activations only while investigating, or narrow 'targets'; "
+            "weight grads, params and moments add no graph break"
+        )
 
 
 def _compile_probes() -> tuple[Callable[[], Any], Callable[[Any], None]]:
@@ -207,6 +214,7 @@ def outside_compiled_graphs(fn: Callable[..., Any]) -> Callable[..., Any]:
     callback is set) the body runs with Dynamo off, nested calls included: one graph break per
     hook, values as in eager mode, and one hint of ours.  Eager training pays two calls (~40 ns).
     """
+
     def eager(*args: Any) -> Any:
         _hint_compiled()
         return fn(*args)

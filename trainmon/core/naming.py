@@ -1,17 +1,18 @@
 """Names as users see them (wrappers stripped) and target matching on dotted boundaries."""
+
 from __future__ import annotations
 
 import difflib
 import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence, cast
+from typing import cast
 
 import torch.nn as nn
 
 from trainmon.errors import ConfigError, Problem
 
-__all__ = ["unwrap_model", "clean_name", "TrackedParam", "tracked_params", "TargetMatcher", "ROOT_NAME",
-           "squash_name"]
+__all__ = ["unwrap_model", "clean_name", "TrackedParam", "tracked_params", "TargetMatcher", "ROOT_NAME", "squash_name"]
 
 # The name that selects (and reports) a chunk's root module itself; named_modules() calls it "".
 ROOT_NAME = "root"
@@ -19,11 +20,19 @@ ROOT_NAME = "root"
 _SQUASH_STARTS = ("embedding", "final", "output")
 
 # Objects whose only job is to wrap ``.module`` (their names add a ``module.`` prefix).
-_WRAPPER_CLASSES = {"DistributedDataParallel", "DataParallel", "Float16Module",
-                    "FullyShardedDataParallel", "TorchFullyShardedDataParallel", "DeepSpeedEngine"}
+_WRAPPER_CLASSES = {
+    "DistributedDataParallel",
+    "DataParallel",
+    "Float16Module",
+    "FullyShardedDataParallel",
+    "TorchFullyShardedDataParallel",
+    "DeepSpeedEngine",
+}
 # Private wrapper segments that can appear anywhere in a name and never mean anything to users.
-_WRAPPER_SEGMENT = re.compile(r"(^|\.)(_orig_mod|_fsdp_wrapped_module|_checkpoint_wrapped_module|"
-                              r"_forward_module)(?=\.|$)")
+_WRAPPER_SEGMENT = re.compile(
+    r"(^|\.)(_orig_mod|_fsdp_wrapped_module|_checkpoint_wrapped_module|"
+    r"_forward_module)(?=\.|$)"
+)
 _LEADING_MODULE = re.compile(r"^(module\.)+")
 _VPP_PREFIX = re.compile(r"^(\d+):")
 
@@ -65,8 +74,9 @@ def tracked_params(chunks: Sequence[nn.Module]) -> list[TrackedParam]:
 
 def module_names(chunks: Sequence[nn.Module]) -> list[tuple[int, str]]:
     """Every module of every chunk, the root as ``ROOT_NAME``."""
-    return [(vpp, clean_name(n) or ROOT_NAME) for vpp, c in enumerate(chunks)
-            for n, _ in unwrap_model(c).named_modules()]
+    return [
+        (vpp, clean_name(n) or ROOT_NAME) for vpp, c in enumerate(chunks) for n, _ in unwrap_model(c).named_modules()
+    ]
 
 
 def squash_name(name: str) -> str:
@@ -96,7 +106,7 @@ class TargetMatcher:
     def _parse(target: str) -> tuple[int | None, str]:
         m = _VPP_PREFIX.match(target)
         vpp = int(m.group(1)) if m else None
-        name = target[m.end():] if m else target
+        name = target[m.end() :] if m else target
         return vpp, clean_name(_LEADING_MODULE.sub("", name))
 
     @property
@@ -117,8 +127,9 @@ class TargetMatcher:
         """True when a target is this very name (modules for activations: no subtree)."""
         return any(t == name and (v is None or v == vpp_stage) for v, t in self._parsed)
 
-    def check_all_used(self, names: Sequence[tuple[int, str]], source: str, key: str = "targets",
-                       what: str = "module or parameter") -> None:
+    def check_all_used(
+        self, names: Sequence[tuple[int, str]], source: str, key: str = "targets", what: str = "module or parameter"
+    ) -> None:
         """ConfigError naming close matches for every target that selects nothing."""
         problems = []
         plain = sorted({n for _, n in names})
@@ -126,7 +137,8 @@ class TargetMatcher:
             if not any(self._hit(parsed, n, v) for v, n in names):
                 close = difflib.get_close_matches(parsed[1], plain, n=3, cutoff=0.6)
                 hint = f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
-                problems.append(Problem(f"{key}[{self.raw.index(raw)}]",
-                                        f"{raw!r} matches no {what} of the model{hint}"))
+                problems.append(
+                    Problem(f"{key}[{self.raw.index(raw)}]", f"{raw!r} matches no {what} of the model{hint}")
+                )
         if problems:
             raise ConfigError(source, problems)

@@ -1,9 +1,10 @@
 """Which steps are collected, and where the training loop is now (step, micro-batch)."""
+
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -43,7 +44,7 @@ class StepClock:
         self.step = first_step
         self.collected = 0
         self.collecting = schedule.selects(first_step, 0)
-        self.backward_index = 0          # backward passes completed in this step
+        self.backward_index = 0  # backward passes completed in this step
         self.acc_steps = self._read_acc()
         self._in_backward = False
         self._backward_end_callbacks: list[Callable[[], None]] = []
@@ -80,11 +81,16 @@ class StepClock:
             self.collected += 1
             if self.backward_index > self.acc_steps and not self._warned_passes:
                 self._warned_passes = True
-                log.warning("trainmon: step %d ran %d backward passes but grad_acc_steps is %d; "
-                            "grad_unreduced holds the grad after pass %d (fix grad_acc_steps; an optimizer "
-                            "that calls its closure several times, e.g. LBFGS, runs one pass per call: "
-                            "then this is expected). Warned once", self.step,
-                            self.backward_index, self.acc_steps, self.acc_steps)
+                log.warning(
+                    "trainmon: step %d ran %d backward passes but grad_acc_steps is %d; "
+                    "grad_unreduced holds the grad after pass %d (fix grad_acc_steps; an optimizer "
+                    "that calls its closure several times, e.g. LBFGS, runs one pass per call: "
+                    "then this is expected). Warned once",
+                    self.step,
+                    self.backward_index,
+                    self.acc_steps,
+                    self.acc_steps,
+                )
         self.step += 1
         self.backward_index = 0
         self.acc_steps = self._read_acc()
@@ -106,8 +112,9 @@ class EpochAccumulation:
     in its epoch.
     """
 
-    def __init__(self, acc: int, batches_per_epoch: int | None, next_step: Callable[[], int | None],
-                 first_step: int = 0):
+    def __init__(
+        self, acc: int, batches_per_epoch: int | None, next_step: Callable[[], int | None], first_step: int = 0
+    ):
         self.acc = max(1, int(acc))
         self.batches = int(batches_per_epoch) if batches_per_epoch else 0
         self._next_step = next_step

@@ -32,10 +32,11 @@ both runs.  ``first_divergence`` is the first difference in this order: a struct
 or one in the initial params before any step, else the first in training-flow order (within a
 step hyperparams come first, then per micro-batch the input, forward and loss).
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 import pandas as pd
@@ -49,18 +50,34 @@ from trainmon.families import NOT_SCALAR, Family, Phase
 
 __all__ = ["Difference", "Comparison", "StageResult", "STAGES", "stage_of", "compare_runs", "rel_diff"]
 
-STAGES: tuple[str, ...] = ("metadata", "initial_params", "hyperparams", "sample_data", "forward", "loss",
-                           "backward", "optimizer")
-_STAGE_OF_FAMILY = {str(Family.HYPERPARAMS): "hyperparams", str(Family.MODEL_INPUT): "sample_data",
-                    str(Family.LOSS): "loss"}
-_STAGE_OF_PHASE = {str(Phase.SETUP): "hyperparams", str(Phase.FORWARD): "forward",
-                   str(Phase.OPTIMIZER): "optimizer", str(Phase.OTHER): "other"}
+STAGES: tuple[str, ...] = (
+    "metadata",
+    "initial_params",
+    "hyperparams",
+    "sample_data",
+    "forward",
+    "loss",
+    "backward",
+    "optimizer",
+)
+_STAGE_OF_FAMILY = {
+    str(Family.HYPERPARAMS): "hyperparams",
+    str(Family.MODEL_INPUT): "sample_data",
+    str(Family.LOSS): "loss",
+}
+_STAGE_OF_PHASE = {
+    str(Phase.SETUP): "hyperparams",
+    str(Phase.FORWARD): "forward",
+    str(Phase.OPTIMIZER): "optimizer",
+    str(Phase.OTHER): "other",
+}
 
 
 def stage_of(family: str) -> str:
     """The loss-alignment stage of a family (``backward`` for every phase from backward to the
     reduced grad; ``other`` for families trainmon does not know)."""
     return _STAGE_OF_FAMILY.get(family) or _STAGE_OF_PHASE.get(phase_of(family), "backward")
+
 
 _ALIGN = ["vpp_stage", "name", "step", "rank", "micro_step", "occurrence"]
 
@@ -79,7 +96,7 @@ class Difference:
     micro_step: int | None = None
     vpp_stage: int = 0
     target_name: str = ""
-    group: int | None = None      # the optimizer param group of a hyperparams row (-1: optimizer-wide)
+    group: int | None = None  # the optimizer param group of a hyperparams row (-1: optimizer-wide)
 
     @property
     def stage(self) -> str:
@@ -93,11 +110,21 @@ class Difference:
         return ", ".join(parts)
 
     def to_json(self) -> dict[str, object]:
-        doc = {"step": self.step, "phase": self.phase, "kind": self.kind, "name": self.name,
-               "rank": self.rank, "op": self.op, "base": json_number(self.base),
-               "target": json_number(self.target), "rel_diff": json_number(self.rel_diff),
-               "micro_step": self.micro_step, "vpp_stage": self.vpp_stage,
-               "target_name": self.target_name or self.name, "stage": self.stage}
+        doc = {
+            "step": self.step,
+            "phase": self.phase,
+            "kind": self.kind,
+            "name": self.name,
+            "rank": self.rank,
+            "op": self.op,
+            "base": json_number(self.base),
+            "target": json_number(self.target),
+            "rel_diff": json_number(self.rel_diff),
+            "micro_step": self.micro_step,
+            "vpp_stage": self.vpp_stage,
+            "target_name": self.target_name or self.name,
+            "stage": self.stage,
+        }
         if self.group is not None:
             doc["group"] = self.group
         return doc
@@ -111,15 +138,20 @@ class StageResult:
     rank: int
     match: bool | None
     first: Difference | StageDifference | None = None  # when match is False
-    note: str = ""                # why a stage could not be compared
+    note: str = ""  # why a stage could not be compared
 
     @property
     def label(self) -> str:
         return {True: "YES", False: "NO", None: "-"}[self.match]
 
     def to_json(self) -> dict[str, object]:
-        return {"stage": self.stage, "rank": self.rank, "match": self.match,
-                "first": self.first.to_json() if self.first is not None else None, "note": self.note}
+        return {
+            "stage": self.stage,
+            "rank": self.rank,
+            "match": self.match,
+            "first": self.first.to_json() if self.first is not None else None,
+            "note": self.note,
+        }
 
 
 @dataclass
@@ -135,7 +167,7 @@ class Comparison:
     renamed: int = 0
     families: tuple[str, ...] = ()
     stages: list[StageResult] = field(default_factory=list)
-    static_divergence: Difference | StageDifference | None = None   # metadata / initial_params
+    static_divergence: Difference | StageDifference | None = None  # metadata / initial_params
 
     @property
     def first_difference(self) -> Difference | StageDifference | None:
@@ -144,12 +176,16 @@ class Comparison:
 
     def to_json(self) -> dict[str, object]:
         return {
-            "rtol": self.rtol, "atol": self.atol,
+            "rtol": self.rtol,
+            "atol": self.atol,
             "first_divergence": self.first_difference.to_json() if self.first_difference else None,
             "largest_by_family": {f: [d.to_json() for d in ds] for f, ds in self.largest_by_family.items()},
-            "aligned_rows": self.aligned_rows, "diverged_rows": self.diverged_rows,
-            "only_in_base": self.only_in_base, "only_in_target": self.only_in_target,
-            "renamed": self.renamed, "families": list(self.families),
+            "aligned_rows": self.aligned_rows,
+            "diverged_rows": self.diverged_rows,
+            "only_in_base": self.only_in_base,
+            "only_in_target": self.only_in_target,
+            "renamed": self.renamed,
+            "families": list(self.families),
             "stages": [r.to_json() for r in self.stages],
         }
 
@@ -175,13 +211,13 @@ def _rename_target(base: pd.DataFrame, target: pd.DataFrame) -> tuple[pd.DataFra
     return target, renamed
 
 
-def _family_diffs(family: str, base: pd.DataFrame, target: pd.DataFrame, ops: Sequence[str],
-                  rtol: float, atol: float) -> tuple[pd.DataFrame, int, int, int]:
+def _family_diffs(
+    family: str, base: pd.DataFrame, target: pd.DataFrame, ops: Sequence[str], rtol: float, atol: float
+) -> tuple[pd.DataFrame, int, int, int]:
     target, renamed = _rename_target(base, target)
     extras = [c for c in (EXTRA_PREFIX + "group",) if c in base.columns and base[c].notna().any()]
     keep_b = [*_ALIGN, *(c for c in FLOW_KEYS if c not in _ALIGN), "phase", "numel", *extras, *ops]
-    merged = base[keep_b].merge(target[[*_ALIGN, "target_name", *ops]], on=_ALIGN, how="inner",
-                                suffixes=("", "@t"))
+    merged = base[keep_b].merge(target[[*_ALIGN, "target_name", *ops]], on=_ALIGN, how="inner", suffixes=("", "@t"))
     only_b, only_t = len(base) - len(merged), len(target) - len(merged)
     if merged.empty:
         return merged, only_b, only_t, renamed
@@ -189,8 +225,7 @@ def _family_diffs(family: str, base: pd.DataFrame, target: pd.DataFrame, ops: Se
     rms = rms.replace([np.inf, -np.inf], np.nan).fillna(0.0).to_numpy()
     b = np.column_stack([merged[op].to_numpy(float) for op in ops])
     t = np.column_stack([merged[op + "@t"].to_numpy(float) for op in ops])
-    rel = np.column_stack([rel_diff(b[:, i], t[:, i], 0.0 if op == "norm" else rms)
-                           for i, op in enumerate(ops)])
+    rel = np.column_stack([rel_diff(b[:, i], t[:, i], 0.0 if op == "norm" else rms) for i, op in enumerate(ops)])
     with np.errstate(invalid="ignore"):
         over = (rel > rtol) & ~(np.abs(t - b) <= atol)
         # A row reports its worst op beyond tolerance, else its worst op (rel/(1+rel) keeps inf
@@ -209,22 +244,38 @@ def _family_diffs(family: str, base: pd.DataFrame, target: pd.DataFrame, ops: Se
 
 
 def _difference(r) -> Difference:
-    return Difference(step=int(r.step), phase=r.phase, kind=r.kind, name=r.name, rank=int(r.rank),
-                      op=str(r.op), base=float(r.base), target=float(r.target),
-                      rel_diff=float(r.rel_diff),
-                      micro_step=None if int(r.micro_step) < 0 else int(r.micro_step),
-                      vpp_stage=int(r.vpp_stage), target_name=str(r.target_name),
-                      group=None if int(r.group) == -2 else int(r.group))
+    return Difference(
+        step=int(r.step),
+        phase=r.phase,
+        kind=r.kind,
+        name=r.name,
+        rank=int(r.rank),
+        op=str(r.op),
+        base=float(r.base),
+        target=float(r.target),
+        rel_diff=float(r.rel_diff),
+        micro_step=None if int(r.micro_step) < 0 else int(r.micro_step),
+        vpp_stage=int(r.vpp_stage),
+        target_name=str(r.target_name),
+        group=None if int(r.group) == -2 else int(r.group),
+    )
 
 
-def compare_runs(base: RunTable, target: RunTable, *, rtol: float = 1e-3, atol: float = 0.0,
-                 ops: Sequence[str] | None = None, top: int = 5) -> Comparison:
+def compare_runs(
+    base: RunTable,
+    target: RunTable,
+    *,
+    rtol: float = 1e-3,
+    atol: float = 0.0,
+    ops: Sequence[str] | None = None,
+    top: int = 5,
+) -> Comparison:
     """Align two runs and find the first divergence in training-flow order (stages: module doc)."""
     result = Comparison(rtol=rtol, atol=atol)
     diverged, families = [], []
     aligned: dict[tuple[str, int], int] = {}
     for family, base_stats in base.family_stats.items():
-        if family in NOT_SCALAR:   # packed sign bits: ``trainmon similarity`` compares those
+        if family in NOT_SCALAR:  # packed sign bits: ``trainmon similarity`` compares those
             continue
         target_stats = target.family_stats.get(family)
         if target_stats is None:
@@ -233,8 +284,9 @@ def compare_runs(base: RunTable, target: RunTable, *, rtol: float = 1e-3, atol: 
         common = [o for o in base_stats if o in target_stats and (ops is None or o in ops)]
         if not common:
             continue
-        merged, only_b, only_t, renamed = _family_diffs(family, base.family(family),
-                                                        target.family(family), common, rtol, atol)
+        merged, only_b, only_t, renamed = _family_diffs(
+            family, base.family(family), target.family(family), common, rtol, atol
+        )
         families.append(family)
         result.only_in_base += only_b
         result.only_in_target += only_t
@@ -246,8 +298,7 @@ def compare_runs(base: RunTable, target: RunTable, *, rtol: float = 1e-3, atol: 
             key = (stage_of(family), int(rank))
             aligned[key] = aligned.get(key, 0) + int(n)
         largest = merged.sort_values("rel_diff", ascending=False, kind="mergesort").head(top)
-        result.largest_by_family[family] = [_difference(r) for r in largest.itertuples(index=False)
-                                            if r.rel_diff > 0]
+        result.largest_by_family[family] = [_difference(r) for r in largest.itertuples(index=False) if r.rel_diff > 0]
         hit = merged[merged["diverged"]]
         result.diverged_rows += len(hit)
         if not hit.empty:
@@ -263,13 +314,13 @@ def compare_runs(base: RunTable, target: RunTable, *, rtol: float = 1e-3, atol: 
         for r in first.itertuples(index=False):
             firsts.setdefault((stage_of(r.kind), int(r.rank)), _difference(r))
     result.stages = _static_stages(base, target, rtol, atol) + _step_stages(aligned, firsts)
-    result.static_divergence = next((r.first for r in result.stages
-                                     if r.stage in STAGES[:2] and r.match is False), None)
+    result.static_divergence = next(
+        (r.first for r in result.stages if r.stage in STAGES[:2] and r.match is False), None
+    )
     return result
 
 
-def _step_stages(aligned: dict[tuple[str, int], int], firsts: dict[tuple[str, int], Difference]
-                 ) -> list[StageResult]:
+def _step_stages(aligned: dict[tuple[str, int], int], firsts: dict[tuple[str, int], Difference]) -> list[StageResult]:
     ranks = sorted({rank for _, rank in aligned})
     out = []
     for stage in (*STAGES[2:], "other"):
@@ -290,8 +341,15 @@ def _static_stages(base: RunTable, target: RunTable, rtol: float, atol: float) -
         b, b_why = read_model_meta(b_paths[rank]) if rank in b_paths else (None, "")
         t, t_why = read_model_meta(t_paths[rank]) if rank in t_paths else (None, "")
         if b is None or t is None:
-            note = b_why or t_why or ("model_meta.json in neither run" if b is None and t is None else
-                                      f"model_meta.json only in {'target' if b is None else 'base'}")
+            note = (
+                b_why
+                or t_why
+                or (
+                    "model_meta.json in neither run"
+                    if b is None and t is None
+                    else f"model_meta.json only in {'target' if b is None else 'base'}"
+                )
+            )
             out += [StageResult(stage, rank, None, note=note) for stage in STAGES[:2]]
             continue
         structure = diff_structure(b, t, rank)

@@ -18,19 +18,20 @@ Exactly the same findings as ``scan.scan`` (tests compare both on the fault runs
 * a stat cell holding text that is not a number is a :class:`~trainmon.output.cells.BadCellError`
   naming the file, line and column, never a silent NaN.
 """
+
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 from trainmon.diagnosis.flow import family_rank
 from trainmon.diagnosis.reader import RunDirError, ranked_dirs, resolve_run_dir
 from trainmon.diagnosis.rules import COUNT_OPS, RATIO_FAMILIES, Anomaly, Rules
+from trainmon.errors import DamagedFileError
 from trainmon.output import runs
 from trainmon.output.cells import NAN_SPELLINGS, BadCellError
-from trainmon.errors import DamagedFileError
 from trainmon.output.layout import FamilyFile
 
 __all__ = ["available", "RunFiles", "run_files", "engine_scan", "MEMORY_LIMIT"]
@@ -52,10 +53,10 @@ class RunFiles:
     """What the scan needs to know about a run without reading its rows."""
 
     path: Path
-    files: dict[str, list[tuple[int, FamilyFile]]] = field(default_factory=dict)   # family -> (rank, file)
+    files: dict[str, list[tuple[int, FamilyFile]]] = field(default_factory=dict)  # family -> (rank, file)
     family_stats: dict[str, tuple[str, ...]] = field(default_factory=dict)
     ranks: tuple[int, ...] = ()
-    families_on_disk: tuple[str, ...] = ()   # every family of every rank, chosen or not
+    families_on_disk: tuple[str, ...] = ()  # every family of every rank, chosen or not
     ranks_on_disk: tuple[int, ...] = ()
 
     @property
@@ -85,7 +86,7 @@ def _has_rows(f: FamilyFile) -> bool:
         return pq.ParquetFile(f.path).metadata.num_rows > 0
     with open(f.path, "rb") as fh:
         header = fh.readline()
-        if not header.strip():   # the sink never leaves an empty file: damage, as for the other readers
+        if not header.strip():  # the sink never leaves an empty file: damage, as for the other readers
             raise DamagedFileError(f.path, "empty file (no header)")
         return bool(fh.readline().strip())
 
@@ -97,8 +98,9 @@ def _roles(f: FamilyFile) -> runs.ColumnRoles:
     return runs.column_roles(runs.read_csv(f.path) if f.ext == "csv" else read_parquet(f.path))
 
 
-def run_files(path: str | Path, *, families: Sequence[str] | None = None,
-              ranks: Sequence[int] | None = None) -> RunFiles:
+def run_files(
+    path: str | Path, *, families: Sequence[str] | None = None, ranks: Sequence[int] | None = None
+) -> RunFiles:
     """The files of a run by family, and each family's stat columns (from one file per header)."""
     run_dir = resolve_run_dir(path)
     out = RunFiles(run_dir)
@@ -108,12 +110,14 @@ def run_files(path: str | Path, *, families: Sequence[str] | None = None,
     every = ranked_dirs(run_dir)
     by_rank = {rank: runs.family_files(rdir) for rank, rdir in every}
     if not any(by_rank.values()):
-        raise RunDirError(f"{run_dir}: nothing recorded (its rank folders hold no <family>_<a>-<b>.csv or "
-                          ".parquet file)")
-    out.families_on_disk = tuple(sorted({f for fams in by_rank.values() for f in fams},
-                                        key=lambda f: (family_rank(f), f)))
+        raise RunDirError(
+            f"{run_dir}: nothing recorded (its rank folders hold no <family>_<a>-<b>.csv or .parquet file)"
+        )
+    out.families_on_disk = tuple(
+        sorted({f for fams in by_rank.values() for f in fams}, key=lambda f: (family_rank(f), f))
+    )
     out.ranks_on_disk = tuple(rank for rank, _ in every)
-    for rank, rdir in every:
+    for rank, _rdir in every:
         if ranks is not None and rank not in ranks:
             continue
         for family, files in by_rank[rank].items():
@@ -172,10 +176,11 @@ class _Family:
             SELECT row_number() OVER () AS g, * FROM ({source})""")
         con.execute(f"""
             CREATE OR REPLACE TEMP VIEW t AS
-            SELECT g, filename, ({self._bad_text()}) AS bad, r.rank, {self._int("step")} AS step, COALESCE({micro}, -1) AS micro_step,
+            SELECT g, filename, ({self._bad_text()}) AS bad, r.rank, {self._int("step")} AS step,
+                   COALESCE({micro}, -1) AS micro_step,
                    COALESCE({self._int("vpp_stage") if "vpp_stage" in cols else "NULL"}, 0) AS vpp_stage,
                    CAST(name AS VARCHAR) AS name,
-                   COALESCE(CAST(dtype AS VARCHAR), '') AS dtype{',' if num else ''}
+                   COALESCE(CAST(dtype AS VARCHAR), '') AS dtype{"," if num else ""}
                    {num}
             FROM raw JOIN ranks_of r USING (filename)""")
 
@@ -185,8 +190,10 @@ class _Family:
             return f"read_parquet({listing}, filename=true)"
         # Every column as text: a stat cell that is not a number must be an error, not NULL.
         columns = "{" + ", ".join(f"{_lit(c)}: 'VARCHAR'" for c in header) + "}"
-        return (f"read_csv({listing}, filename=true, header=true, auto_detect=false, columns={columns}, "
-                "delim=',', quote='\"', escape='\"', null_padding=false)")
+        return (
+            f"read_csv({listing}, filename=true, header=true, auto_detect=false, columns={columns}, "
+            "delim=',', quote='\"', escape='\"', null_padding=false)"
+        )
 
     def _int(self, col: str) -> str:
         return f"CAST({_q(col)} AS BIGINT)" if self.parquet else f"CAST(TRY_CAST({_q(col)} AS DOUBLE) AS BIGINT)"
@@ -201,8 +208,10 @@ class _Family:
         if self.parquet or not self.present:
             return "false"
         nan = ", ".join(_lit(s) for s in sorted(NAN_SPELLINGS))
-        return " OR ".join(f"({_q(s)} IS NOT NULL AND trim({_q(s)}) NOT IN ({nan}) "
-                           f"AND TRY_CAST(trim({_q(s)}) AS DOUBLE) IS NULL)" for s in self.present)
+        return " OR ".join(
+            f"({_q(s)} IS NOT NULL AND trim({_q(s)}) NOT IN ({nan}) AND TRY_CAST(trim({_q(s)}) AS DOUBLE) IS NULL)"
+            for s in self.present
+        )
 
     def check_cells(self) -> None:
         """Raise BadCellError for the first stat cell that holds text other than a number."""
@@ -211,8 +220,7 @@ class _Family:
             return
         filename, g = hit
         first = self.con.execute("SELECT min(g) FROM o WHERE filename = ?", [filename]).fetchone()[0]
-        row = self.con.execute(f"SELECT {', '.join(_q(s) for s in self.present)} FROM raw WHERE g = ?",
-                               [g]).fetchone()
+        row = self.con.execute(f"SELECT {', '.join(_q(s) for s in self.present)} FROM raw WHERE g = ?", [g]).fetchone()
         for col, text in zip(self.present, row):
             if text is not None and text.strip() not in NAN_SPELLINGS:
                 try:
@@ -282,15 +290,21 @@ class _Family:
             """).fetchall()
         if not candidates:
             return []
-        self.con.execute("CREATE OR REPLACE TEMP TABLE cand(g BIGINT, step BIGINT, rank INTEGER, vpp_stage BIGINT, "
-                         "name VARCHAR, micro_step BIGINT, occurrence BIGINT)")
-        self.con.executemany("INSERT INTO cand VALUES (?, ?, ?, ?, ?, ?, ?)",
-                             [(c[0], c[1], c[3], c[5], c[2], c[4], c[6]) for c in candidates])
+        self.con.execute(
+            "CREATE OR REPLACE TEMP TABLE cand(g BIGINT, step BIGINT, rank INTEGER, vpp_stage BIGINT, "
+            "name VARCHAR, micro_step BIGINT, occurrence BIGINT)"
+        )
+        self.con.executemany(
+            "INSERT INTO cand VALUES (?, ?, ?, ?, ?, ?, ?)",
+            [(c[0], c[1], c[3], c[5], c[2], c[4], c[6]) for c in candidates],
+        )
         # Each candidate's window: the ``w`` finite values before it in its series.
-        windows = dict(self.con.execute(f"""
+        windows = dict(
+            self.con.execute(f"""
             SELECT c.g, list(s.v ORDER BY s.step DESC, s.g DESC)[1:{w}]
             FROM cand c JOIN (SELECT g, step, {series}, {v} AS v {finite}) s USING ({series})
-            WHERE s.step < c.step OR (s.step = c.step AND s.g < c.g) GROUP BY c.g""").fetchall())
+            WHERE s.step < c.step OR (s.step = c.step AND s.g < c.g) GROUP BY c.g""").fetchall()
+        )
         out = []
         for g, step, name, rank, micro, vpp, occ, value in candidates:
             base = _median(windows[g])
@@ -309,8 +323,7 @@ class _Family:
         if not rows:
             return {}
         self.con.execute("CREATE OR REPLACE TEMP TABLE hit(rank INTEGER, step BIGINT, micro_step BIGINT)")
-        self.con.executemany("INSERT INTO hit VALUES (?, ?, ?)",
-                             list({(r[3], r[1], r[7]) for r in rows}))
+        self.con.executemany("INSERT INTO hit VALUES (?, ?, ?)", list({(r[3], r[1], r[7]) for r in rows}))
         wanted = {r[0] for r in rows}
         found = self.con.execute("""
             SELECT g, row_number() OVER (PARTITION BY rank, step, micro_step ORDER BY g) - 1
@@ -334,8 +347,7 @@ def _connect(threads: int | None, spill_dir: str):
     return duckdb.connect(":memory:", config=config)
 
 
-def engine_scan(files: RunFiles, rules: Rules = Rules(), *, threads: int | None = None,
-                progress=None) -> list[Anomaly]:
+def engine_scan(files: RunFiles, rules: Rules = Rules(), *, threads: int | None = None, progress=None) -> list[Anomaly]:
     """Every anomaly of the run's files, in training-flow order: ``scan.scan`` of the same run."""
     import shutil
     import tempfile
@@ -376,8 +388,17 @@ def engine_scan(files: RunFiles, rules: Rules = Rules(), *, threads: int | None 
 
 def _anomaly(family: str, r: tuple, position: int) -> Anomaly:
     _, step, name, rank, op, value, rule, micro, vpp, base, occurrence = r
-    return Anomaly(step=int(step), kind=family, name=name, rank=int(rank), op=op,
-                   value=float("nan") if value is None else float(value), rule=rule,
-                   micro_step=None if int(micro) < 0 else int(micro), vpp_stage=int(vpp),
-                   baseline=None if base is None else float(base), position=int(position),
-                   occurrence=int(occurrence))
+    return Anomaly(
+        step=int(step),
+        kind=family,
+        name=name,
+        rank=int(rank),
+        op=op,
+        value=float("nan") if value is None else float(value),
+        rule=rule,
+        micro_step=None if int(micro) < 0 else int(micro),
+        vpp_stage=int(vpp),
+        baseline=None if base is None else float(base),
+        position=int(position),
+        occurrence=int(occurrence),
+    )

@@ -8,6 +8,7 @@ boundary on the training thread, agrees with the other ranks and switches the re
 wait until the step that just ran has been judged (``wait_checked``): that makes the escalation
 start at the step right after the alert's, on every rank, however far behind the writer is.
 """
+
 from __future__ import annotations
 
 import threading
@@ -28,8 +29,14 @@ class Trigger:
     op: str
 
     def to_json(self) -> dict[str, object]:
-        return {"step": self.step, "rank": self.rank, "rule": self.rule, "kind": self.kind,
-                "name": self.name, "op": self.op}
+        return {
+            "step": self.step,
+            "rank": self.rank,
+            "rule": self.rule,
+            "kind": self.kind,
+            "name": self.name,
+            "op": self.op,
+        }
 
 
 class AlertLatch:
@@ -38,8 +45,8 @@ class AlertLatch:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._first: Trigger | None = None
-        self._checked = -1          # highest step the sink has judged
-        self.attached = False       # an alert sink feeds this latch (this rank writes)
+        self._checked = -1  # highest step the sink has judged
+        self.attached = False  # an alert sink feeds this latch (this rank writes)
 
     def fire(self, trigger: Trigger) -> bool:
         """Record an alert; True if it is the first since the last ``clear``."""

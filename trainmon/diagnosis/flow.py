@@ -18,17 +18,28 @@ optimizer     ``param_origin``, ``exp_avg``, ``exp_avg_sq``,    family (this ord
 other         any family trainmon does not know                family name, row order
 ============= ================================================ ==========================
 
-Phases and families come from ``trainmon.families``.  The order inside a phase is the row order of the CSV files (the writer keeps it), so "the first
+Phases and families come from ``trainmon.families``.  The order inside a phase is the row order of the CSV
+files (the writer keeps it), so "the first
 anomaly" is the first one a step would have produced.  Nothing computed in a later phase can
 feed an earlier one in the same step, which is what makes the first entry the origin.
 """
+
 from __future__ import annotations
 
 from trainmon.families import FAMILIES
 from trainmon.families import PHASES as _PHASES
 
-__all__ = ["PHASES", "FAMILY_PHASE", "FAMILY_ORDER", "MICRO_FAMILIES", "phase_of", "phase_rank", "flow_key",
-           "family_rank", "FLOW_KEYS"]
+__all__ = [
+    "PHASES",
+    "FAMILY_PHASE",
+    "FAMILY_ORDER",
+    "MICRO_FAMILIES",
+    "phase_of",
+    "phase_rank",
+    "flow_key",
+    "family_rank",
+    "FLOW_KEYS",
+]
 
 PHASES: tuple[str, ...] = tuple(str(p) for p in _PHASES)
 
@@ -41,8 +52,7 @@ FAMILY_PHASE: dict[str, str] = {str(f): str(info.phase) for f, info in FAMILIES.
 MICRO_FAMILIES: frozenset[str] = frozenset(str(f) for f, info in FAMILIES.items() if info.per_micro_step)
 
 # Columns of a run table that sort rows in training-flow order (see reader.RunTable).
-FLOW_KEYS: tuple[str, ...] = ("step", "flow", "micro_step", "family_order", "position", "rank",
-                              "occurrence")
+FLOW_KEYS: tuple[str, ...] = ("step", "flow", "micro_step", "family_order", "position", "rank", "occurrence")
 
 
 def phase_of(family: str) -> str:

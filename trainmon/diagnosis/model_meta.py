@@ -4,13 +4,15 @@ Both come from ``rank<R>/model_meta.json`` (written once per rank with ``loss_al
 in ``trainmon.collectors.model_meta``).  Torch-free.  A missing file on both sides means "not
 recorded" (``match`` None); an unreadable one is reported as such, never a traceback.
 """
+
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from trainmon.diagnosis.reader import ranked_dirs
 from trainmon.output.layout import MODEL_META, rank_dir_name
@@ -39,10 +41,21 @@ class StageDifference:
         def plain(v: Any) -> Any:
             return v if not isinstance(v, float) or math.isfinite(v) else repr(v)
 
-        return {"stage": self.stage, "step": None, "phase": "setup", "kind": "model_meta",
-                "name": self.name, "rank": self.rank, "op": self.op, "base": plain(self.base),
-                "target": plain(self.target), "rel_diff": plain(self.rel_diff), "micro_step": None,
-                "vpp_stage": 0, "target_name": self.name}
+        return {
+            "stage": self.stage,
+            "step": None,
+            "phase": "setup",
+            "kind": "model_meta",
+            "name": self.name,
+            "rank": self.rank,
+            "op": self.op,
+            "base": plain(self.base),
+            "target": plain(self.target),
+            "rel_diff": plain(self.rel_diff),
+            "micro_step": None,
+            "vpp_stage": 0,
+            "target_name": self.name,
+        }
 
 
 def meta_ranks(run_dir: Path) -> dict[int, Path]:
@@ -62,7 +75,7 @@ def read_model_meta(path: Path) -> tuple[dict | None, str]:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         return None, f"{path} is unreadable ({exc})"
     if not isinstance(data, dict) or not isinstance(data.get("chunks"), list):
-        return None, f"{path} is not a trainmon model_meta.json (no \"chunks\" list)"
+        return None, f'{path} is not a trainmon model_meta.json (no "chunks" list)'
     return data, ""
 
 
@@ -108,8 +121,9 @@ def _num(v: Any) -> float:
         return math.nan
 
 
-def diff_initial(base: dict, target: dict, rank: int, rtol: float, atol: float,
-                 rel_diff: Callable[[Any, Any], Any]) -> StageDifference | None:
+def diff_initial(
+    base: dict, target: dict, rank: int, rtol: float, atol: float, rel_diff: Callable[[Any, Any], Any]
+) -> StageDifference | None:
     """The first param whose initial statistics differ beyond tolerance (``compare``'s rule,
     ``rel_diff`` its elementwise relative difference)."""
     t_params = _entries(target, "params")

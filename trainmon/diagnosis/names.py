@@ -5,15 +5,18 @@
 exact name, then the name without wrapper segments, then a unique dotted-suffix match
 (``model.layers.0.weight`` <-> ``layers.0.weight``) when exactly one name on each side fits.
 """
+
 from __future__ import annotations
 
 import re
-from typing import Iterable
+from collections.abc import Iterable
 
 __all__ = ["canonical", "match_names"]
 
-_WRAPPER_SEGMENT = re.compile(r"(^|\.)(_orig_mod|_fsdp_wrapped_module|_checkpoint_wrapped_module|"
-                              r"_forward_module)(?=\.|$)")
+_WRAPPER_SEGMENT = re.compile(
+    r"(^|\.)(_orig_mod|_fsdp_wrapped_module|_checkpoint_wrapped_module|"
+    r"_forward_module)(?=\.|$)"
+)
 _LEADING_MODULE = re.compile(r"^(module\.)+")
 
 
@@ -31,8 +34,7 @@ def _pairs(candidates: dict[str, set[str]]) -> dict[str, str]:
     for t, bs in candidates.items():
         for b in bs:
             reverse.setdefault(b, set()).add(t)
-    return {t: next(iter(bs)) for t, bs in candidates.items()
-            if len(bs) == 1 and len(reverse[next(iter(bs))]) == 1}
+    return {t: next(iter(bs)) for t, bs in candidates.items() if len(bs) == 1 and len(reverse[next(iter(bs))]) == 1}
 
 
 def match_names(base: Iterable[str], target: Iterable[str]) -> dict[str, str]:

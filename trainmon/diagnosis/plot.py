@@ -5,6 +5,7 @@ The figure is built on matplotlib's object API with the Agg canvas: no pyplot, n
 backend switch, nothing needs a display.  Cells without a row are light grey, NaN/Inf cells
 are magenta.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,8 +25,10 @@ HEATMAP_XLABEL = "step"
 HEATMAP_YLABEL = "layer (model order)"
 _MAX_TICKS = 60
 # Families whose rows are in backward order -> families with the same names in model order.
-_BACKWARD_ORDERED = {"grad_unreduced": ("grad_reduced", "param_origin", "param_updated", "exp_avg"),
-                     "actv_grad": ("actv",)}
+_BACKWARD_ORDERED = {
+    "grad_unreduced": ("grad_reduced", "param_origin", "param_updated", "exp_avg"),
+    "actv_grad": ("actv",),
+}
 _NONFINITE = "magenta"
 
 
@@ -37,8 +40,8 @@ class Grid:
     micro_step: int | None
     layers: list[str]
     steps: np.ndarray
-    values: np.ndarray          # [layers x steps]; NaN = no row, +-inf/NaN kept where recorded
-    recorded: np.ndarray        # bool [layers x steps]
+    values: np.ndarray  # [layers x steps]; NaN = no row, +-inf/NaN kept where recorded
+    recorded: np.ndarray  # bool [layers x steps]
 
 
 def _with_layer(frame: pd.DataFrame, multi_vpp: bool) -> pd.DataFrame:
@@ -50,8 +53,7 @@ def _with_layer(frame: pd.DataFrame, multi_vpp: bool) -> pd.DataFrame:
     return frame.assign(layer=name.where(occ == 0, name + "#" + occ.astype(str)))
 
 
-def layer_grid(table: RunTable, kind: str, op: str, *, rank: int | None = None,
-               micro_step: int | None = None) -> Grid:
+def layer_grid(table: RunTable, kind: str, op: str, *, rank: int | None = None, micro_step: int | None = None) -> Grid:
     """The values of ``kind``/``op`` on one rank as a layers x steps grid (ValueError if none)."""
     if kind not in table.family_stats:
         have = ", ".join(table.families_on_disk or table.families) or "none"
@@ -78,10 +80,13 @@ def layer_grid(table: RunTable, kind: str, op: str, *, rank: int | None = None,
     steps = np.array(sorted(fam["step"].unique()))
     cells = fam.drop_duplicates(["layer", "step"]).pivot(index="layer", columns="step", values=op)
     cells = cells.reindex(index=layers, columns=steps)
-    present = fam.drop_duplicates(["layer", "step"]).assign(_one=True).pivot(
-        index="layer", columns="step", values="_one").reindex(index=layers, columns=steps)
-    return Grid(kind, op, rank, micro_step, layers, steps, cells.to_numpy(dtype=float),
-                present.notna().to_numpy())
+    present = (
+        fam.drop_duplicates(["layer", "step"])
+        .assign(_one=True)
+        .pivot(index="layer", columns="step", values="_one")
+        .reindex(index=layers, columns=steps)
+    )
+    return Grid(kind, op, rank, micro_step, layers, steps, cells.to_numpy(dtype=float), present.notna().to_numpy())
 
 
 def _norm(values: np.ndarray, log: bool | None):
@@ -105,8 +110,7 @@ def _rows_order(fam: pd.DataFrame) -> list[str]:
     return list(fam.groupby("layer", sort=False)["position"].median().sort_values(kind="mergesort").index)
 
 
-def _model_order(table: RunTable, kind: str, fam: pd.DataFrame, rank: int, multi_vpp: bool
-                 ) -> list[str]:
+def _model_order(table: RunTable, kind: str, fam: pd.DataFrame, rank: int, multi_vpp: bool) -> list[str]:
     """Layers in model order.  Families written in backward order borrow a forward-ordered
     family's order when the run has one, else are reversed."""
     rows = _rows_order(fam)
@@ -134,14 +138,26 @@ def heatmap_figure(grid: Grid, *, step: int | None = None, log: bool | None = No
     heat, prof = fig.subplots(1, 2, sharey=True, gridspec_kw={"width_ratios": [4, 1.4]})
     norm, cmap, is_log = _norm(grid.values, log)
     finite = np.isfinite(grid.values)
-    image = heat.imshow(np.where(finite, grid.values, np.nan), aspect="auto", interpolation="nearest",
-                        norm=norm, cmap=cmap, extent=(-0.5, n_steps - 0.5, n_layers - 0.5, -0.5))
-    heat.set_facecolor("0.88")   # cells without a row
+    image = heat.imshow(
+        np.where(finite, grid.values, np.nan),
+        aspect="auto",
+        interpolation="nearest",
+        norm=norm,
+        cmap=cmap,
+        extent=(-0.5, n_steps - 0.5, n_layers - 0.5, -0.5),
+    )
+    heat.set_facecolor("0.88")  # cells without a row
     bad = grid.recorded & ~finite
     if bad.any():
-        heat.imshow(np.where(bad, 1.0, np.nan), aspect="auto", interpolation="nearest",
-                    cmap=ListedColormap([_NONFINITE]), vmin=0, vmax=1,
-                    extent=(-0.5, n_steps - 0.5, n_layers - 0.5, -0.5))
+        heat.imshow(
+            np.where(bad, 1.0, np.nan),
+            aspect="auto",
+            interpolation="nearest",
+            cmap=ListedColormap([_NONFINITE]),
+            vmin=0,
+            vmax=1,
+            extent=(-0.5, n_steps - 0.5, n_layers - 0.5, -0.5),
+        )
     rows = _ticks(n_layers)
     heat.set_yticks(rows, [grid.layers[i] for i in rows], fontsize=7 if n_layers > 30 else 9)
     cols = np.arange(0, n_steps, max(1, int(np.ceil(n_steps / 20))))
@@ -149,8 +165,10 @@ def heatmap_figure(grid: Grid, *, step: int | None = None, log: bool | None = No
     heat.set_xlabel(HEATMAP_XLABEL)
     heat.set_ylabel(HEATMAP_YLABEL)
     micro = "" if grid.micro_step is None else f" micro_step {grid.micro_step}"
-    heat.set_title(f"{grid.kind} {grid.op}, rank {grid.rank}{micro}"
-                   + (f"  ({int(bad.sum())} non-finite cells in {_NONFINITE})" if bad.any() else ""))
+    heat.set_title(
+        f"{grid.kind} {grid.op}, rank {grid.rank}{micro}"
+        + (f"  ({int(bad.sum())} non-finite cells in {_NONFINITE})" if bad.any() else "")
+    )
     fig.colorbar(image, ax=heat, label=grid.op + (" (log scale)" if is_log else ""), pad=0.01)
     _profile(prof, grid, step, is_log)
     return fig
@@ -179,4 +197,3 @@ def save_figure(fig: Figure, path: str | Path, dpi: int = 110) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=dpi)
     return path
-

@@ -22,27 +22,34 @@ median over ranks and the ranks far from it are named.  Two ranks cannot outvote
 the culprit is the rank that failed ``reduce_average`` (for grads), else the one that moved
 further from its own history (median of its previous values), else both are named.
 """
+
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence, SupportsIndex
+from typing import SupportsIndex
 
 import numpy as np
 import pandas as pd
 
-from trainmon.families import FAMILIES
 from trainmon.diagnosis.flow import flow_key, phase_of
 from trainmon.diagnosis.reader import RunTable
 from trainmon.diagnosis.rules import COUNT_OPS, SpikeRule, json_number
 from trainmon.diagnosis.scan import _baselines, nonfinite
+from trainmon.families import FAMILIES
 
 __all__ = ["RankIssue", "CHECKS", "check_ranks", "REPLICATED"]
 
-CHECKS: tuple[str, ...] = ("post_reduce_mismatch", "replicated_mismatch", "reduce_average",
-                           "nonfinite_some_ranks", "pre_reduce_outlier")
+CHECKS: tuple[str, ...] = (
+    "post_reduce_mismatch",
+    "replicated_mismatch",
+    "reduce_average",
+    "nonfinite_some_ranks",
+    "pre_reduce_outlier",
+)
 REPLICATED: tuple[str, ...] = tuple(str(f) for f, info in FAMILIES.items() if info.replicated)
-_EPS = {"torch.float16": 2.0 ** -10, "torch.bfloat16": 2.0 ** -7, "torch.float64": 2.0 ** -52}
+_EPS = {"torch.float16": 2.0**-10, "torch.bfloat16": 2.0**-7, "torch.float64": 2.0**-52}
 
 
 @dataclass(frozen=True)
@@ -69,12 +76,21 @@ class RankIssue:
         return flow_key(self.step, self.kind, self.micro_step, self.position) + (CHECKS.index(self.check), self.rank)
 
     def to_json(self) -> dict[str, object]:
-        return {"step": self.step, "phase": self.phase, "kind": self.kind, "name": self.name,
-                "rank": self.rank, "check": self.check, "op": self.op,
-                "value": json_number(self.value),
-                "expected": None if self.expected is None else json_number(self.expected),
-                "ranks": list(self.ranks), "micro_step": self.micro_step,
-                "vpp_stage": self.vpp_stage, "detail": self.detail}
+        return {
+            "step": self.step,
+            "phase": self.phase,
+            "kind": self.kind,
+            "name": self.name,
+            "rank": self.rank,
+            "check": self.check,
+            "op": self.op,
+            "value": json_number(self.value),
+            "expected": None if self.expected is None else json_number(self.expected),
+            "ranks": list(self.ranks),
+            "micro_step": self.micro_step,
+            "vpp_stage": self.vpp_stage,
+            "detail": self.detail,
+        }
 
 
 _KEY = ["step", "vpp_stage", "name", "micro_step", "occurrence"]
@@ -82,7 +98,7 @@ _KEY = ["step", "vpp_stage", "name", "micro_step", "occurrence"]
 
 def _prepare(frame: pd.DataFrame, rtol: float) -> pd.DataFrame:
     frame = frame.copy()
-    eps = frame["dtype"].map(_EPS).fillna(2.0 ** -23)
+    eps = frame["dtype"].map(_EPS).fillna(2.0**-23)
     frame["_tol"] = np.maximum(rtol, 4 * eps)
     if "norm" in frame:
         with np.errstate(invalid="ignore", divide="ignore"):
@@ -113,15 +129,34 @@ class _Keys:
     def key(self, g: SupportsIndex) -> tuple:
         return tuple(self.cols[c][g] for c in _KEY)
 
-    def issue(self, g: SupportsIndex, family: str, rank: int, check: str, op: str, value: float,
-              expected: float | None = None, ranks: Sequence[int] = (), detail: str = "") -> RankIssue:
+    def issue(
+        self,
+        g: SupportsIndex,
+        family: str,
+        rank: int,
+        check: str,
+        op: str,
+        value: float,
+        expected: float | None = None,
+        ranks: Sequence[int] = (),
+        detail: str = "",
+    ) -> RankIssue:
         micro = int(self.cols["micro_step"][g])
-        return RankIssue(step=int(self.cols["step"][g]), kind=family, name=str(self.cols["name"][g]),
-                         rank=int(rank), check=check, op=op, value=float(value),
-                         expected=None if expected is None or np.isnan(expected) else float(expected),
-                         ranks=tuple(int(r) for r in ranks), micro_step=None if micro < 0 else micro,
-                         vpp_stage=int(self.cols["vpp_stage"][g]), position=int(self.cols["position"][g]),
-                         detail=detail)
+        return RankIssue(
+            step=int(self.cols["step"][g]),
+            kind=family,
+            name=str(self.cols["name"][g]),
+            rank=int(rank),
+            check=check,
+            op=op,
+            value=float(value),
+            expected=None if expected is None or np.isnan(expected) else float(expected),
+            ranks=tuple(int(r) for r in ranks),
+            micro_step=None if micro < 0 else micro,
+            vpp_stage=int(self.cols["vpp_stage"][g]),
+            position=int(self.cols["position"][g]),
+            detail=detail,
+        )
 
 
 def _history(frame: pd.DataFrame, op: str, ranks: Sequence[int], rule: SpikeRule) -> np.ndarray:
@@ -137,8 +172,9 @@ def _history(frame: pd.DataFrame, op: str, ranks: Sequence[int], rule: SpikeRule
     return arrays["_hist"]
 
 
-def _pick_of_two(g: SupportsIndex, present: np.ndarray, history: np.ndarray | None, fallback: np.ndarray | None
-                 ) -> np.ndarray:
+def _pick_of_two(
+    g: SupportsIndex, present: np.ndarray, history: np.ndarray | None, fallback: np.ndarray | None
+) -> np.ndarray:
     """Two ranks disagree: blame the one that moved further from its own past, if that is clear."""
     if history is not None:
         h = history[g]
@@ -149,8 +185,15 @@ def _pick_of_two(g: SupportsIndex, present: np.ndarray, history: np.ndarray | No
     return present
 
 
-def _mismatch(table: RunTable, family: str, ranks: Sequence[int], rtol: float, rule: SpikeRule,
-              check: str, blame: dict[tuple, set[int]]) -> list[RankIssue]:
+def _mismatch(
+    table: RunTable,
+    family: str,
+    ranks: Sequence[int],
+    rtol: float,
+    rule: SpikeRule,
+    check: str,
+    blame: dict[tuple, set[int]],
+) -> list[RankIssue]:
     fam = _prepare(table.family(family), rtol)
     ops = [o for o in table.family_stats[family] if o not in COUNT_OPS]
     if fam.empty or not ops:
@@ -166,7 +209,7 @@ def _mismatch(table: RunTable, family: str, ranks: Sequence[int], rtol: float, r
             ref = np.nanmedian(v, axis=1, keepdims=True)
             scale = np.fmax(np.fmax(np.abs(v), np.abs(ref)), np.nan_to_num(rms)[:, None])
             devs.append(np.abs(v - ref) / np.where(scale > 0, scale, 1.0))
-        dev = np.stack(devs)                                   # [ops x groups x ranks]
+        dev = np.stack(devs)  # [ops x groups x ranks]
     bad_groups = np.flatnonzero((np.nan_to_num(dev, nan=0.0) > tol[None, :, None]).any(axis=(0, 2)))
     histories: dict[str, np.ndarray] = {}
     issues = []
@@ -187,13 +230,25 @@ def _mismatch(table: RunTable, family: str, ranks: Sequence[int], rtol: float, r
         for r_i in np.flatnonzero(who):
             others = [float(x) for j, x in enumerate(v) if j != r_i and present[j]]
             expected = float(np.median(others)) if others else None
-            issues.append(keys.issue(g, family, ranks[int(r_i)], check, op, v[r_i], expected, involved,
-                                     f"{op} differs across ranks by {np.nanmax(d):.3g} (relative)"))
+            issues.append(
+                keys.issue(
+                    g,
+                    family,
+                    ranks[int(r_i)],
+                    check,
+                    op,
+                    v[r_i],
+                    expected,
+                    involved,
+                    f"{op} differs across ranks by {np.nanmax(d):.3g} (relative)",
+                )
+            )
     return issues
 
 
-def _reduce_average(table: RunTable, ranks: Sequence[int], rtol: float, reduce: str
-                    ) -> tuple[list[RankIssue], dict[tuple, set[int]]]:
+def _reduce_average(
+    table: RunTable, ranks: Sequence[int], rtol: float, reduce: str
+) -> tuple[list[RankIssue], dict[tuple, set[int]]]:
     if not {"grad_unreduced", "grad_reduced"} <= set(table.family_stats):
         return [], {}
     if "mean" not in table.family_stats["grad_unreduced"] or "mean" not in table.family_stats["grad_reduced"]:
@@ -219,9 +274,19 @@ def _reduce_average(table: RunTable, ranks: Sequence[int], rtol: float, reduce: 
     issues, blame = [], {}
     word = "average" if reduce == "mean" else "sum"
     for g, r_i in zip(*np.nonzero(bad)):
-        issues.append(keys.issue(g, "grad_reduced", ranks[r_i], "reduce_average", "mean", v[g, r_i],
-                                 exp[g, 0], ranks, f"post-reduce mean is not the {word} of the ranks' "
-                                 "pre-reduce means"))
+        issues.append(
+            keys.issue(
+                g,
+                "grad_reduced",
+                ranks[r_i],
+                "reduce_average",
+                "mean",
+                v[g, r_i],
+                exp[g, 0],
+                ranks,
+                f"post-reduce mean is not the {word} of the ranks' pre-reduce means",
+            )
+        )
         blame.setdefault(keys.key(g), set()).add(int(ranks[r_i]))
     return issues, blame
 
@@ -246,11 +311,22 @@ def _partial_nonfinite(table: RunTable) -> list[RankIssue]:
     for r in hit.itertuples(index=False):
         key = (r.kind, r.step, r.vpp_stage, r.name, r.micro_step, r.occurrence)
         micro = int(r.micro_step)
-        issues.append(RankIssue(
-            step=int(r.step), kind=r.kind, name=r.name, rank=int(r.rank), check="nonfinite_some_ranks",
-            op=r.op, value=float(r.value), ranks=present_ranks[key], micro_step=None if micro < 0 else micro,
-            vpp_stage=int(r.vpp_stage), position=int(r.position),
-            detail=f"NaN/Inf on rank(s) {bad_ranks[key]} only"))
+        issues.append(
+            RankIssue(
+                step=int(r.step),
+                kind=r.kind,
+                name=r.name,
+                rank=int(r.rank),
+                check="nonfinite_some_ranks",
+                op=r.op,
+                value=float(r.value),
+                ranks=present_ranks[key],
+                micro_step=None if micro < 0 else micro,
+                vpp_stage=int(r.vpp_stage),
+                position=int(r.position),
+                detail=f"NaN/Inf on rank(s) {bad_ranks[key]} only",
+            )
+        )
     return issues
 
 
@@ -270,24 +346,51 @@ def _outliers(table: RunTable, ranks: Sequence[int], factor: float, rule: SpikeR
     history = _history(fam, "norm", ranks, rule) if len(two) else None
     issues = []
     for g, r_i in zip(*np.nonzero(many)):
-        issues.append(keys.issue(g, "grad_unreduced", ranks[r_i], "pre_reduce_outlier", "norm",
-                                 arr["norm"][g, r_i], float(med[g, 0] - rule.floor), ranks,
-                                 f"norm {v[g, r_i] / med[g, 0]:.3g}x the median over ranks"))
+        issues.append(
+            keys.issue(
+                g,
+                "grad_unreduced",
+                ranks[r_i],
+                "pre_reduce_outlier",
+                "norm",
+                arr["norm"][g, r_i],
+                float(med[g, 0] - rule.floor),
+                ranks,
+                f"norm {v[g, r_i] / med[g, 0]:.3g}x the median over ranks",
+            )
+        )
     for g in two:
         present = np.isfinite(v[g])
         who = _pick_of_two(g, present, history, v[g] == np.nanmax(v[g]))
         for r_i in np.flatnonzero(who):
-            other = float(np.nanmax(np.where(present & ~who, arr["norm"][g], np.nan))) \
-                if (present & ~who).any() else None
-            issues.append(keys.issue(g, "grad_unreduced", ranks[int(r_i)], "pre_reduce_outlier", "norm",
-                                     arr["norm"][g, r_i], other, [r for r, p in zip(ranks, present) if p],
-                                     f"norm {spread[g]:.3g}x apart between the two ranks"))
+            other = (
+                float(np.nanmax(np.where(present & ~who, arr["norm"][g], np.nan))) if (present & ~who).any() else None
+            )
+            issues.append(
+                keys.issue(
+                    g,
+                    "grad_unreduced",
+                    ranks[int(r_i)],
+                    "pre_reduce_outlier",
+                    "norm",
+                    arr["norm"][g, r_i],
+                    other,
+                    [r for r, p in zip(ranks, present) if p],
+                    f"norm {spread[g]:.3g}x apart between the two ranks",
+                )
+            )
     return issues
 
 
-def check_ranks(table: RunTable, *, rtol: float = 1e-5, outlier_factor: float = 10.0,
-                reduce: str = "mean", checks: Sequence[str] = CHECKS,
-                rule: SpikeRule = SpikeRule()) -> list[RankIssue]:
+def check_ranks(
+    table: RunTable,
+    *,
+    rtol: float = 1e-5,
+    outlier_factor: float = 10.0,
+    reduce: str = "mean",
+    checks: Sequence[str] = CHECKS,
+    rule: SpikeRule = SpikeRule(),
+) -> list[RankIssue]:
     """Every cross-rank inconsistency of the table, in training-flow order."""
     ranks = list(table.ranks)
     if len(ranks) < 2:
@@ -299,8 +402,15 @@ def check_ranks(table: RunTable, *, rtol: float = 1e-5, outlier_factor: float = 
     return sorted(issues, key=RankIssue.sort_key)
 
 
-def _all_checks(table: RunTable, ranks: list[int], rtol: float, outlier_factor: float, reduce: str,
-                checks: Sequence[str], rule: SpikeRule) -> list[RankIssue]:
+def _all_checks(
+    table: RunTable,
+    ranks: list[int],
+    rtol: float,
+    outlier_factor: float,
+    reduce: str,
+    checks: Sequence[str],
+    rule: SpikeRule,
+) -> list[RankIssue]:
     issues: list[RankIssue] = []
     averaged, blame = _reduce_average(table, ranks, rtol, reduce)
     if "reduce_average" in checks:

@@ -24,22 +24,22 @@ extra:<col>    columns a family adds between step/micro_step and its stats (comm
 
 Sorting by ``flow.FLOW_KEYS`` gives training-flow order.
 """
+
 from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 import pandas as pd
 
-from trainmon.output import runs
 from trainmon.diagnosis.flow import FLOW_KEYS, PHASES, family_rank, phase_of
 from trainmon.errors import TrainmonError
+from trainmon.output import runs
 
-__all__ = ["RunDirError", "RunTable", "resolve_run_dir", "ranked_dirs", "read_stats_family", "load_run",
-           "EXTRA_PREFIX"]
+__all__ = ["RunDirError", "RunTable", "resolve_run_dir", "ranked_dirs", "read_stats_family", "load_run", "EXTRA_PREFIX"]
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +83,7 @@ class RunTable:
 
 # ----------------------------------------------------------------------------- discovery
 
+
 def ranked_dirs(run_dir: str | Path) -> list[tuple[int, Path]]:
     """``(rank, dir)`` of every rank directory, by rank; ``run_dir`` may be one rank dir."""
     path = Path(run_dir)
@@ -106,11 +107,11 @@ def resolve_run_dir(path: str | Path) -> Path:
     if len(found) > 1:
         names = ", ".join(str(r.relative_to(p)) for r in found[:5]) + (", ..." if len(found) > 5 else "")
         raise RunDirError(f"{p} holds {len(found)} runs ({names}); pass one of them")
-    raise RunDirError(f"{p}: no trainmon run here (expected rank<R>/ directories with "
-                      "<family>_<a>-<b>.csv files)")
+    raise RunDirError(f"{p}: no trainmon run here (expected rank<R>/ directories with <family>_<a>-<b>.csv files)")
 
 
 # ----------------------------------------------------------------------------- reading
+
 
 def read_stats_family(rank_dir: str | Path, family: str) -> tuple[pd.DataFrame, list[str]]:
     """One family of one rank as written (``trainmon.output.runs``), plus its stat columns in order."""
@@ -148,15 +149,15 @@ def _annotate(frame: pd.DataFrame, rank: int, family: str, order: int) -> pd.Dat
     frame["position"] = frame.groupby(["step", "micro_step"], sort=False).cumcount()
     same = ["step", "micro_step", "vpp_stage", "name"]
     # Names repeat within a step only for comm calls: skip the costly string grouping otherwise.
-    frame["occurrence"] = (frame.groupby(same, sort=False).cumcount() if frame.duplicated(same).any()
-                           else 0)
+    frame["occurrence"] = frame.groupby(same, sort=False).cumcount() if frame.duplicated(same).any() else 0
     # Few distinct shapes, many rows: parse each shape once.
     frame["numel"] = frame["shape"].map({s: _numel(s) for s in frame["shape"].unique()})
     return frame
 
 
-def load_run(path: str | Path, *, families: Sequence[str] | None = None,
-             ranks: Sequence[int] | None = None, progress=None) -> RunTable:
+def load_run(
+    path: str | Path, *, families: Sequence[str] | None = None, ranks: Sequence[int] | None = None, progress=None
+) -> RunTable:
     """Read every (or the chosen) family of every (or the chosen) rank of a run.
 
     ``progress`` (``trainmon.cli._progress.Progress`` or anything with ``total`` and
@@ -189,11 +190,15 @@ def load_run(path: str | Path, *, families: Sequence[str] | None = None,
             known = family_stats.setdefault(family, [])
             known += [c for c in stats if c not in known]
     if not parts:
-        frame = pd.DataFrame(columns=[*FLOW_KEYS, "family", "vpp_stage", "name", "phase", "shape", "dtype",
-                                      "numel"])
+        frame = pd.DataFrame(columns=[*FLOW_KEYS, "family", "vpp_stage", "name", "phase", "shape", "dtype", "numel"])
     else:
         frame = pd.concat(parts, ignore_index=True, sort=False)
         frame = frame.sort_values(list(FLOW_KEYS), kind="mergesort", ignore_index=True)
     ordered = sorted(family_stats, key=lambda fam: (family_rank(fam), fam))
-    return RunTable(path=run_dir, frame=frame, family_stats={f: tuple(family_stats[f]) for f in ordered},
-                    families_on_disk=on_disk, ranks_on_disk=tuple(rank for rank, _ in every))
+    return RunTable(
+        path=run_dir,
+        frame=frame,
+        family_stats={f: tuple(family_stats[f]) for f in ordered},
+        families_on_disk=on_disk,
+        ranks_on_disk=tuple(rank for rank, _ in every),
+    )

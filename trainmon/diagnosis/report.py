@@ -1,10 +1,12 @@
 """Shared output helpers of the diagnosis commands: JSON documents and aligned text tables."""
+
 from __future__ import annotations
 
 import json
 import math
 import sys
-from typing import Iterable, Sequence, TextIO
+from collections.abc import Iterable, Sequence
+from typing import TextIO
 
 __all__ = ["dump_json", "table", "fmt_value", "parse_int_list", "parse_name_list"]
 
@@ -34,8 +36,7 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[object]], out: TextIO 
     widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
 
     def line(values: Sequence[str]) -> str:
-        return "  ".join(v.rjust(w) if num else v.ljust(w)
-                         for v, w, num in zip(values, widths, numeric)).rstrip()
+        return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric)).rstrip()
 
     out.write(line(list(headers)) + "\n")
     for r in cells:

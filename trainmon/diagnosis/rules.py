@@ -19,20 +19,31 @@ Rules (the ``rule`` field of an anomaly):
 A *series* is one tensor's stat over steps: (rank, family, vpp_stage, name, micro_step,
 occurrence, op).
 """
+
 from __future__ import annotations
 
 import bisect
 import math
 from collections import deque
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
-from typing import Hashable, Mapping
 
-from trainmon.families import FAMILIES
-from trainmon.output.layout import ALERTS_FILE  # noqa: F401 - re-exported for the alert sink
 from trainmon.diagnosis.flow import flow_key, phase_of
+from trainmon.families import FAMILIES
+from trainmon.output.layout import ALERTS_FILE
 
-__all__ = ["SpikeRule", "Rules", "Anomaly", "SpikeTracker", "COUNT_OPS", "ALERTS_FILE", "RATIO_FAMILIES",
-           "nonfinite_op", "json_number", "from_json_number"]
+__all__ = [
+    "SpikeRule",
+    "Rules",
+    "Anomaly",
+    "SpikeTracker",
+    "COUNT_OPS",
+    "ALERTS_FILE",
+    "RATIO_FAMILIES",
+    "nonfinite_op",
+    "json_number",
+    "from_json_number",
+]
 
 COUNT_OPS: tuple[str, ...] = ("nans", "infs")
 # Families whose value is a ratio of two norms: inf (x/0) and nan (0/0) are its definition for
@@ -48,8 +59,9 @@ RATIO_FAMILIES: frozenset[str] = frozenset(str(f) for f, info in FAMILIES.items(
 # a finding).
 SKIPPED, SKIPPED_RUN = "skipped", "skipped_run"
 STEPS_FAMILY = "steps"
-SKIP_EXPECTED: frozenset[str] = frozenset(str(f) for f, info in FAMILIES.items()
-                                          if info.phase in ("backward", "pre_reduce", "comm", "post_reduce"))
+SKIP_EXPECTED: frozenset[str] = frozenset(
+    str(f) for f, info in FAMILIES.items() if info.phase in ("backward", "pre_reduce", "comm", "post_reduce")
+)
 
 
 @dataclass(frozen=True)
@@ -113,9 +125,16 @@ class Anomaly:
 
     def to_json(self, *, position: bool = False) -> dict[str, object]:
         out: dict[str, object] = {
-            "step": self.step, "phase": self.phase, "kind": self.kind, "name": self.name,
-            "rank": self.rank, "op": self.op, "value": _json_value(self.op, self.value), "rule": self.rule,
-            "micro_step": self.micro_step, "vpp_stage": self.vpp_stage,
+            "step": self.step,
+            "phase": self.phase,
+            "kind": self.kind,
+            "name": self.name,
+            "rank": self.rank,
+            "op": self.op,
+            "value": _json_value(self.op, self.value),
+            "rule": self.rule,
+            "micro_step": self.micro_step,
+            "vpp_stage": self.vpp_stage,
             "baseline": None if self.baseline is None else json_number(self.baseline),
             "source": self.source,
         }
@@ -128,13 +147,21 @@ class Anomaly:
     def from_json(cls, data: Mapping[str, object], *, source: str | None = None) -> Anomaly:
         baseline = data.get("baseline")
         micro = data.get("micro_step")
-        return cls(step=int(data["step"]), kind=str(data["kind"]), name=str(data["name"]),
-                   rank=int(data["rank"]), op=str(data["op"]), value=from_json_number(data["value"]),
-                   rule=str(data["rule"]), micro_step=None if micro is None else int(micro),
-                   vpp_stage=int(data.get("vpp_stage", 0)),
-                   baseline=None if baseline is None else from_json_number(baseline),
-                   position=int(data.get("position", 0)), occurrence=int(data.get("occurrence", 0)),
-                   source=source or str(data.get("source", "runtime")))
+        return cls(
+            step=int(data["step"]),
+            kind=str(data["kind"]),
+            name=str(data["name"]),
+            rank=int(data["rank"]),
+            op=str(data["op"]),
+            value=from_json_number(data["value"]),
+            rule=str(data["rule"]),
+            micro_step=None if micro is None else int(micro),
+            vpp_stage=int(data.get("vpp_stage", 0)),
+            baseline=None if baseline is None else from_json_number(baseline),
+            position=int(data.get("position", 0)),
+            occurrence=int(data.get("occurrence", 0)),
+            source=source or str(data.get("source", "runtime")),
+        )
 
 
 def json_number(value: float | int) -> float | int | str:

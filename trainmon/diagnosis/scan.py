@@ -3,28 +3,50 @@
 Works on any CSV output, whether or not alerts were configured during the run; alerts the run
 wrote itself (``anomalies.jsonl``) are merged in by ``find_anomalies``.
 """
+
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import pandas as pd
 
 from trainmon.diagnosis.reader import RunTable, load_run, ranked_dirs, resolve_run_dir
-from trainmon.diagnosis.rules import (ALERTS_FILE, COUNT_OPS, RATIO_FAMILIES, SKIP_EXPECTED, SKIPPED, SKIPPED_RUN,
-                                      STEPS_FAMILY, Anomaly, Rules, SpikeRule)
+from trainmon.diagnosis.rules import (
+    ALERTS_FILE,
+    COUNT_OPS,
+    RATIO_FAMILIES,
+    SKIP_EXPECTED,
+    SKIPPED,
+    SKIPPED_RUN,
+    STEPS_FAMILY,
+    Anomaly,
+    Rules,
+    SpikeRule,
+)
 
-__all__ = ["nonfinite", "spikes", "over_threshold", "scan", "read_alert_files", "merge_runtime",
-           "find_anomalies"]
+__all__ = ["nonfinite", "spikes", "over_threshold", "scan", "read_alert_files", "merge_runtime", "find_anomalies"]
 
 log = logging.getLogger(__name__)
 
 _SERIES = ["rank", "vpp_stage", "name", "micro_step", "occurrence"]
-_COLUMNS = ["step", "kind", "name", "rank", "op", "value", "rule", "micro_step", "vpp_stage",
-            "baseline", "position", "occurrence"]
+_COLUMNS = [
+    "step",
+    "kind",
+    "name",
+    "rank",
+    "op",
+    "value",
+    "rule",
+    "micro_step",
+    "vpp_stage",
+    "baseline",
+    "position",
+    "occurrence",
+]
 # Series per block of the spike matrix: bounds memory at block x longest series floats.
 _BLOCK = 4096
 
@@ -38,16 +60,23 @@ def _tensor_rows(frame: pd.DataFrame, stats: Sequence[str]) -> pd.Series:
     return ~(no_dtype & all_nan) & ~empty
 
 
-def _result(sub: pd.DataFrame, family: str, op: pd.Series | str, value, rule: str,
-            baseline=None) -> pd.DataFrame:
-    out = pd.DataFrame({
-        "step": sub["step"].to_numpy(), "kind": family, "name": sub["name"].to_numpy(),
-        "rank": sub["rank"].to_numpy(), "op": op if isinstance(op, str) else op.to_numpy(),
-        "value": np.asarray(value, dtype=float), "rule": rule,
-        "micro_step": sub["micro_step"].to_numpy(), "vpp_stage": sub["vpp_stage"].to_numpy(),
-        "baseline": np.nan if baseline is None else np.asarray(baseline, dtype=float),
-        "position": sub["position"].to_numpy(), "occurrence": sub["occurrence"].to_numpy(),
-    })
+def _result(sub: pd.DataFrame, family: str, op: pd.Series | str, value, rule: str, baseline=None) -> pd.DataFrame:
+    out = pd.DataFrame(
+        {
+            "step": sub["step"].to_numpy(),
+            "kind": family,
+            "name": sub["name"].to_numpy(),
+            "rank": sub["rank"].to_numpy(),
+            "op": op if isinstance(op, str) else op.to_numpy(),
+            "value": np.asarray(value, dtype=float),
+            "rule": rule,
+            "micro_step": sub["micro_step"].to_numpy(),
+            "vpp_stage": sub["vpp_stage"].to_numpy(),
+            "baseline": np.nan if baseline is None else np.asarray(baseline, dtype=float),
+            "position": sub["position"].to_numpy(),
+            "occurrence": sub["occurrence"].to_numpy(),
+        }
+    )
     return out
 
 
@@ -187,12 +216,20 @@ def _without_expected(found: pd.DataFrame, skips: pd.DataFrame) -> pd.DataFrame:
 
 
 def _to_anomaly(r) -> Anomaly:
-    return Anomaly(step=int(r.step), kind=r.kind, name=r.name, rank=int(r.rank), op=r.op,
-                   value=float(r.value), rule=r.rule,
-                   micro_step=None if int(r.micro_step) < 0 else int(r.micro_step),
-                   vpp_stage=int(r.vpp_stage),
-                   baseline=None if pd.isna(r.baseline) else float(r.baseline),
-                   position=int(r.position), occurrence=int(r.occurrence))
+    return Anomaly(
+        step=int(r.step),
+        kind=r.kind,
+        name=r.name,
+        rank=int(r.rank),
+        op=r.op,
+        value=float(r.value),
+        rule=r.rule,
+        micro_step=None if int(r.micro_step) < 0 else int(r.micro_step),
+        vpp_stage=int(r.vpp_stage),
+        baseline=None if pd.isna(r.baseline) else float(r.baseline),
+        position=int(r.position),
+        occurrence=int(r.occurrence),
+    )
 
 
 def read_alert_files(run_dir: str | Path) -> list[Anomaly]:
@@ -214,19 +251,27 @@ def _identity(a: Anomaly) -> tuple:
     return (a.step, a.kind, a.vpp_stage, a.name, a.rank, a.micro_step, a.occurrence, a.op, a.rule)
 
 
-def merge_runtime(found: list[Anomaly], run_dir: str | Path, *, kinds: Sequence[str] | None = None,
-                  ranks: Sequence[int] | None = None) -> list[Anomaly]:
+def merge_runtime(
+    found: list[Anomaly], run_dir: str | Path, *, kinds: Sequence[str] | None = None, ranks: Sequence[int] | None = None
+) -> list[Anomaly]:
     """``found`` plus the run's own alerts it lacks (the scan's entry wins on duplicates)."""
     seen = {_identity(a) for a in found}
-    extra = [a for a in read_alert_files(run_dir)
-             if _identity(a) not in seen and (kinds is None or a.kind in kinds)
-             and (ranks is None or a.rank in ranks)]
+    extra = [
+        a
+        for a in read_alert_files(run_dir)
+        if _identity(a) not in seen and (kinds is None or a.kind in kinds) and (ranks is None or a.rank in ranks)
+    ]
     return sorted(found + extra, key=Anomaly.sort_key)
 
 
-def find_anomalies(run_dir: str | Path, rules: Rules = Rules(), *, runtime: bool = True,
-                   kinds: Sequence[str] | None = None, ranks: Sequence[int] | None = None
-                   ) -> list[Anomaly]:
+def find_anomalies(
+    run_dir: str | Path,
+    rules: Rules = Rules(),
+    *,
+    runtime: bool = True,
+    kinds: Sequence[str] | None = None,
+    ranks: Sequence[int] | None = None,
+) -> list[Anomaly]:
     """Scan a run's CSVs and merge the alerts the run wrote itself."""
     table = load_run(run_dir, families=kinds, ranks=ranks)
     found = scan(table, rules)

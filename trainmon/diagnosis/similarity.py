@@ -11,13 +11,14 @@ Writes ``similarities.csv`` (``step,name,similarity``, with ``rank`` first for m
 and ``vpp_stage`` when a run has several chunks), one ``<name>.png`` per param (a line per
 rank) and ``summary_similarities.png`` (mean over params per step).
 """
+
 from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import pandas as pd
@@ -35,7 +36,7 @@ _WORD = re.compile(r"^w\d+$")
 
 @dataclass
 class Similarities:
-    frame: pd.DataFrame                  # rank, vpp_stage, name, step, similarity (+ n)
+    frame: pd.DataFrame  # rank, vpp_stage, name, step, similarity (+ n)
     multi_rank: bool
     multi_vpp: bool
     only_in_base: int = 0
@@ -51,8 +52,13 @@ class Similarities:
             return None
         r = hit.sort_values(["step", "rank", "order"], kind="mergesort").iloc[0]
         sim = float(r["similarity"])
-        return {"step": int(r["step"]), "rank": int(r["rank"]), "vpp_stage": int(r["vpp_stage"]),
-                "name": str(r["name"]), "similarity": sim if math.isfinite(sim) else None}
+        return {
+            "step": int(r["step"]),
+            "rank": int(r["rank"]),
+            "vpp_stage": int(r["vpp_stage"]),
+            "name": str(r["name"]),
+            "similarity": sim if math.isfinite(sim) else None,
+        }
 
 
 def popcount(words: np.ndarray) -> np.ndarray:
@@ -73,8 +79,7 @@ def _directions(run_dir: Path) -> pd.DataFrame:
         frame["order"] = frame.groupby("step", sort=False).cumcount()
         parts.append(frame)
     if not parts:
-        raise RunDirError(f"{run_dir}: no grad_direction rows (record it with "
-                          "\"grad_probe\": {\"grad_level\": \"L2\"})")
+        raise RunDirError(f'{run_dir}: no grad_direction rows (record it with "grad_probe": {{"grad_level": "L2"}})')
     frame = pd.concat(parts, ignore_index=True)
     frame["vpp_stage"] = frame["vpp_stage"].fillna(0).astype(int)
     return frame
@@ -89,8 +94,7 @@ def similarities(base_path: str | Path, target_path: str | Path) -> Similarities
     base = _directions(resolve_run_dir(base_path))
     target = _directions(resolve_run_dir(target_path))
     words = [c for c in _word_columns(base) if c in set(_word_columns(target))]
-    merged = base[[*_KEYS, "order", "n", *words]].merge(target[[*_KEYS, "n", *words]], on=_KEYS,
-                                                       suffixes=("", "@t"))
+    merged = base[[*_KEYS, "order", "n", *words]].merge(target[[*_KEYS, "n", *words]], on=_KEYS, suffixes=("", "@t"))
     wb = merged[words].to_numpy(np.float64).astype(np.uint64)
     wt = merged[[w + "@t" for w in words]].to_numpy(np.float64).astype(np.uint64)
     differ = popcount(wb ^ wt).sum(axis=1) if len(merged) else np.zeros(0, np.int64)
@@ -102,8 +106,9 @@ def similarities(base_path: str | Path, target_path: str | Path) -> Similarities
     frame = frame.sort_values(["step", "rank", "vpp_stage", "order"], kind="mergesort", ignore_index=True)
     multi_rank = max(base["rank"].nunique(), target["rank"].nunique()) > 1
     multi_vpp = bool((frame["vpp_stage"] != 0).any())
-    return Similarities(frame, multi_rank, multi_vpp, only_in_base=len(base) - len(merged),
-                        only_in_target=len(target) - len(merged))
+    return Similarities(
+        frame, multi_rank, multi_vpp, only_in_base=len(base) - len(merged), only_in_target=len(target) - len(merged)
+    )
 
 
 def _file_stem(name: str, vpp: int, multi_vpp: bool) -> str:
@@ -133,14 +138,20 @@ def _line_chart(path: Path, title: str, series: dict[str, tuple[np.ndarray, np.n
     fig.savefig(path, format="png")
 
 
-def write_similarities(result: Similarities, out_dir: str | Path,
-                       progress: Callable[[int, int], None] | None = None) -> list[Path]:
+def write_similarities(
+    result: Similarities, out_dir: str | Path, progress: Callable[[int, int], None] | None = None
+) -> list[Path]:
     """The CSV and the charts into ``out_dir`` (created); returns the paths written."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     f = result.frame
-    cols = [*(["rank"] if result.multi_rank else []), "step", *(["vpp_stage"] if result.multi_vpp else []),
-            "name", "similarity"]
+    cols = [
+        *(["rank"] if result.multi_rank else []),
+        "step",
+        *(["vpp_stage"] if result.multi_vpp else []),
+        "name",
+        "similarity",
+    ]
     csv_path = out / SIMILARITIES_FILE
     f[cols].to_csv(csv_path, index=False, float_format=None)
     written = [csv_path]
@@ -149,8 +160,9 @@ def write_similarities(result: Similarities, out_dir: str | Path,
     total = len(params) + 1
     for i, (vpp, name) in enumerate(params):
         rows = f[(f["vpp_stage"] == vpp) & (f["name"] == name)]
-        series = {f"rank {r}": (g["step"].to_numpy(), g["similarity"].to_numpy())
-                  for r, g in rows.groupby("rank", sort=True)}
+        series = {
+            f"rank {r}": (g["step"].to_numpy(), g["similarity"].to_numpy()) for r, g in rows.groupby("rank", sort=True)
+        }
         path = out / f"{_file_stem(name, vpp, result.multi_vpp)}.png"
         _line_chart(path, name if not result.multi_vpp else f"{vpp}:{name}", series)
         written.append(path)

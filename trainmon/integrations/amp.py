@@ -21,11 +21,13 @@ fused/capturable ones): ``GradScaler`` always calls their ``step()``, so their s
 recorded as normal ones.  DeepSpeed's ZeRO optimizers (stages 1-3) skip the same way and say so
 in their ``overflow`` attribute: their ``step`` is wrapped likewise.
 """
+
 from __future__ import annotations
 
 import threading
 import types
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -35,10 +37,10 @@ __all__ = ["wrap_step_with_scaler", "skipping", "skipped", "current_scale"]
 
 _lock = threading.Lock()
 _watchers: dict[int, list[tuple[Callable[[], None], Callable[[], None]]]] = {}
-_state = threading.local()          # .scalers: {id(optimizer): scaler} during scaler.step; .skipping
+_state = threading.local()  # .scalers: {id(optimizer): scaler} during scaler.step; .skipping
 _original: Callable | None = None
-_own_skipped: set[int] = set()                       # optimizers whose own scaler skipped the last step
-_own_scales: dict[int, Callable[[], torch.Tensor]] = {}   # id(optimizer) -> its get_loss_scale
+_own_skipped: set[int] = set()  # optimizers whose own scaler skipped the last step
+_own_scales: dict[int, Callable[[], torch.Tensor]] = {}  # id(optimizer) -> its get_loss_scale
 
 
 def skipping() -> bool:
@@ -60,8 +62,9 @@ def current_scale(optimizer: Any) -> torch.Tensor | None:
     return None if own is None else own()
 
 
-def wrap_step_with_scaler(optimizer: Any, before: Callable[[], None], after: Callable[[], None], *,
-                          entry: Callable[[], None] | None = None) -> Handle:
+def wrap_step_with_scaler(
+    optimizer: Any, before: Callable[[], None], after: Callable[[], None], *, entry: Callable[[], None] | None = None
+) -> Handle:
     """``core.hooks.wrap_optimizer_step``, plus the boundary of steps a loss scaler skips (a step
     the scaler skips never enters ``optimizer.step()``: its boundary calls ``before``/``after``)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -103,13 +106,17 @@ def _has_own_scaler(optimizer: Any) -> bool:
     """A Megatron-style optimizer with a loss scaler (``get_loss_scale()`` and a leaf ``grad_scaler``),
     or a DeepSpeed ZeRO one (``overflow``, set by its ``step()``, and ``loss_scale``)."""
     megatron = callable(getattr(optimizer, "get_loss_scale", None)) and any(
-        getattr(o, "grad_scaler", None) is not None for o in _leaves(optimizer))
+        getattr(o, "grad_scaler", None) is not None for o in _leaves(optimizer)
+    )
     return megatron or _is_deepspeed(optimizer)
 
 
 def _is_deepspeed(optimizer: Any) -> bool:
-    return hasattr(optimizer, "overflow") and hasattr(optimizer, "loss_scale") and \
-        type(optimizer).__module__.startswith("deepspeed.")
+    return (
+        hasattr(optimizer, "overflow")
+        and hasattr(optimizer, "loss_scale")
+        and type(optimizer).__module__.startswith("deepspeed.")
+    )
 
 
 def _skip_of(optimizer: Any, result: Any) -> bool:

@@ -9,10 +9,12 @@ accepts the model and optimizer is used.
 A ``View`` is what to measure: a tensor, and when that tensor is only this rank's shard of a
 larger one, the process group to merge the shards' partials over and the full shape.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Sequence
+from typing import Any, ClassVar
 
 import torch
 import torch.nn as nn
@@ -26,9 +28,9 @@ __all__ = ["View", "Integration", "register_integration", "select_integration"]
 @dataclass(frozen=True)
 class View:
     tensor: torch.Tensor
-    group: Any = None                       # merge partials over this group: tensor is a shard
-    shape: tuple[int, ...] | None = None    # full logical shape when tensor is a shard
-    scale: Any = None                       # tensor = scale x the values to report (fp16 loss scale)
+    group: Any = None  # merge partials over this group: tensor is a shard
+    shape: tuple[int, ...] | None = None  # full logical shape when tensor is a shard
+    scale: Any = None  # tensor = scale x the values to report (fp16 loss scale)
 
 
 class Integration:
@@ -60,8 +62,7 @@ class Integration:
         return True
 
     # -- pre-reduce ----------------------------------------------------------------------------
-    def pre_reduce_points(self, params: list[TrackedParam],
-                          emit: Callable[..., None]) -> list[Handle] | None:
+    def pre_reduce_points(self, params: list[TrackedParam], emit: Callable[..., None]) -> list[Handle] | None:
         """Install hooks that call ``emit(params)`` when those grads are this rank's local,
         accumulated, not yet reduced grads, or ``emit(params, micro_step)`` when the stack
         reduces every micro-batch (the rows then carry ``micro_step``).  ``None``: use the
@@ -91,8 +92,9 @@ class Integration:
         return params
 
     # -- at and after the optimizer step -----------------------------------------------------
-    def applied_grad_points(self, params: list[TrackedParam],
-                            emit: Callable[[list[tuple[TrackedParam, View]]], None]) -> list[Handle] | None:
+    def applied_grad_points(
+        self, params: list[TrackedParam], emit: Callable[[list[tuple[TrackedParam, View]]], None]
+    ) -> list[Handle] | None:
         """Stacks whose ``step()`` changes the grads before applying them (clipping, unscaling)
         install hooks that call ``emit([(param, View of the grad the update uses), ...])`` right
         before the inner optimizer applies them (every rank the same rows, shards merged).

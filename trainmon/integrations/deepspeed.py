@@ -28,18 +28,20 @@ instance and, right before it calls the inner optimizer, each param's slice of t
 ``BF16_Optimizer``: at its inner optimizer's step entry, after its clip).  Stage 0
 clips ``param.grad`` in place before calling the torch optimizer, whose step entry already sees it.
 """
+
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn
 
-from trainmon.families import MOMENTS
 from trainmon.core.hooks import Handle
-from trainmon.integrations.base import Integration, View, register_integration
 from trainmon.core.naming import TrackedParam
+from trainmon.families import MOMENTS
+from trainmon.integrations.base import Integration, View, register_integration
 
 __all__ = ["DeepSpeedIntegration"]
 
@@ -60,7 +62,7 @@ def _engine(chunks: Sequence[nn.Module]) -> Any:
 class DeepSpeedIntegration(Integration):
     name = "deepspeed"
     priority = 40
-    needs_all_ranks = True   # shards are merged over a process group: every rank takes part
+    needs_all_ranks = True  # shards are merged over a process group: every rank takes part
 
     @classmethod
     def detect(cls, chunks: Sequence[nn.Module], optimizer: Any) -> bool:
@@ -74,17 +76,22 @@ class DeepSpeedIntegration(Integration):
         self.group = getattr(self.zero, "dp_process_group", None)
         self.reduces_every_micro_batch = self.stage >= 2
 
-    def pre_reduce_points(self, params: list[TrackedParam],
-                          emit: Callable[[list[TrackedParam], int], None]) -> list[Handle] | None:
+    def pre_reduce_points(
+        self, params: list[TrackedParam], emit: Callable[[list[TrackedParam], int], None]
+    ) -> list[Handle] | None:
         if self.stage <= 1:
-            return None   # reduced once at the boundary: the generic hooks see the local grad
+            return None  # reduced once at the boundary: the generic hooks see the local grad
         by_id = {id(tp.param): tp for tp in params}
         attr = "reduce_ipg_grads" if self.stage == 2 else _Z3_REDUCE
         bucket_params = self._z2_bucket_params if self.stage == 2 else self._z3_bucket_params
         inner = getattr(self.zero, attr, None)
         if inner is None:
-            log.warning("trainmon: DeepSpeed ZeRO stage %d optimizer has no '%s' (another DeepSpeed "
-                        "version?); grad_unreduced is not recorded", self.stage, attr)
+            log.warning(
+                "trainmon: DeepSpeed ZeRO stage %d optimizer has no '%s' (another DeepSpeed "
+                "version?); grad_unreduced is not recorded",
+                self.stage,
+                attr,
+            )
             return []
 
         def reduce_bucket(*args: Any, **kwargs: Any) -> Any:
@@ -112,18 +119,23 @@ class DeepSpeedIntegration(Integration):
             return None
         return None if stream == torch.cuda.current_stream() else stream
 
-    def applied_grad_points(self, params: list[TrackedParam],
-                            emit: Callable[[list[tuple[TrackedParam, View]]], None]) -> list[Handle] | None:
+    def applied_grad_points(
+        self, params: list[TrackedParam], emit: Callable[[list[tuple[TrackedParam, View]]], None]
+    ) -> list[Handle] | None:
         if self.stage == 0:
-            return None   # the engine clips param.grad before the torch optimizer's step entry
+            return None  # the engine clips param.grad before the torch optimizer's step entry
         if hasattr(self.zero, "fp32_groups_flat_partition") and hasattr(self.zero, "bf16_groups"):
             return self._bf16_applied_points(params, emit)
         inner = getattr(self.zero, "_optimizer_step", None)
         groups = getattr(self.zero, "bit16_groups" if self.stage < 3 else "fp16_groups", None)
         if inner is None or groups is None:
-            log.warning("trainmon: DeepSpeed ZeRO stage %d optimizer %s has no '_optimizer_step' / param groups "
-                        "(another DeepSpeed version or optimizer?); grad_reduced is read at step entry, "
-                        "before DeepSpeed's clipping", self.stage, type(self.zero).__name__)
+            log.warning(
+                "trainmon: DeepSpeed ZeRO stage %d optimizer %s has no '_optimizer_step' / param groups "
+                "(another DeepSpeed version or optimizer?); grad_reduced is read at step entry, "
+                "before DeepSpeed's clipping",
+                self.stage,
+                type(self.zero).__name__,
+            )
             return None
         by_id = {id(tp.param): tp for tp in params}
         applied = self._z3_applied if self.stage == 3 else self._z12_applied
@@ -137,13 +149,18 @@ class DeepSpeedIntegration(Integration):
         self.zero._optimizer_step = optimizer_step
         return [Handle(lambda: delattr(self.zero, "_optimizer_step"))]
 
-    def _bf16_applied_points(self, params: list[TrackedParam],
-                             emit: Callable[[list[tuple[TrackedParam, View]]], None]) -> list[Handle]:
+    def _bf16_applied_points(
+        self, params: list[TrackedParam], emit: Callable[[list[tuple[TrackedParam, View]]], None]
+    ) -> list[Handle]:
         """``BF16_Optimizer`` (bf16 with fp32 grad accumulation, ZeRO 1) clips its fp32 grads,
         hands them to the fp32 partitions, then steps the inner optimizer once for all groups."""
         by_id = {id(tp.param): tp for tp in params}
-        order = [(tp, g) for g, group in enumerate(self.zero.bf16_groups) for p in group
-                 if (tp := by_id.get(id(p))) is not None]
+        order = [
+            (tp, g)
+            for g, group in enumerate(self.zero.bf16_groups)
+            for p in group
+            if (tp := by_id.get(id(p))) is not None
+        ]
 
         def pre(*_: Any) -> None:
             pairs = []
@@ -195,7 +212,7 @@ class DeepSpeedIntegration(Integration):
         if self.stage == 2:
             g = self.zero.get_gradient_for_reduction(tp.param)
         elif self.stage == 3:
-            g = tp.param.grad   # still whole: partitioned only after the reduce-scatter
+            g = tp.param.grad  # still whole: partitioned only after the reduce-scatter
         else:
             return super().local_grad(tp)
         return None if g is None else View(g.detach().reshape(-1), None, self._shape(tp))
@@ -229,7 +246,7 @@ class DeepSpeedIntegration(Integration):
         frag = mapping.get_lp_grad_fragment(tp.param._index_in_param_group).reshape(-1).float()
         address = mapping.lp_fragment_address
         if frag.numel() == tp.param.numel() and frag.numel() != address.numel:
-            frag = frag.narrow(0, address.start, address.numel)   # a full local buffer (bf16)
+            frag = frag.narrow(0, address.start, address.numel)  # a full local buffer (bf16)
         return self._sharded(tp, frag)
 
     def param(self, tp: TrackedParam) -> View:

@@ -21,20 +21,22 @@ group is about to reduce (``set_requires_gradient_sync(False)`` micro-batches ar
 with accumulation the row holds this rank's accumulated local grad.  Without the opt-in,
 ``grad_unreduced`` is not recorded under FSDP2.
 """
+
 from __future__ import annotations
 
 import logging
 import os
 import types
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn
 
 from trainmon.core.dtensor import dtensor_parts
 from trainmon.core.hooks import Handle
-from trainmon.integrations.base import Integration, View, register_integration
 from trainmon.core.naming import TrackedParam
+from trainmon.integrations.base import Integration, View, register_integration
 
 __all__ = ["FSDP2Integration", "PRE_REDUCE_ENV", "dtensor_view", "sharded_view"]
 
@@ -67,7 +69,7 @@ def dtensor_view(t: torch.Tensor) -> View:
 class FSDP2Integration(Integration):
     name = "fsdp2"
     priority = 30
-    needs_all_ranks = True   # shards are merged over a process group: every rank takes part
+    needs_all_ranks = True  # shards are merged over a process group: every rank takes part
 
     def __init__(self, chunks: Sequence[nn.Module], optimizer: Any, use_main_grad: bool):
         super().__init__(chunks, optimizer, use_main_grad)
@@ -79,8 +81,9 @@ class FSDP2Integration(Integration):
         return fsdp is not None and any(isinstance(m, fsdp) for c in chunks for m in c.modules())
 
     # -- pre-reduce (opt-in, private API) ----------------------------------------------------
-    def pre_reduce_points(self, params: list[TrackedParam],
-                          emit: Callable[[list[TrackedParam]], None]) -> list[Handle] | None:
+    def pre_reduce_points(
+        self, params: list[TrackedParam], emit: Callable[[list[TrackedParam]], None]
+    ) -> list[Handle] | None:
         if os.environ.get(PRE_REDUCE_ENV, "") not in ("1", "true", "True"):
             return []  # the collector warns once that grad_unreduced is not recorded
         by_param = {id(tp.param): tp for tp in params}
@@ -88,9 +91,12 @@ class FSDP2Integration(Integration):
         for group in self._param_groups():
             handles.append(self._wrap_post_backward(group, by_param, emit))
         if not handles:
-            log.warning("trainmon: %s=1 but this torch has no FSDP2 param groups where trainmon "
-                        "looks for them (torch %s); grad_unreduced is not recorded",
-                        PRE_REDUCE_ENV, torch.__version__)
+            log.warning(
+                "trainmon: %s=1 but this torch has no FSDP2 param groups where trainmon "
+                "looks for them (torch %s); grad_unreduced is not recorded",
+                PRE_REDUCE_ENV,
+                torch.__version__,
+            )
         return handles
 
     def _param_groups(self) -> list[Any]:
@@ -106,8 +112,9 @@ class FSDP2Integration(Integration):
                     groups.append(group)
         return groups
 
-    def _wrap_post_backward(self, group: Any, by_param: dict[int, TrackedParam],
-                            emit: Callable[[list[TrackedParam]], None]) -> Handle:
+    def _wrap_post_backward(
+        self, group: Any, by_param: dict[int, TrackedParam], emit: Callable[[list[TrackedParam]], None]
+    ) -> Handle:
         inner = group.post_backward
         integration = self
 
@@ -119,8 +126,9 @@ class FSDP2Integration(Integration):
         group.post_backward = types.MethodType(post_backward, group)
         return Handle(lambda: vars(group).pop("post_backward", None))
 
-    def _before_reduce(self, group: Any, by_param: dict[int, TrackedParam],
-                       emit: Callable[[list[TrackedParam]], None]) -> None:
+    def _before_reduce(
+        self, group: Any, by_param: dict[int, TrackedParam], emit: Callable[[list[TrackedParam]], None]
+    ) -> None:
         ready = []
         for fp in group.fsdp_params:
             tp = by_param.get(id(getattr(fp, "sharded_param", None)))

@@ -17,6 +17,7 @@ callbacks the engine that owns ZeRO's partitions: the callback then records noth
 transformers is not a dependency of trainmon; this module needs it (``pip install "trainmon[hf]"``)
 and without it fails to import with one line saying so.
 """
+
 from __future__ import annotations
 
 import logging
@@ -47,16 +48,30 @@ class TrainerMonCallback(TrainerCallback):
     def __init__(self, config_path: str | os.PathLike[str], **monitor_kwargs: Any):
         self.monitor = TrainerMon(config_path, **monitor_kwargs)
 
-    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
-                       train_dataloader: Any = None, **kwargs: Any) -> None:
+    def on_train_begin(
+        self,
+        args: Any,
+        state: Any,
+        control: Any,
+        model: Any = None,
+        optimizer: Any = None,
+        train_dataloader: Any = None,
+        **kwargs: Any,
+    ) -> None:
         if model is None or optimizer is None:
-            log.warning("trainmon: the Trainer gave the callback no %s; nothing is monitored",
-                        "model" if model is None else "optimizer")
+            log.warning(
+                "trainmon: the Trainer gave the callback no %s; nothing is monitored",
+                "model" if model is None else "optimizer",
+            )
             return
         if _runs_deepspeed(optimizer):
             return
-        acc = EpochAccumulation(args.gradient_accumulation_steps, _batches_per_epoch(train_dataloader),
-                                lambda: self.monitor.current_step, first_step=state.global_step)
+        acc = EpochAccumulation(
+            args.gradient_accumulation_steps,
+            _batches_per_epoch(train_dataloader),
+            lambda: self.monitor.current_step,
+            first_step=state.global_step,
+        )
         self.monitor.set_monitor(model, grad_acc_steps=acc, optimizer=optimizer, start_iteration=state.global_step)
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
@@ -74,7 +89,7 @@ class TrainerMonCallback(TrainerCallback):
 def _batches_per_epoch(dataloader: Any) -> int | None:
     try:
         return len(dataloader) if dataloader is not None else None
-    except TypeError:   # an iterable dataset: the Trainer then never shortens a step
+    except TypeError:  # an iterable dataset: the Trainer then never shortens a step
         return None
 
 
@@ -82,7 +97,9 @@ def _runs_deepspeed(optimizer: Any) -> bool:
     inner = getattr(optimizer, "optimizer", None)
     if type(optimizer).__name__ != "DeepSpeedOptimizerWrapper" and not type(inner).__module__.startswith("deepspeed"):
         return False
-    log.warning("trainmon: this Trainer runs DeepSpeed and callbacks are not given its engine, without which "
-                "ZeRO's sharded grads and moments cannot be read right; nothing is monitored. Attach "
-                "TrainerMon to the engine instead (see docs/frameworks.md)")
+    log.warning(
+        "trainmon: this Trainer runs DeepSpeed and callbacks are not given its engine, without which "
+        "ZeRO's sharded grads and moments cannot be read right; nothing is monitored. Attach "
+        "TrainerMon to the engine instead (see docs/frameworks.md)"
+    )
     return True

@@ -18,6 +18,7 @@ Steps are Lightning's ``global_step`` numbers.  ``on_train_end`` (and ``on_excep
 removes every hook.  Lightning is not a dependency of trainmon (``pip install "trainmon[lightning]"``);
 both ``lightning`` and the older ``pytorch_lightning`` package are accepted.
 """
+
 from __future__ import annotations
 
 import logging
@@ -34,8 +35,7 @@ except ImportError:  # pragma: no cover - exercised only without lightning
     try:
         from pytorch_lightning.callbacks import Callback  # type: ignore[assignment]  # lightning's old package name
     except ImportError as exc:
-        raise ImportError("trainmon.integrations.lightning needs lightning: "
-                          "pip install 'trainmon[lightning]'") from exc
+        raise ImportError("trainmon.integrations.lightning needs lightning: pip install 'trainmon[lightning]'") from exc
 
 __all__ = ["TrainerMonCallback"]
 
@@ -53,8 +53,13 @@ class TrainerMonCallback(Callback):
         **monitor_kwargs: passed to ``TrainerMon`` (``process_group``, ``params_have_main_grad``).
     """
 
-    def __init__(self, config_path: str | os.PathLike[str], grad_acc_steps: int | None = None,
-                 optimizer_index: int = 0, **monitor_kwargs: Any):
+    def __init__(
+        self,
+        config_path: str | os.PathLike[str],
+        grad_acc_steps: int | None = None,
+        optimizer_index: int = 0,
+        **monitor_kwargs: Any,
+    ):
         self.monitor = TrainerMon(config_path, **monitor_kwargs)
         self.grad_acc_steps = grad_acc_steps
         self.optimizer_index = optimizer_index
@@ -65,16 +70,27 @@ class TrainerMonCallback(Callback):
             log.warning("trainmon: the LightningModule configured no optimizer; nothing is monitored")
             return
         if self.optimizer_index >= len(optimizers):
-            log.warning("trainmon: optimizer_index=%d but configure_optimizers returned %d optimizer(s); "
-                        "nothing is monitored", self.optimizer_index, len(optimizers))
+            log.warning(
+                "trainmon: optimizer_index=%d but configure_optimizers returned %d optimizer(s); nothing is monitored",
+                self.optimizer_index,
+                len(optimizers),
+            )
             return
         if len(optimizers) > 1:
-            log.warning("trainmon: %d optimizers; the step boundary is optimizer %d (%s) "
-                        "(choose with TrainerMonCallback(..., optimizer_index=))", len(optimizers),
-                        self.optimizer_index, type(optimizers[self.optimizer_index]).__name__)
+            log.warning(
+                "trainmon: %d optimizers; the step boundary is optimizer %d (%s) "
+                "(choose with TrainerMonCallback(..., optimizer_index=))",
+                len(optimizers),
+                self.optimizer_index,
+                type(optimizers[self.optimizer_index]).__name__,
+            )
         start = int(trainer.global_step)
-        self.monitor.set_monitor(pl_module, grad_acc_steps=self._acc(trainer, pl_module, start),
-                                 optimizer=optimizers[self.optimizer_index], start_iteration=start)
+        self.monitor.set_monitor(
+            pl_module,
+            grad_acc_steps=self._acc(trainer, pl_module, start),
+            optimizer=optimizers[self.optimizer_index],
+            start_iteration=start,
+        )
 
     def _acc(self, trainer: Any, pl_module: Any, start: int) -> Any:
         if self.grad_acc_steps is not None:
@@ -83,8 +99,9 @@ class TrainerMonCallback(Callback):
             return 1
         batches = trainer.num_training_batches
         batches = int(batches) if isinstance(batches, (int, float)) and math.isfinite(batches) else None
-        return EpochAccumulation(trainer.accumulate_grad_batches, batches,
-                                 lambda: self.monitor.current_step, first_step=start)
+        return EpochAccumulation(
+            trainer.accumulate_grad_batches, batches, lambda: self.monitor.current_step, first_step=start
+        )
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
         # Before each micro-batch's backward, so inside the step it belongs to (Lightning calls
@@ -100,4 +117,4 @@ class TrainerMonCallback(Callback):
         self.monitor.close()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        self.monitor.close()   # keep what was recorded up to the failure
+        self.monitor.close()  # keep what was recorded up to the failure

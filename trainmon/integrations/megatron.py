@@ -25,20 +25,22 @@ Where each family is read (see docs/megatron.md):
 Nothing here imports megatron: objects are recognised by Megatron's attribute names, so the
 same code runs on the real classes and on API-faithful stand-ins.
 """
+
 from __future__ import annotations
 
 import logging
 import re
 import types
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn
 
-from trainmon.families import MOMENTS
 from trainmon.core.hooks import Handle
-from trainmon.integrations.base import Integration, View, register_integration
 from trainmon.core.naming import TrackedParam, clean_name, unwrap_model
+from trainmon.families import MOMENTS
+from trainmon.integrations.base import Integration, View, register_integration
 
 __all__ = ["MegatronIntegration", "megatron_ddp_modules", "leaf_optimizers", "global_layer_names"]
 
@@ -76,14 +78,16 @@ def _is_megatron_optimizer(optimizer: Any) -> bool:
     if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
         return False
     return hasattr(optimizer, "chained_optimizers") or (
-        hasattr(optimizer, "get_loss_scale") and hasattr(optimizer, "optimizer"))
+        hasattr(optimizer, "get_loss_scale") and hasattr(optimizer, "optimizer")
+    )
 
 
 def _bucket_groups(ddp: Any) -> list[Any]:
     """Objects whose ``start_grad_sync`` launches one reduce: bucket groups (core >= 0.9), else
     the buckets of each buffer (r0.6-0.8)."""
-    groups = list(getattr(ddp, "bucket_groups", None) or []) + \
-        list(getattr(ddp, "expert_parallel_bucket_groups", None) or [])
+    groups = list(getattr(ddp, "bucket_groups", None) or []) + list(
+        getattr(ddp, "expert_parallel_bucket_groups", None) or []
+    )
     if groups or hasattr(ddp, "bucket_groups"):
         return groups
     buffers = list(getattr(ddp, "buffers", []) or []) + list(getattr(ddp, "expert_parallel_buffers", []) or [])
@@ -114,18 +118,21 @@ def _wrap_instance(obj: Any, name: str, make: Callable[[Callable], Callable]) ->
 class MegatronIntegration(Integration):
     name = "megatron"
     priority = 20
-    needs_all_ranks = True   # shards are merged over a process group: every rank takes part
+    needs_all_ranks = True  # shards are merged over a process group: every rank takes part
 
     @classmethod
     def detect(cls, chunks: Sequence[nn.Module], optimizer: Any) -> bool:
-        return (bool(megatron_ddp_modules(chunks)) or _is_megatron_optimizer(optimizer)
-                or any(type(unwrap_model(c)).__module__.startswith("megatron.") for c in chunks))
+        return (
+            bool(megatron_ddp_modules(chunks))
+            or _is_megatron_optimizer(optimizer)
+            or any(type(unwrap_model(c)).__module__.startswith("megatron.") for c in chunks)
+        )
 
     def __init__(self, chunks: Sequence[nn.Module], optimizer: Any, use_main_grad: bool):
         self.ddps = megatron_ddp_modules(chunks)
         # Megatron DDP's grads are main_grad whatever was detected; a bare Megatron model is torch
         super().__init__(chunks, optimizer, use_main_grad or bool(self.ddps))
-        self._sharded: dict[int, tuple[Any, Any]] | None = None   # param id -> (dist opt, group)
+        self._sharded: dict[int, tuple[Any, Any]] | None = None  # param id -> (dist opt, group)
         self._state: dict[int, tuple[Any, Any, Any]] | None = None  # id -> (torch opt, key, group)
         self._warned_no_opt = False
 
@@ -142,8 +149,9 @@ class MegatronIntegration(Integration):
         return View(g, group, shape, scale=self._loss_scale())
 
     # -- pre-reduce ----------------------------------------------------------------------------
-    def pre_reduce_points(self, params: list[TrackedParam],
-                          emit: Callable[[list[TrackedParam]], None]) -> list[Handle] | None:
+    def pre_reduce_points(
+        self, params: list[TrackedParam], emit: Callable[[list[TrackedParam]], None]
+    ) -> list[Handle] | None:
         if not self.ddps:
             return super().pre_reduce_points(params, emit)
         by_id = {id(tp.param): tp for tp in params}
@@ -156,8 +164,9 @@ class MegatronIntegration(Integration):
         return handles
 
     @staticmethod
-    def _wrap_bucket_group(bg: Any, mine: list[TrackedParam],
-                           emit: Callable[[list[TrackedParam]], None]) -> list[Handle]:
+    def _wrap_bucket_group(
+        bg: Any, mine: list[TrackedParam], emit: Callable[[list[TrackedParam]], None]
+    ) -> list[Handle]:
         state = {"emitted": False}
 
         def make_start(inner: Callable) -> Callable:
@@ -168,12 +177,14 @@ class MegatronIntegration(Integration):
                     state["emitted"] = True
                     emit(mine)
                 return inner(*args, **kwargs)
+
             return start_grad_sync
 
         def make_reset(inner: Callable) -> Callable:
             def reset(self, *args, **kwargs):
-                state["emitted"] = False   # zero_grad_buffer: a new iteration starts
+                state["emitted"] = False  # zero_grad_buffer: a new iteration starts
                 return inner(*args, **kwargs)
+
             return reset
 
         handles = [_wrap_instance(bg, "start_grad_sync", make_start)]
@@ -200,7 +211,8 @@ class MegatronIntegration(Integration):
 
     def _uses_dist_opt_without_optimizer(self) -> bool:
         return self.optimizer is None and any(
-            getattr(getattr(d, "ddp_config", None), "use_distributed_optimizer", False) for d in self.ddps)
+            getattr(getattr(d, "ddp_config", None), "use_distributed_optimizer", False) for d in self.ddps
+        )
 
     def reduced_grad(self, tp: TrackedParam) -> View | None:
         g = getattr(tp.param, "main_grad", None) if self.use_main_grad else tp.param.grad
@@ -209,27 +221,33 @@ class MegatronIntegration(Integration):
         if self._uses_dist_opt_without_optimizer():
             if not self._warned_no_opt:
                 self._warned_no_opt = True
-                log.warning("trainmon: Megatron distributed optimizer but set_monitor got no optimizer: "
-                            "owned grad ranges are unknown, grad_reduced is not recorded")
+                log.warning(
+                    "trainmon: Megatron distributed optimizer but set_monitor got no optimizer: "
+                    "owned grad ranges are unknown, grad_reduced is not recorded"
+                )
             return None
         entry = self._dist_map().get(id(tp.param))
         if entry is None:
             return self._view(g)
         opt, group = entry
-        if tp.param not in opt.model_param_gbuf_map:   # this rank owns none of it
+        if tp.param not in opt.model_param_gbuf_map:  # this rank owns none of it
             return self._view(g.new_empty(0), group, tuple(tp.param.shape))  # same capture on every rank
         rng = opt._get_model_param_range_map(tp.param)["param"]
-        shard = g.view(-1)[rng.start:rng.end]
+        shard = g.view(-1)[rng.start : rng.end]
         return self._view(shard, group, tuple(tp.param.shape))
 
-    def applied_grad_points(self, params: list[TrackedParam],
-                            emit: Callable[[list[tuple[TrackedParam, View]]], None]) -> list[Handle] | None:
+    def applied_grad_points(
+        self, params: list[TrackedParam], emit: Callable[[list[tuple[TrackedParam, View]]], None]
+    ) -> list[Handle] | None:
         if not _is_megatron_optimizer(self.optimizer):
             return None
         handles = []
         state = self._state_map()
-        for inner in {id(o.optimizer): o.optimizer for o in leaf_optimizers(self.optimizer)
-                      if isinstance(getattr(o, "optimizer", None), torch.optim.Optimizer)}.values():
+        for inner in {
+            id(o.optimizer): o.optimizer
+            for o in leaf_optimizers(self.optimizer)
+            if isinstance(getattr(o, "optimizer", None), torch.optim.Optimizer)
+        }.values():
             mine = [tp for tp in params if state.get(id(tp.param), (None,))[0] is inner]
             if mine:
                 hook = inner.register_step_pre_hook(lambda *_, mine=mine: emit(self._applied(mine)))
@@ -242,7 +260,7 @@ class MegatronIntegration(Integration):
         for tp in params:
             _, key, group = self._state_map()[id(tp.param)]
             grad = None if key is None else key.grad
-            if group is not None:   # distributed optimizer: every rank emits every row
+            if group is not None:  # distributed optimizer: every rank emits every row
                 shard = grad if grad is not None else tp.param.new_empty(0, dtype=torch.float32)
                 out.append((tp, View(shard.detach().reshape(-1), group, tuple(tp.param.shape))))
             elif grad is not None:
@@ -279,8 +297,10 @@ class MegatronIntegration(Integration):
             return {k: View(state[k]) for k in _MOMENTS if isinstance(state.get(k), torch.Tensor)}
         # Sharded: every rank of the group must emit the same rows, owned or not.
         empty = tp.param.new_empty(0, dtype=torch.float32)
-        return {k: View(state[k] if isinstance(state.get(k), torch.Tensor) else empty, group,
-                        tuple(tp.param.shape)) for k in _MOMENTS}
+        return {
+            k: View(state[k] if isinstance(state.get(k), torch.Tensor) else empty, group, tuple(tp.param.shape))
+            for k in _MOMENTS
+        }
 
     def has_moments(self) -> bool:
         if not _is_megatron_optimizer(self.optimizer):
@@ -292,33 +312,31 @@ class MegatronIntegration(Integration):
         if not getattr(config, "global_layer_names", False):
             return params
         renames = global_layer_names(self.chunks)
-        return [TrackedParam(_rename(tp.name, renames.get(tp.vpp_stage, {})), tp.vpp_stage, tp.param)
-                for tp in params]
+        return [TrackedParam(_rename(tp.name, renames.get(tp.vpp_stage, {})), tp.vpp_stage, tp.param) for tp in params]
 
 
 def _optimizer_state_map(o: Any) -> dict[int, tuple[Any, Any, Any]]:
     """model param id -> (inner torch optimizer, the tensor its state is keyed by, shard group)."""
     inner = getattr(o, "optimizer", None)
     out: dict[int, tuple[Any, Any, Any]] = {}
-    if hasattr(o, "shard_fp32_groups"):             # DistributedOptimizer: fp32 shards
+    if hasattr(o, "shard_fp32_groups"):  # DistributedOptimizer: fp32 shards
         group = getattr(o, "data_parallel_group", None)
         for buf in getattr(o, "buffers", None) or []:
-            for p in buf.param_index_map:       # not owned here: an empty shard in the merge
+            for p in buf.param_index_map:  # not owned here: an empty shard in the merge
                 out[id(p)] = (inner, None, group)
-        pairs = [(o.model_float16_groups, o.shard_fp32_from_float16_groups),
-                 (o.model_fp32_groups, o.shard_fp32_groups)]
+        pairs = [(o.model_float16_groups, o.shard_fp32_from_float16_groups), (o.model_fp32_groups, o.shard_fp32_groups)]
         for models, shards in pairs:
             for mg, sg in zip(models, shards):
                 for p, s in zip(mg, sg):
                     out[id(p)] = (inner, s, group)
-    elif hasattr(o, "fp32_from_float16_groups"):    # Float16Optimizer: full fp32 masters
+    elif hasattr(o, "fp32_from_float16_groups"):  # Float16Optimizer: full fp32 masters
         for mg, fg in zip(o.float16_groups, o.fp32_from_float16_groups):
             for p, main in zip(mg, fg):
                 out[id(p)] = (inner, main, None)
         for group in o.fp32_from_fp32_groups:
             for p in group:
                 out[id(p)] = (inner, p, None)
-    elif inner is not None:                         # FP32Optimizer: the model params themselves
+    elif inner is not None:  # FP32Optimizer: the model params themselves
         for g in inner.param_groups:
             for p in g["params"]:
                 out[id(p)] = (inner, p, None)
@@ -349,5 +367,5 @@ def global_layer_names(chunks: Sequence[nn.Module]) -> dict[int, dict[str, str]]
 def _rename(name: str, renames: dict[str, str]) -> str:
     for local, global_name in renames.items():
         if name.startswith(local + "."):
-            return global_name + name[len(local):]
+            return global_name + name[len(local) :]
     return name

@@ -14,10 +14,12 @@ alternative: it takes DDP's single comm-hook slot, calls the user's hook (defaul
 ``allreduce_hook``) and records one ``ddp_bucket`` row per bucket before and after the reduce
 (the Python collectives inside the hook are covered by that row, not recorded again).
 """
+
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeGuard
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch.nn as nn
 
@@ -60,10 +62,13 @@ def record_ddp_comm(monitor: Any, ddp: nn.Module, hook: Callable | None = None, 
         raise TypeError(f"record_ddp_comm needs a DistributedDataParallel module, got {type(ddp).__name__}")
     comm = monitor.collector("comm")
     if comm is None:
-        raise TrainmonError(f"{monitor.config_file_path}: cc_distribution.enable must be true (and "
-                            "set_monitor called) to record DDP bucket reduces")
+        raise TrainmonError(
+            f"{monitor.config_file_path}: cc_distribution.enable must be true (and "
+            "set_monitor called) to record DDP bucket reduces"
+        )
     if hook is None:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
         hook = allreduce_hook
     ref = weakref.ref(comm)
 

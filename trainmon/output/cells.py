@@ -4,11 +4,13 @@ A stat column must hold numbers (or a NaN spelling).  Text such as ``np.float64(
 by a user's own script -- would otherwise read as NaN without a word and turn every row into a
 ``nonfinite`` finding.  Used where a run is read for analysis or conversion.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING
 
 from trainmon.errors import TrainmonError
 
@@ -27,8 +29,10 @@ class BadCellError(TrainmonError):
     def __init__(self, path: str | Path, line: int, column: str, text: str):
         self.path, self.line, self.column, self.text = Path(path), line, column, text
         shown = text if len(text) <= 40 else text[:37] + "..."
-        super().__init__(f"{path}:{line}: column '{column}' holds {shown!r}, not a number "
-                         "(stat columns hold numbers, nan, inf or -inf)")
+        super().__init__(
+            f"{path}:{line}: column '{column}' holds {shown!r}, not a number "
+            "(stat columns hold numbers, nan, inf or -inf)"
+        )
 
 
 def _is_number(text: object) -> bool:
@@ -44,7 +48,7 @@ def _is_number(text: object) -> bool:
     return True
 
 
-def check_numeric(frame: "pd.DataFrame", columns: Iterable[str], path: str | Path, first_line: int = 2) -> None:
+def check_numeric(frame: pd.DataFrame, columns: Iterable[str], path: str | Path, first_line: int = 2) -> None:
     """Raise :class:`BadCellError` for the first non-numeric cell of ``columns``.
 
     ``frame`` holds one file's rows in file order; row ``i`` is on line ``first_line + i`` (the

@@ -16,21 +16,38 @@
 numbers the files of a window written under another header (``ops`` changed mid-run).
 This module imports neither torch nor pandas.
 """
+
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["RUN_META", "RUN_ESCALATIONS", "TMP_SUFFIX", "ALERTS_FILE", "MODEL_META", "STACK_INFO_FILE", "SIMILARITIES_FILE", "SIMILARITY_SUMMARY_PNG",
-           "TB_DIRNAME", "NOT_RUNS", "FamilyFile", "rank_dir_name",
-           "parse_rank_dir", "window_bounds", "family_file_name", "parse_family_file", "partial_file_name"]
+__all__ = [
+    "RUN_META",
+    "RUN_ESCALATIONS",
+    "TMP_SUFFIX",
+    "ALERTS_FILE",
+    "MODEL_META",
+    "STACK_INFO_FILE",
+    "SIMILARITIES_FILE",
+    "SIMILARITY_SUMMARY_PNG",
+    "TB_DIRNAME",
+    "NOT_RUNS",
+    "FamilyFile",
+    "rank_dir_name",
+    "parse_rank_dir",
+    "window_bounds",
+    "family_file_name",
+    "parse_family_file",
+    "partial_file_name",
+]
 
 RUN_META = "run.json"
-RUN_ESCALATIONS = "escalations"   # key of run.json: one object per escalation (docs/escalation.md)
+RUN_ESCALATIONS = "escalations"  # key of run.json: one object per escalation (docs/escalation.md)
 ALERTS_FILE = "anomalies.jsonl"
 MODEL_META = "model_meta.json"
-STACK_INFO_FILE = "stack_info.csv"   # columns vpp_stage,name,stack (frames outermost first, one per line)
+STACK_INFO_FILE = "stack_info.csv"  # columns vpp_stage,name,stack (frames outermost first, one per line)
 # ``trainmon similarity -o DIR``: the table and the charts it writes.
 SIMILARITIES_FILE = "similarities.csv"
 SIMILARITY_SUMMARY_PNG = "summary_similarities.png"
@@ -42,8 +59,10 @@ TMP_SUFFIX = ".tmp"
 NOT_RUNS = frozenset({TB_DIRNAME})
 
 _RANK_DIR = re.compile(r"^rank(\d+)$")
-_FAMILY_FILE = re.compile(r"^(?P<family>[A-Za-z0-9_]+?)_(?P<start>\d+)-(?P<end>\d+)(?:\.(?P<part>\d+))?"
-                          r"\.(?P<ext>csv|parquet)$")
+_FAMILY_FILE = re.compile(
+    r"^(?P<family>[A-Za-z0-9_]+?)_(?P<start>\d+)-(?P<end>\d+)(?:\.(?P<part>\d+))?"
+    r"\.(?P<ext>csv|parquet)$"
+)
 
 
 @dataclass(frozen=True, order=True)

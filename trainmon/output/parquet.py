@@ -4,10 +4,12 @@ Same columns in file order, same dtypes: ``name``/``shape``/``dtype`` text (obje
 counts int64, statistics float64 with the exact values written (Parquet stores the float64 bits,
 so no parsing is involved).  Imports pyarrow only when a file is read.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -28,12 +30,12 @@ def parquet_columns(path: str | Path) -> list[str]:
     return list(_pyarrow().read_schema(path).names)
 
 
-def read_parquet(path: str | Path) -> "pd.DataFrame":
+def read_parquet(path: str | Path) -> pd.DataFrame:
     """One family file; an empty one gives an empty frame with its columns."""
     return read_parquet_files([Path(path)])
 
 
-def read_parquet_files(paths: Sequence[Path]) -> "pd.DataFrame":
+def read_parquet_files(paths: Sequence[Path]) -> pd.DataFrame:
     """Files of one schema, concatenated in the order given."""
     import pandas as pd
     import pyarrow as pa

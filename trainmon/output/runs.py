@@ -8,15 +8,17 @@ Everything here is read-only and imports no torch, so commands start fast.  Valu
 parsed exactly: the CSV sink writes floats with ``repr`` and :func:`read_csv` parses them
 back to the same float64.
 """
+
 from __future__ import annotations
 
 import csv
-import json
 import functools
+import json
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 from trainmon.errors import DamagedFileError
 from trainmon.families import FAMILIES
@@ -27,9 +29,22 @@ from trainmon.stats.table import STAT_NAMES
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["FamilyFile", "ColumnRoles", "escalations", "find_runs", "is_run_dir", "rank_dirs", "rank_of",
-           "family_files", "read_csv", "read_family", "column_roles", "KEY_COLUMNS", "FAMILY_STATS",
-           "DamagedFileError"]
+__all__ = [
+    "FamilyFile",
+    "ColumnRoles",
+    "escalations",
+    "find_runs",
+    "is_run_dir",
+    "rank_dirs",
+    "rank_of",
+    "family_files",
+    "read_csv",
+    "read_family",
+    "column_roles",
+    "KEY_COLUMNS",
+    "FAMILY_STATS",
+    "DamagedFileError",
+]
 
 KEY_COLUMNS = ("vpp_stage", "name", "step", "micro_step")
 # Statistics some families have besides ``STAT_NAMES`` (their own value columns).
@@ -181,13 +196,17 @@ def _load_text(path: Path) -> tuple[list[str], str]:
     check_header(header, path)
     if body and not body.endswith("\n"):
         cut = body.rfind("\n") + 1
-        log.warning("trainmon: %s line %d is cut short (no end of line: the run was killed while writing it, "
-                    "or is still writing); that line is left out", path, 2 + body.count("\n", 0, cut))
+        log.warning(
+            "trainmon: %s line %d is cut short (no end of line: the run was killed while writing it, "
+            "or is still writing); that line is left out",
+            path,
+            2 + body.count("\n", 0, cut),
+        )
         body = body[:cut]
     return header, body
 
 
-def read_csv(path: str | Path) -> "pd.DataFrame":
+def read_csv(path: str | Path) -> pd.DataFrame:
     """One family file with exact floats; ``name``/``shape``/``dtype`` always text.
 
     A file holding only a header gives an empty frame with its columns; a damaged file raises
@@ -198,18 +217,23 @@ def read_csv(path: str | Path) -> "pd.DataFrame":
     return _parse_checked(path, header, body)
 
 
-def _parse(source, header: Sequence[str]) -> "pd.DataFrame":
+def _parse(source, header: Sequence[str]) -> pd.DataFrame:
     """Parse ``source`` (its first line: :func:`_header_line`); a field beyond the file's last
     column lands in ``EXTRA_FIELD``."""
     import pandas as pd
 
     na = {c: _NAN_TEXT for c in header if c not in _TEXT_COLUMNS}
-    return pd.read_csv(source, index_col=False,
-                       dtype={EXTRA_FIELD: str, **{c: str for c in _TEXT_COLUMNS if c in header}},
-                       keep_default_na=False, na_values=na, **_exact_float_option())
+    return pd.read_csv(
+        source,
+        index_col=False,
+        dtype={EXTRA_FIELD: str, **{c: str for c in _TEXT_COLUMNS if c in header}},
+        keep_default_na=False,
+        na_values=na,
+        **_exact_float_option(),
+    )
 
 
-def _parse_checked(path: Path, header: Sequence[str], body: str) -> "pd.DataFrame":
+def _parse_checked(path: Path, header: Sequence[str], body: str) -> pd.DataFrame:
     """The rows of one file, validated; every problem raised with this file's line numbers."""
     import io
 
@@ -261,15 +285,19 @@ def _parser_error(path: Path, header: Sequence[str], text: str, exc: Exception) 
         for fields in reader:
             if len(fields) != len(header):
                 many = "more" if len(fields) > len(header) else "fewer"
-                return DamagedFileError(path, f"{len(fields)} fields, {many} than the header's {len(header)} columns",
-                                        start, min(len(fields), len(header) + 1))
+                return DamagedFileError(
+                    path,
+                    f"{len(fields)} fields, {many} than the header's {len(header)} columns",
+                    start,
+                    min(len(fields), len(header) + 1),
+                )
             start = reader.line_num + 1
     except csv.Error as err:
         return DamagedFileError(path, f"not CSV ({err})", reader.line_num)
     return DamagedFileError(path, f"not CSV ({str(exc).strip().splitlines()[-1]})")
 
 
-def _read_same_header(paths: Sequence[Path], header: Sequence[str], bodies: Sequence[str]) -> "pd.DataFrame":
+def _read_same_header(paths: Sequence[Path], header: Sequence[str], bodies: Sequence[str]) -> pd.DataFrame:
     """Files sharing one header parsed in one go: one parse per file costs ~28x more on runs
     with one file per step (msprobe's default layout).  A problem is reported with the file and
     line it is in (the files are then parsed one by one to find it)."""
@@ -290,7 +318,7 @@ def _read_same_header(paths: Sequence[Path], header: Sequence[str], bodies: Sequ
     return frame.drop(columns=[EXTRA_FIELD])
 
 
-def read_family(rank_dir: str | Path, family: str) -> "pd.DataFrame":
+def read_family(rank_dir: str | Path, family: str) -> pd.DataFrame:
     """Every file of one family of a rank, concatenated in step order; CSV or Parquet alike.
 
     Files written under different headers (``ops`` changed mid-run) are aligned by
@@ -306,8 +334,10 @@ def read_family(rank_dir: str | Path, family: str) -> "pd.DataFrame":
         for f in files:
             header, body = _load_text(Path(f.path))
             by_header.setdefault(tuple(header), []).append((Path(f.path), body))
-        frames = [_read_same_header([p for p, _ in group], header, [b for _, b in group])
-                  for header, group in by_header.items()]
+        frames = [
+            _read_same_header([p for p, _ in group], header, [b for _, b in group])
+            for header, group in by_header.items()
+        ]
     if not frames:
         return pd.DataFrame()
     df = pd.concat(frames, ignore_index=True, sort=False)
@@ -316,7 +346,7 @@ def read_family(rank_dir: str | Path, family: str) -> "pd.DataFrame":
     return df.sort_values("step", kind="stable", ignore_index=True)
 
 
-def _parquet_frames(files: Sequence[FamilyFile]) -> list["pd.DataFrame"]:
+def _parquet_frames(files: Sequence[FamilyFile]) -> list[pd.DataFrame]:
     """Parquet files grouped by schema, like CSV files by header (the reader is its own module)."""
     from trainmon.output.parquet import parquet_columns, read_parquet_files
 
@@ -330,7 +360,7 @@ def _parquet_frames(files: Sequence[FamilyFile]) -> list["pd.DataFrame"]:
     return frames
 
 
-def column_roles(df: "pd.DataFrame", extra_stats: Sequence[str] = ()) -> ColumnRoles:
+def column_roles(df: pd.DataFrame, extra_stats: Sequence[str] = ()) -> ColumnRoles:
     """Split a family file's columns into keys, ``extra`` columns and statistics.
 
     The CSV layout is ``vpp_stage,name,step,[micro_step],<extra...>,<stats...>,shape,dtype``.
@@ -344,6 +374,5 @@ def column_roles(df: "pd.DataFrame", extra_stats: Sequence[str] = ()) -> ColumnR
     keys = tuple(c for c in cols if c in KEY_COLUMNS)
     rest = [c for c in cols if c not in KEY_COLUMNS]
     known = set(STAT_NAMES) | set(FAMILY_STATS) | set(extra_stats)
-    first = next((i for i, c in enumerate(rest)
-                  if c in known or pd.api.types.is_float_dtype(df[c].dtype)), len(rest))
+    first = next((i for i, c in enumerate(rest) if c in known or pd.api.types.is_float_dtype(df[c].dtype)), len(rest))
     return ColumnRoles(keys, tuple(rest[:first]), tuple(rest[first:]))

@@ -26,17 +26,17 @@ in column order as ``:<key>=<value>``; values are written as the CSV writes them
 that a float holding an integer is written as that integer (``3.0`` -> ``3``: an int
 column with an empty cell reads back from CSV as floats) and NaN as the empty string.
 """
+
 from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from trainmon.output.layout import TB_DIRNAME
 
 __all__ = ["TB_DIRNAME", "event_dir", "series_name", "scalar_tag", "split_tag", "extra_text"]
-
 
 
 def event_dir(run_dir: str | Path, rank_dir_name: str) -> Path:
@@ -58,8 +58,9 @@ def extra_text(value: object) -> str:
     return str(value)
 
 
-def series_name(vpp_stage: int, name: str, extra: Iterable[tuple[str, object]] = (),
-                micro_step: int | None = None) -> str:
+def series_name(
+    vpp_stage: int, name: str, extra: Iterable[tuple[str, object]] = (), micro_step: int | None = None
+) -> str:
     """The part of a tag after ``<family>.<op>/`` naming one recorded tensor."""
     parts = [f"vp{int(vpp_stage)}:{name}"]
     parts.extend(f":{k}={extra_text(v)}" for k, v in extra)

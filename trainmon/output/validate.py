@@ -6,6 +6,7 @@ one clear line instead of a traceback, and a damaged cell is never read as NaN. 
 (``trainmon.output.runs``) calls both; a reader of another format calls
 ``validate_family_frame(frame, path, line_of=..., unit="row")`` on the frame it parsed.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -42,17 +43,20 @@ def check_header(header: Sequence[str], path: object) -> None:
     seen: set[str] = set()
     for i, name in enumerate(header, 1):
         if not name or name in seen:
-            raise DamagedFileError(path, f"{'empty' if not name else 'repeated'} column name {_shown(name)} "
-                                   "in the header", 1, i)
+            raise DamagedFileError(
+                path, f"{'empty' if not name else 'repeated'} column name {_shown(name)} in the header", 1, i
+            )
         seen.add(name)
 
 
-def validate_family_frame(frame: "pd.DataFrame", path: object, line_of: Callable[[int], int] | None = None,
-                          unit: str = "line") -> None:
+def validate_family_frame(
+    frame: pd.DataFrame, path: object, line_of: Callable[[int], int] | None = None, unit: str = "line"
+) -> None:
     """Raise for the first cell that is not what the writer puts there: an integer in
     ``vpp_stage``/``step``/``micro_step``, a number (or nan/inf) in every statistic column,
     nothing beyond the last column (a row with fields missing shifts a text cell into a number
-    column, which is caught there; a last row cut short is the reader's to leave out).  ``line_of(i)`` gives the line (or
+    column, which is caught there; a last row cut short is the reader's to leave out).  ``line_of(i)`` gives
+    the line (or
     row) of the frame's ``i``-th row (default: CSV lines, ``i + 2``)."""
     import numpy as np
     import pandas as pd
@@ -61,8 +65,13 @@ def validate_family_frame(frame: "pd.DataFrame", path: object, line_of: Callable
     columns = list(frame.columns)
 
     def fail(i: int, col: str, message: str) -> None:
-        raise DamagedFileError(path, message, where(int(i)), f"{columns.index(col) + 1} ({col})"
-                               if col != EXTRA_FIELD else len(columns), unit)
+        raise DamagedFileError(
+            path,
+            message,
+            where(int(i)),
+            f"{columns.index(col) + 1} ({col})" if col != EXTRA_FIELD else len(columns),
+            unit,
+        )
 
     for col in (c for c in INT_COLUMNS if c in frame):
         values = frame[col]
@@ -73,8 +82,11 @@ def validate_family_frame(frame: "pd.DataFrame", path: object, line_of: Callable
             bad = numbers.isna() | ~np.isfinite(numbers) | (numbers != np.round(numbers))
         if bad.any():
             i = int(np.flatnonzero(bad.to_numpy())[0])
-            fail(i, col, f"{_shown(values.iloc[i]) if values.iloc[i] == values.iloc[i] else 'an empty cell'} "
-                         "is not an integer")
+            fail(
+                i,
+                col,
+                f"{_shown(values.iloc[i]) if values.iloc[i] == values.iloc[i] else 'an empty cell'} is not an integer",
+            )
     for col in (c for c in columns if c in _NUMBER_COLUMNS):
         values = frame[col]
         if pd.api.types.is_numeric_dtype(values.dtype) and not pd.api.types.is_bool_dtype(values.dtype):
@@ -86,5 +98,8 @@ def validate_family_frame(frame: "pd.DataFrame", path: object, line_of: Callable
     if EXTRA_FIELD in frame:
         extra = frame[EXTRA_FIELD].notna() & (frame[EXTRA_FIELD] != "")
         if extra.any():
-            fail(int(np.flatnonzero(extra.to_numpy())[0]), EXTRA_FIELD,
-                 f"more fields than the header's {len(columns) - 1} columns")
+            fail(
+                int(np.flatnonzero(extra.to_numpy())[0]),
+                EXTRA_FIELD,
+                f"more fields than the header's {len(columns) - 1} columns",
+            )

@@ -2,6 +2,7 @@
 
 Used by the dynamic driver (which config is in force) and by escalations (did any rank alert).
 """
+
 from __future__ import annotations
 
 from datetime import timedelta
@@ -89,5 +90,5 @@ class Agreement:
             group, self.group = self.group, None
             try:
                 dist.destroy_process_group(group)
-            except Exception:  # noqa: BLE001 - the default group may already be gone at exit
+            except Exception:
                 pass

@@ -4,6 +4,7 @@ A driver owns the step boundary of one ``set_monitor`` call.  The static driver 
 session for the whole job; the dynamic driver (``dynamic_driver.DynamicDriver``) starts and
 stops sessions as the config file says.  ``TrainerMon`` holds one driver and never asks which.
 """
+
 from __future__ import annotations
 
 from typing import Protocol

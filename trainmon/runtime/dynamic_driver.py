@@ -18,6 +18,7 @@ The group has its own timeout: if a peer never reaches the boundary, the collect
 ``TRAINMON_DYNAMIC_TIMEOUT`` seconds and dynamic mode switches itself off on that rank instead of
 blocking the training forever.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,12 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from trainmon.config import MonitorConfig
+from trainmon.core.hooks import Handle
 from trainmon.dynamic import ConfigStager, ConfigWatcher, Decision, WatchSettings
 from trainmon.errors import ConfigError
+from trainmon.integrations.amp import wrap_step_with_scaler
 from trainmon.runtime.agreement import Agreement
 from trainmon.runtime.builder import SessionBuilder
-from trainmon.core.hooks import Handle
-from trainmon.integrations.amp import wrap_step_with_scaler
 from trainmon.runtime.session import Session
 
 __all__ = ["Agreement", "DynamicDriver", "describe"]
@@ -41,14 +42,23 @@ log = logging.getLogger(__name__)
 
 def describe(cfg: MonitorConfig) -> str:
     """What a config collects, in one log line."""
-    kinds = [k for k, on in (("weight grads", cfg.wg_distribution), ("optimizer moments", cfg.mv_distribution),
-                             ("params", cfg.param_distribution), ("update ratio", cfg.ur_distribution))
-             if on]
+    kinds = [
+        k
+        for k, on in (
+            ("weight grads", cfg.wg_distribution),
+            ("optimizer moments", cfg.mv_distribution),
+            ("params", cfg.param_distribution),
+            ("update ratio", cfg.ur_distribution),
+        )
+        if on
+    ]
     times = "until switched off" if cfg.collect_times is None else f"{cfg.collect_times} time(s)"
     every = f"every {cfg.step_interval} steps" if cfg.step_interval > 1 else "every step"
     targets = ", ".join(cfg.targets) if cfg.targets else "all"
-    return (f"{', '.join(kinds) or 'nothing'}; ops {', '.join(cfg.ops)}; targets {targets}; "
-            f"from step {cfg.start_step} {every}, {times}; format {', '.join(cfg.format)}")
+    return (
+        f"{', '.join(kinds) or 'nothing'}; ops {', '.join(cfg.ops)}; targets {targets}; "
+        f"from step {cfg.start_step} {every}, {times}; format {', '.join(cfg.format)}"
+    )
 
 
 class DynamicDriver:
@@ -57,18 +67,19 @@ class DynamicDriver:
     ``initial`` is the config as loaded at start (used if the file cannot be read at once).
     """
 
-    def __init__(self, builder: SessionBuilder, initial: MonitorConfig, settings: WatchSettings,
-                 start_iteration: int = 0):
+    def __init__(
+        self, builder: SessionBuilder, initial: MonitorConfig, settings: WatchSettings, start_iteration: int = 0
+    ):
         self.builder = builder
         self.config_file: Path = builder.config_file
-        self.step = start_iteration            # the step that runs next
+        self.step = start_iteration  # the step that runs next
         self.agreement = Agreement(builder.process_group, settings.timeout_s)
         builder.agreement = self.agreement  # escalations (runtime.escalation) agree over it too
         self.stager: ConfigStager | None = None
         self.watcher: ConfigWatcher | None = None
         self.session: Session | None = None
         self.config: MonitorConfig | None = None
-        self.applied = 0                       # version of the decision in force
+        self.applied = 0  # version of the decision in force
         self.broken = False
         self._warned_steps = False
         if self.agreement.is_source:
@@ -76,13 +87,15 @@ class DynamicDriver:
             if settings.watch:  # started before the first read, so no edit falls between the two
                 self.watcher = ConfigWatcher(self.stager, settings).start()
             self.stager.stage_now(fallback=initial)
-            self._log("watching %s (%s observer); a saved change applies at the next step boundary",
-                      self.config_file, self.watcher.kind if self.watcher else "no")
+            self._log(
+                "watching %s (%s observer); a saved change applies at the next step boundary",
+                self.config_file,
+                self.watcher.kind if self.watcher else "no",
+            )
         optimizer = builder.attachment.optimizer
         self._handle: Handle | None = None
         if optimizer is not None:
-            self._handle = wrap_step_with_scaler(optimizer, self.before_step, self.after_step,
-                                                 entry=self.step_entry)
+            self._handle = wrap_step_with_scaler(optimizer, self.before_step, self.after_step, entry=self.step_entry)
         self._decide()
 
     # -- the step boundary ----------------------------------------------------------------------
@@ -111,13 +124,17 @@ class DynamicDriver:
             version, source_step = self.agreement.version(staged.version if staged else 0, self.step)
             if source_step != self.step and not self._warned_steps:
                 self._warned_steps = True
-                log.warning("trainmon: dynamic: this rank is at step %d but rank 0 is at step %d; "
-                            "switching follows rank 0's boundaries", self.step, source_step)
+                log.warning(
+                    "trainmon: dynamic: this rank is at step %d but rank 0 is at step %d; "
+                    "switching follows rank 0's boundaries",
+                    self.step,
+                    source_step,
+                )
             if version == self.applied:
                 return
             decision: Decision = self.agreement.value(staged)
             self._apply(decision)
-        except Exception as exc:  # noqa: BLE001 - the monitor must never take the run down
+        except Exception as exc:
             self._give_up(exc)
 
     # -- switching --------------------------------------------------------------------------------
@@ -127,8 +144,7 @@ class DynamicDriver:
             if self.session is not None:
                 self._stop(f"config version {decision.version} sets dynamic_on false")
             else:
-                self._log("step %d: config version %d has dynamic_on false: staying off",
-                          self.step, decision.version)
+                self._log("step %d: config version %d has dynamic_on false: staying off", self.step, decision.version)
             return
         cfg = decision.config
         # collect_times counts from this switch; a start_step already passed means "from now".
@@ -137,15 +153,23 @@ class DynamicDriver:
         if not self.agreement.all_true(new is not None):
             if new is not None:
                 new.close()
-            self._log("config version %d is NOT applied: it failed on some rank (see that rank's "
-                      "log); monitoring continues as it was", decision.version)
+            self._log(
+                "config version %d is NOT applied: it failed on some rank (see that rank's "
+                "log); monitoring continues as it was",
+                decision.version,
+            )
             return
         if self.session is not None:
             self.session.close()
         self.session, self.config = new, cfg
-        self._log("step %d: collecting with config version %d of %s: %s; into %s", self.step,
-                  decision.version, cfg.source or self.config_file, describe(cfg),
-                  self.builder.run_dir)
+        self._log(
+            "step %d: collecting with config version %d of %s: %s; into %s",
+            self.step,
+            decision.version,
+            cfg.source or self.config_file,
+            describe(cfg),
+            self.builder.run_dir,
+        )
         if new.clock.finished:
             self._stop("nothing to collect")
 
@@ -154,7 +178,7 @@ class DynamicDriver:
             return self.builder.build(cfg, first_step=self.step)
         except ConfigError as exc:
             log.error("trainmon: dynamic: config not applied on this rank: %s", exc)
-        except Exception:  # noqa: BLE001
+        except Exception:
             log.exception("trainmon: dynamic: starting monitoring failed on this rank")
         return None
 
@@ -164,14 +188,22 @@ class DynamicDriver:
             return
         collected = session.clock.collected
         session.close()
-        self._log("step %d: monitoring stopped (%s) after %d collected step(s); idle until the "
-                  "config file changes", self.step, reason, collected)
+        self._log(
+            "step %d: monitoring stopped (%s) after %d collected step(s); idle until the config file changes",
+            self.step,
+            reason,
+            collected,
+        )
 
     def _give_up(self, exc: BaseException) -> None:
         self.broken = True
-        log.error("trainmon: dynamic: agreeing with the other ranks failed at step %d (%s: %s); "
-                  "dynamic monitoring is switched off on this rank, training continues",
-                  self.step, type(exc).__name__, exc)
+        log.error(
+            "trainmon: dynamic: agreeing with the other ranks failed at step %d (%s: %s); "
+            "dynamic monitoring is switched off on this rank, training continues",
+            self.step,
+            type(exc).__name__,
+            exc,
+        )
         self._stop("dynamic mode failed")
         self._stop_watching()
 

@@ -21,6 +21,7 @@ window's steps (their schedules still count them).  Rank 0 logs the escalation a
 The agreement is the dynamic driver's gloo group in dynamic mode, a group of its own otherwise
 (single process: none).  Training is never changed: only statistics are read.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,8 +33,8 @@ from typing import Any
 from trainmon.config import AlertConfig, CommConfig, MonitorConfig
 from trainmon.core import dist as _dist
 from trainmon.core.hooks import Handle
-from trainmon.integrations.amp import wrap_step_with_scaler
 from trainmon.diagnosis.escalation import AlertLatch, Trigger
+from trainmon.integrations.amp import wrap_step_with_scaler
 from trainmon.output.layout import RUN_ESCALATIONS
 from trainmon.runtime.agreement import Agreement
 from trainmon.runtime.run_dir import append_to_meta
@@ -43,15 +44,16 @@ __all__ = ["EscalatingSession", "recorder_config", "window_config"]
 
 log = logging.getLogger(__name__)
 
-_STEP_CODE = 1 << 40              # alert steps are encoded as (_STEP_CODE - step) * size + (size - 1 - rank)
+_STEP_CODE = 1 << 40  # alert steps are encoded as (_STEP_CODE - step) * size + (size - 1 - rank)
 _FLAGS = ("wg_distribution", "mv_distribution", "param_distribution", "ur_distribution", "xy_distribution")
 
 
 def window_config(cfg: MonitorConfig, first_step: int) -> MonitorConfig:
     """What an escalation window records: ``cfg`` merged with ``on_anomaly.config``, every step of it."""
     assert cfg.on_anomaly is not None
-    return dataclasses.replace(cfg.escalated(), start_step=first_step, step_interval=1,
-                               collect_times=cfg.on_anomaly.steps, print_struct=False)
+    return dataclasses.replace(
+        cfg.escalated(), start_step=first_step, step_interval=1, collect_times=cfg.on_anomaly.steps, print_struct=False
+    )
 
 
 def recorder_config(cfg: MonitorConfig, first_step: int) -> MonitorConfig | None:
@@ -63,8 +65,16 @@ def recorder_config(cfg: MonitorConfig, first_step: int) -> MonitorConfig | None
     merged = cfg.escalated()
     off = {flag: False for flag in _FLAGS if getattr(cfg, flag)}
     comm = CommConfig() if cfg.cc_distribution.enable else merged.cc_distribution
-    rec = dataclasses.replace(merged, **off, cc_distribution=comm, alert=AlertConfig(), print_struct=False,
-                              start_step=first_step, step_interval=1, collect_times=None)
+    rec = dataclasses.replace(
+        merged,
+        **off,
+        cc_distribution=comm,
+        alert=AlertConfig(),
+        print_struct=False,
+        start_step=first_step,
+        step_interval=1,
+        collect_times=None,
+    )
     if not any(getattr(rec, flag) for flag in _FLAGS) and not rec.cc_distribution.enable:
         return None
     return rec
@@ -94,7 +104,7 @@ class EscalatingSession:
     """See the module docstring.  Looks like a ``Session`` to the drivers (``clock``, ``ctx``,
     ``collectors``, ``before_step``, ``after_step``, ``close``)."""
 
-    wait_timeout_s = 60.0   # longest wait for the writer to judge a step (then: no more waiting)
+    wait_timeout_s = 60.0  # longest wait for the writer to judge a step (then: no more waiting)
 
     def __init__(self, builder: Any, cfg: MonitorConfig, first_step: int, step_optimizer: Any = None):
         assert cfg.on_anomaly is not None
@@ -113,19 +123,22 @@ class EscalatingSession:
         if rec_cfg is not None:
             self.recorder = builder.build_session(rec_cfg, first_step, wrap_sink=self._ring_of)
         elif self.spec.history_steps:
-            log.warning("trainmon: on_anomaly.history_steps: on_anomaly.config switches on no family the base "
-                        "config does not record, so the flight recorder has nothing to keep")
+            log.warning(
+                "trainmon: on_anomaly.history_steps: on_anomaly.config switches on no family the base "
+                "config does not record, so the flight recorder has nothing to keep"
+            )
         self.window: Session | None = None
-        self.window_end: int | None = None       # first step after the window
+        self.window_end: int | None = None  # first step after the window
         self.times = 0
-        self.history: list[dict[str, object]] = []   # this run's escalations, as in run.json
+        self.history: list[dict[str, object]] = []  # this run's escalations, as in run.json
         self._held: list[_Hold] = []
         self._wait = True
         self._broken = False
         self._handle: Handle | None = None
         if step_optimizer is not None:
-            self._handle = wrap_step_with_scaler(step_optimizer, self.before_step, self.after_step,
-                                                 entry=self.step_entry)
+            self._handle = wrap_step_with_scaler(
+                step_optimizer, self.before_step, self.after_step, entry=self.step_entry
+            )
 
     def _ring_of(self, sink: Any) -> Any:
         from trainmon.sinks.ring import RingSink
@@ -164,7 +177,7 @@ class EscalatingSession:
 
     def after_step(self) -> None:
         step = self.base.clock.step
-        recorded = self.base.clock.collecting   # False while held: the window recorded the step
+        recorded = self.base.clock.collecting  # False while held: the window recorded the step
         held = {id(h.session) for h in self._held}
         for s in self._live():
             if id(s) not in held:
@@ -178,19 +191,27 @@ class EscalatingSession:
             self._consult(step, recorded and not in_window)
 
     def _consult(self, step: int, recorded: bool) -> None:
-        if recorded and self._wait and self.latch.attached:
-            if not self.latch.wait_checked(step, self.wait_timeout_s):
-                self._wait = False
-                log.warning("trainmon: the alert writer did not judge step %d within %.0f s; escalations now "
-                            "start at the first boundary after an alert is judged", step, self.wait_timeout_s)
+        if recorded and self._wait and self.latch.attached and not self.latch.wait_checked(step, self.wait_timeout_s):
+            self._wait = False
+            log.warning(
+                "trainmon: the alert writer did not judge step %d within %.0f s; escalations now "
+                "start at the first boundary after an alert is judged",
+                step,
+                self.wait_timeout_s,
+            )
         try:
             trigger = self._agree(self.latch.first)
             if trigger is not None:
                 self._start(trigger, step + 1)
-        except Exception as exc:  # noqa: BLE001 - the monitor must never take the run down
+        except Exception as exc:
             self._broken = True
-            log.error("trainmon: escalation: agreeing with the other ranks failed at step %d (%s: %s); "
-                      "no more escalations on this rank, monitoring continues", step, type(exc).__name__, exc)
+            log.error(
+                "trainmon: escalation: agreeing with the other ranks failed at step %d (%s: %s); "
+                "no more escalations on this rank, monitoring continues",
+                step,
+                type(exc).__name__,
+                exc,
+            )
 
     def _agree(self, mine: Trigger | None) -> Trigger | None:
         """The earliest alert of any rank (ties: the lowest rank), the same on every rank."""
@@ -207,33 +228,55 @@ class EscalatingSession:
         self.times += 1
         last = first + self.spec.steps - 1
         window = self._build_window(first)
-        if not self.agreement.all_true(window is not None):   # every rank escalates, or none does
+        if not self.agreement.all_true(window is not None):  # every rank escalates, or none does
             if window is not None:
                 window.close()
-            log.error("trainmon: escalation %d/%d for the alert at step %d is NOT applied: building it failed "
-                      "on some rank (see that rank's log)", self.times, self.spec.max_times, trigger.step)
+            log.error(
+                "trainmon: escalation %d/%d for the alert at step %d is NOT applied: building it failed "
+                "on some rank (see that rank's log)",
+                self.times,
+                self.spec.max_times,
+                trigger.step,
+            )
             return
         kept = self.ring.dump() if self.ring is not None else []
         self.window = window
         self.window_end = last + 1
         self._held = [_Hold(s) for s in (self.base, self.recorder) if s is not None]
-        entry = {"trigger": trigger.to_json(), "first_step": first, "last_step": last, "times": self.times,
-                 "max_times": self.spec.max_times, "history": [kept[0], kept[-1]] if kept else None,
-                 "config": dict(self.cfg.to_dict()["on_anomaly"]["config"]),  # type: ignore[index]
-                 "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        entry = {
+            "trigger": trigger.to_json(),
+            "first_step": first,
+            "last_step": last,
+            "times": self.times,
+            "max_times": self.spec.max_times,
+            "history": [kept[0], kept[-1]] if kept else None,
+            "config": dict(self.cfg.to_dict()["on_anomaly"]["config"]),  # type: ignore[index]
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
         self.history.append(entry)
         if self.agreement.is_source:
-            log.warning("trainmon: escalation %d/%d: %s alert on rank %d at step %d (%s %s, %s); recording "
-                        "on_anomaly.config on every rank for steps %d..%d%s", self.times, self.spec.max_times,
-                        trigger.rule, trigger.rank, trigger.step, trigger.kind, trigger.name, trigger.op, first,
-                        last, f"; flight recorder wrote steps {kept[0]}..{kept[-1]}" if kept else "")
+            log.warning(
+                "trainmon: escalation %d/%d: %s alert on rank %d at step %d (%s %s, %s); recording "
+                "on_anomaly.config on every rank for steps %d..%d%s",
+                self.times,
+                self.spec.max_times,
+                trigger.rule,
+                trigger.rank,
+                trigger.step,
+                trigger.kind,
+                trigger.name,
+                trigger.op,
+                first,
+                last,
+                f"; flight recorder wrote steps {kept[0]}..{kept[-1]}" if kept else "",
+            )
             if self.builder.run_dir is not None and _dist.rank(self.builder.process_group) == 0:
                 append_to_meta(self.builder.run_dir, RUN_ESCALATIONS, entry)
 
     def _build_window(self, first: int) -> Session | None:
         try:
             return self.builder.build_session(window_config(self.cfg, first), first)
-        except Exception:  # noqa: BLE001 - the monitor must never take the run down
+        except Exception:
             log.exception("trainmon: escalation: building the escalation window failed on this rank")
             return None
 
@@ -242,10 +285,14 @@ class EscalatingSession:
         self._held = []
         assert window is not None
         window.close()
-        self.latch.clear()   # alerts of before the window were handled by it
+        self.latch.clear()  # alerts of before the window were handled by it
         if self.agreement.is_source:
-            log.warning("trainmon: escalation %d/%d ended; back to the base config from step %d",
-                        self.times, self.spec.max_times, next_step)
+            log.warning(
+                "trainmon: escalation %d/%d ended; back to the base config from step %d",
+                self.times,
+                self.spec.max_times,
+                next_step,
+            )
 
     def close(self) -> None:
         if self._handle is not None:

@@ -1,4 +1,5 @@
 """Config values whose feature cannot run here: asking for one is a ConfigError, never silence."""
+
 from __future__ import annotations
 
 from trainmon.config import MonitorConfig

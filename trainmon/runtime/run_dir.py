@@ -4,6 +4,7 @@ All ranks of one run share ``<run_id>``: rank 0 claims it (a local timestamp, su
 ``-1``, ``-2``, ... when another run took it, or ``$TRAINMON_RUN_ID``) and the others receive it
 through the process group.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainmon.output.layout import RUN_META, rank_dir_name
 from trainmon.core import dist as _dist
+from trainmon.output.layout import RUN_META, rank_dir_name
 
 __all__ = ["output_root", "create_run_dir", "rank_dir", "record_stats_path", "append_to_meta"]
 
@@ -80,8 +81,11 @@ def create_run_dir(root: Path, group: Any = None, meta: dict | None = None) -> P
             run_id = _make_run_dir(root)
             _write_meta(root / run_id, meta or {}, run_id)
         except OSError as exc:
-            log.warning("trainmon: cannot create output directory under %s (%s); nothing will be "
-                        "recorded, training continues", root, exc)
+            log.warning(
+                "trainmon: cannot create output directory under %s (%s); nothing will be recorded, training continues",
+                root,
+                exc,
+            )
             run_id = None
     run_id = _dist.broadcast_object(run_id, group)
     return None if run_id is None else root / run_id
@@ -131,7 +135,8 @@ def rank_dir(run_dir: Path, rank: int) -> Path | None:
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        log.warning("trainmon: cannot create %s (%s); nothing will be recorded on this rank, "
-                    "training continues", path, exc)
+        log.warning(
+            "trainmon: cannot create %s (%s); nothing will be recorded on this rank, training continues", path, exc
+        )
         return None
     return path

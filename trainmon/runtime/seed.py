@@ -1,4 +1,5 @@
 """``seed_all``: make two runs comparable (the loss-alignment workflow starts here)."""
+
 from __future__ import annotations
 
 import functools
@@ -45,6 +46,7 @@ def _remove_dropout() -> None:
             setattr(F, name, _without_p(fn))
     sdpa = F.scaled_dot_product_attention
     if not getattr(sdpa, "_trainmon_no_dropout", False):
+
         @functools.wraps(sdpa)
         def no_dropout_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, *args, **kwargs):
             return sdpa(query, key, value, attn_mask, 0.0, *args, **kwargs)

@@ -6,6 +6,7 @@ call) -> ``on_step_begin`` -> the update -> ``on_step_end`` ->
 ``engine.finish_step`` (one device->host copy) -> ``sink.write`` (returns at once: a writer
 thread does the I/O) -> clock advances.  When ``collect_times`` is reached every hook goes.
 """
+
 from __future__ import annotations
 
 import functools
@@ -34,17 +35,19 @@ class Session:
         self.ctx = ctx
         self.sink = sink
         ctx.guard = Guard(self._drop_collector)
-        self.collectors: list[Collector] = [cls(ctx) for cls in collector_classes()
-                                            if collect and cls.enabled(ctx.config)]
+        self.collectors: list[Collector] = [
+            cls(ctx) for cls in collector_classes() if collect and cls.enabled(ctx.config)
+        ]
         self._step_handle: Handle | None = None
-        self._entered = False   # on_step_entry ran for the running step
+        self._entered = False  # on_step_entry ran for the running step
         self._paths_recorded: dict[str, str] = {}
-        self._scale: Any = None   # loss scale at step entry (integrations.amp)
+        self._scale: Any = None  # loss scale at step entry (integrations.amp)
         for c in list(self.collectors):
             ctx.guard.run(c, c.attach)
         if optimizer is not None:
-            self._step_handle = amp.wrap_step_with_scaler(optimizer, self.before_step, self.after_step,
-                                                          entry=self.step_entry)
+            self._step_handle = amp.wrap_step_with_scaler(
+                optimizer, self.before_step, self.after_step, entry=self.step_entry
+            )
         if ctx.clock.finished:
             self.go_idle()
 
@@ -60,13 +63,13 @@ class Session:
                 self.ctx.guard.run(c, c.on_step_entry)
 
     def _step_collectors(self, skipped: bool) -> list[Collector]:
-        if skipped:   # the loss scaler skipped the optimizer step: nothing it changes is recorded
+        if skipped:  # the loss scaler skipped the optimizer step: nothing it changes is recorded
             return [c for c in self.collectors if c.runs_on_skipped_steps]
         return list(self.collectors)
 
     def before_step(self) -> None:
         """The update's grads are final (after the closure, when ``step`` was given one)."""
-        if not self._entered:   # a boundary without an entry point (monitor.step(), dynamic driver)
+        if not self._entered:  # a boundary without an entry point (monitor.step(), dynamic driver)
             self.step_entry()
         if self.clock.collecting:
             # the scale this iteration ran with, before the scaler updates it (a device tensor)
@@ -104,13 +107,17 @@ class Session:
             return
         scale = scale.double()
         flag = torch.ones_like(scale) if skipped else torch.zeros_like(scale)
-        self.ctx.engine.capture_values(Family.STEPS, [Meta(Family.STEPS, "optimizer", 0, (), "")],
-                                       [torch.cat([flag, scale])], ("skipped", "loss_scale"))
+        self.ctx.engine.capture_values(
+            Family.STEPS,
+            [Meta(Family.STEPS, "optimizer", 0, (), "")],
+            [torch.cat([flag, scale])],
+            ("skipped", "loss_scale"),
+        )
 
     def _emit(self, step: int, skipped: bool = False) -> None:
         try:
             rows = self.ctx.engine.finish_step(step)
-        except Exception:  # noqa: BLE001
+        except Exception:
             log.exception("trainmon: computing the stats of step %d failed; that step is not recorded", step)
             self.ctx.engine.discard()
             return
@@ -148,7 +155,9 @@ class Session:
         self.sink.close()
 
 
-_OPTIMIZER_FAMILIES = frozenset(str(f) for f, info in FAMILIES.items() if info.phase == Phase.OPTIMIZER) - {str(Family.STEPS)}
+_OPTIMIZER_FAMILIES = frozenset(str(f) for f, info in FAMILIES.items() if info.phase == Phase.OPTIMIZER) - {
+    str(Family.STEPS)
+}
 
 
 def _without_optimizer_rows(rows: StepRows) -> list[RowBlock]:

@@ -4,16 +4,16 @@ Sink modules are imported only when their format is asked for, so a format whose
 dependencies are missing costs nothing until it is used.  A sink written elsewhere
 becomes available by calling :func:`register_sink` before :func:`create_sink`.
 """
+
 from __future__ import annotations
 
 import importlib
 import logging
-from typing import Sequence
+from collections.abc import Sequence
 
 from trainmon.sinks.base import DropFamilies, NullSink, Sink, SinkOptions, register_sink, registered_sinks, sink_class
 
-__all__ = ["Sink", "NullSink", "SinkOptions", "register_sink", "create_sink", "available_formats",
-           "SINK_MODULES"]
+__all__ = ["Sink", "NullSink", "SinkOptions", "register_sink", "create_sink", "available_formats", "SINK_MODULES"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,9 +49,15 @@ def available_formats() -> tuple[str, ...]:
     return tuple(sorted(names))
 
 
-def create_sink(formats: str | Sequence[str], options: SinkOptions, *, threaded: bool = True,
-                max_pending_steps: int = 256, extra_sinks: Sequence[Sink] = (),
-                drop_families: frozenset[str] = frozenset()) -> Sink:
+def create_sink(
+    formats: str | Sequence[str],
+    options: SinkOptions,
+    *,
+    threaded: bool = True,
+    max_pending_steps: int = 256,
+    extra_sinks: Sequence[Sink] = (),
+    drop_families: frozenset[str] = frozenset(),
+) -> Sink:
     """One sink writing every format in ``formats`` (a name or a list of names).
 
     Returns ``AsyncSink(FanoutSink([...]))`` (or the bare ``FanoutSink`` with
@@ -76,8 +82,9 @@ def _build(fmt: str, options: SinkOptions) -> Sink:
     try:
         cls = _load(fmt)
     except KeyError:
-        raise ValueError(f"unknown output format {fmt!r}; available: "
-                         f"{', '.join(available_formats()) or 'none'}") from None
+        raise ValueError(
+            f"unknown output format {fmt!r}; available: {', '.join(available_formats()) or 'none'}"
+        ) from None
     except ImportError as exc:
         raise ValueError(f"output format {fmt!r} cannot be used here: {exc}") from exc
     return cls(options)

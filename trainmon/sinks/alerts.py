@@ -13,6 +13,7 @@ writer), judges them with ``trainmon.diagnosis.rules`` and
 
 The file is created with the first alert: a healthy run has none.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,14 +22,25 @@ import math
 import os
 import time
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
 
 from trainmon.diagnosis.escalation import AlertLatch, Trigger
-from trainmon.diagnosis.rules import (ALERTS_FILE, RATIO_FAMILIES, SKIP_EXPECTED, SKIPPED, SKIPPED_RUN, STEPS_FAMILY,
-                                      Anomaly, Rules, SpikeRule, SpikeTracker, nonfinite_op)
-from trainmon.stats.rows import StatRow, StepRows, paced
+from trainmon.diagnosis.rules import (
+    ALERTS_FILE,
+    RATIO_FAMILIES,
+    SKIP_EXPECTED,
+    SKIPPED,
+    SKIPPED_RUN,
+    STEPS_FAMILY,
+    Anomaly,
+    Rules,
+    SpikeRule,
+    SpikeTracker,
+    nonfinite_op,
+)
 from trainmon.sinks.base import Sink, SinkOptions
+from trainmon.stats.rows import StatRow, StepRows, paced
 
 __all__ = ["AlertSettings", "AlertSink", "ALERTS_FILE"]
 
@@ -42,7 +54,7 @@ class AlertSettings:
     """What the alert sink checks and what it does on an alert."""
 
     rules: Rules = field(default_factory=Rules)
-    max_log_lines: int = 5                       # first-time messages per step
+    max_log_lines: int = 5  # first-time messages per step
 
     @classmethod
     def from_alert_config(cls, alert: object) -> AlertSettings:
@@ -77,10 +89,12 @@ def _spike_rule(args: Mapping[str, object]) -> SpikeRule:
     factor = args.get("factor")
     if factor is None and args.get("threshold") is not None:
         factor = 1.0 + float(args["threshold"])
-    return SpikeRule(factor=float(factor if factor is not None else default.factor),
-                     floor=float(args.get("floor", default.floor)),
-                     warmup=int(args.get("warmup", default.warmup)),
-                     window=int(args.get("window", default.window)))
+    return SpikeRule(
+        factor=float(factor if factor is not None else default.factor),
+        floor=float(args.get("floor", default.floor)),
+        warmup=int(args.get("warmup", default.warmup)),
+        window=int(args.get("window", default.window)),
+    )
 
 
 def _is_tensor_row(row: StatRow) -> bool:
@@ -96,8 +110,7 @@ def _is_tensor_row(row: StatRow) -> bool:
 class AlertSink(Sink):
     """See the module docstring.  ``count`` is the number of alerts so far."""
 
-    def __init__(self, options: SinkOptions, settings: AlertSettings | None = None, *,
-                 latch: AlertLatch | None = None):
+    def __init__(self, options: SinkOptions, settings: AlertSettings | None = None, *, latch: AlertLatch | None = None):
         super().__init__(options)
         self.settings = settings or AlertSettings()
         rules = self.settings.rules
@@ -110,7 +123,7 @@ class AlertSink(Sink):
         self._fd: int | None = None
         self._seen: Counter[tuple[str, str]] = Counter()
         self._io_failed = 0
-        self._prev_skipped = False   # the previous recorded step was skipped by the loss scaler
+        self._prev_skipped = False  # the previous recorded step was skipped by the loss scaler
 
     # ------------------------------------------------------------------ rules
 
@@ -152,10 +165,24 @@ class AlertSink(Sink):
                         hits.append((op, value, "spike", base))
                 if threshold is not None and math.isfinite(value) and abs(value) > threshold:
                     hits.append((op, value, "threshold", None))
-            found += [Anomaly(step=row.step, kind=row.family, name=row.name, rank=self.options.rank, op=op,
-                              value=value, rule=rule, micro_step=row.micro_step, vpp_stage=row.vpp_stage,
-                              baseline=base, position=position, occurrence=occurrence, source="runtime")
-                      for op, value, rule, base in hits]
+            found += [
+                Anomaly(
+                    step=row.step,
+                    kind=row.family,
+                    name=row.name,
+                    rank=self.options.rank,
+                    op=op,
+                    value=value,
+                    rule=rule,
+                    micro_step=row.micro_step,
+                    vpp_stage=row.vpp_stage,
+                    baseline=base,
+                    position=position,
+                    occurrence=occurrence,
+                    source="runtime",
+                )
+                for op, value, rule, base in hits
+            ]
         if skipped is not None:
             self._prev_skipped = skipped
         return sorted(found, key=Anomaly.sort_key)
@@ -165,11 +192,10 @@ class AlertSink(Sink):
     def write(self, rows: StepRows, step: int) -> None:
         try:
             found = self.check(rows, step)
-            findings = [a for a in found if a.rule != SKIPPED]   # a lone skip is expected: no escalation
+            findings = [a for a in found if a.rule != SKIPPED]  # a lone skip is expected: no escalation
             if findings and self.latch is not None:
                 a = findings[0]
-                self.latch.fire(Trigger(step=a.step, rank=a.rank, rule=a.rule, kind=str(a.kind), name=a.name,
-                                        op=a.op))
+                self.latch.fire(Trigger(step=a.step, rank=a.rank, rule=a.rule, kind=str(a.kind), name=a.name, op=a.op))
         finally:  # judged (or failed): the boundary waiting for this step must not wait longer
             if self.latch is not None:
                 self.latch.checked(step)
@@ -181,8 +207,7 @@ class AlertSink(Sink):
 
     def _append(self, found: list[Anomaly]) -> None:
         now = round(time.time(), 3)
-        lines = "".join(json.dumps({**a.to_json(position=True), "time": now}, allow_nan=False) + "\n"
-                        for a in found)
+        lines = "".join(json.dumps({**a.to_json(position=True), "time": now}, allow_nan=False) + "\n" for a in found)
         data = lines.encode("utf-8")
         try:
             if self._fd is None:
@@ -190,7 +215,7 @@ class AlertSink(Sink):
                 self._fd = os.open(self.path, _FLAGS, 0o644)
             view = memoryview(data)
             while view:
-                view = view[os.write(self._fd, view):]
+                view = view[os.write(self._fd, view) :]
         except OSError as exc:
             self._io_failed += len(found)
             if self._io_failed == len(found):
@@ -205,15 +230,28 @@ class AlertSink(Sink):
             if n == 1:
                 first_time += 1
                 if first_time <= self.settings.max_log_lines:
-                    log.warning("trainmon alert: rank %d step %d %s %s %s: %s=%s%s", a.rank, a.step,
-                                a.phase, a.kind, a.name, a.op, a.to_json()["value"], _why(a))
+                    log.warning(
+                        "trainmon alert: rank %d step %d %s %s %s: %s=%s%s",
+                        a.rank,
+                        a.step,
+                        a.phase,
+                        a.kind,
+                        a.name,
+                        a.op,
+                        a.to_json()["value"],
+                        _why(a),
+                    )
             elif math.log10(n).is_integer():
-                log.warning("trainmon alert: %s %s: %d alerts so far (latest at step %d)",
-                            a.name, a.rule, n, a.step)
+                log.warning("trainmon alert: %s %s: %d alerts so far (latest at step %d)", a.name, a.rule, n, a.step)
         hidden = first_time - self.settings.max_log_lines
         if hidden > 0:
-            log.warning("trainmon alert: rank %d step %d: %d more tensors alerted (see %s)",
-                        self.options.rank, step, hidden, self.path)
+            log.warning(
+                "trainmon alert: rank %d step %d: %d more tensors alerted (see %s)",
+                self.options.rank,
+                step,
+                hidden,
+                self.path,
+            )
 
     def flush(self) -> None:
         if self._fd is not None:
@@ -228,14 +266,19 @@ class AlertSink(Sink):
             os.close(self._fd)
             self._fd = None
         if self.count:
-            log.warning("trainmon: rank %d: %d alerts on %d (name, rule) pairs; details in %s%s",
-                        self.options.rank, self.count, len(self._seen), self.path,
-                        f" ({self._io_failed} could not be written)" if self._io_failed else "")
+            log.warning(
+                "trainmon: rank %d: %d alerts on %d (name, rule) pairs; details in %s%s",
+                self.options.rank,
+                self.count,
+                len(self._seen),
+                self.path,
+                f" ({self._io_failed} could not be written)" if self._io_failed else "",
+            )
 
 
 def _skipped(rows: Sequence[StatRow]) -> bool | None:
     """Whether the loss scaler skipped this step (its ``steps`` row); None when there is none."""
-    for row in reversed(rows):   # the steps row is captured last
+    for row in reversed(rows):  # the steps row is captured last
         if row.family == STEPS_FAMILY:
             return bool(row.stats.get("skipped", 0))
     return None
@@ -243,8 +286,11 @@ def _skipped(rows: Sequence[StatRow]) -> bool | None:
 
 def _why(a: Anomaly) -> str:
     if a.rule in (SKIPPED, SKIPPED_RUN):
-        return (" (the loss scaler skipped the optimizer step: Inf/NaN grads; expected now and then)"
-                if a.rule == SKIPPED else " (the loss scaler skipped this step AND the one before: a run of skips)")
+        return (
+            " (the loss scaler skipped the optimizer step: Inf/NaN grads; expected now and then)"
+            if a.rule == SKIPPED
+            else " (the loss scaler skipped this step AND the one before: a run of skips)"
+        )
     if a.rule == "spike":
         return f" (spike: running baseline {a.baseline:.6g})"
     if a.rule == "threshold":

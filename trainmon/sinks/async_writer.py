@@ -5,6 +5,7 @@ the step's rows on a bounded queue.  When the writer falls behind by ``max_pendi
 steps, ``write()`` waits for it instead of dropping data: recorded statistics are never
 thrown away to keep up.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -12,11 +13,11 @@ import logging
 import os
 import queue
 import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
-from trainmon.stats.rows import StepRows
 from trainmon.sinks.base import Sink, SinkOptions
+from trainmon.stats.rows import StepRows
 
 __all__ = ["AsyncSink", "FanoutSink"]
 
@@ -39,8 +40,11 @@ class _ErrorLog:
         except Exception:
             self.count += 1
             if self.count == 1:
-                logger.error("trainmon: %s failed; monitoring continues, later failures are "
-                             "counted and reported at close", self.what, exc_info=True)
+                logger.error(
+                    "trainmon: %s failed; monitoring continues, later failures are counted and reported at close",
+                    self.what,
+                    exc_info=True,
+                )
 
     def report(self) -> None:
         if self.count > self._reported:
@@ -62,8 +66,7 @@ class AsyncSink(Sink):
     a thread it does not have nor closes files its parent still writes.
     """
 
-    def __init__(self, inner: Sink, max_pending_steps: int = 256,
-                 flush_interval_s: float | None = None):
+    def __init__(self, inner: Sink, max_pending_steps: int = 256, flush_interval_s: float | None = None):
         super().__init__(inner.options)
         if max_pending_steps < 1:
             raise ValueError(f"max_pending_steps must be >= 1, got {max_pending_steps!r}")
@@ -131,8 +134,11 @@ class AsyncSink(Sink):
     def _wait_for_room(self, item: tuple) -> None:
         if not self._warned_full:
             self._warned_full = True
-            logger.warning("trainmon: monitor writer is %d steps behind; training waits for it "
-                           "(raise max_pending_steps or record less)", self._queue.maxsize)
+            logger.warning(
+                "trainmon: monitor writer is %d steps behind; training waits for it "
+                "(raise max_pending_steps or record less)",
+                self._queue.maxsize,
+            )
         self._queue.put(item)
 
     # -- writer thread --------------------------------------------------------------------

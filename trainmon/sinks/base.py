@@ -1,12 +1,13 @@
 """Sink interface: where recorded rows go.  Sinks never see tensors."""
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
-from trainmon.stats.rows import StatRow, StepRows
+from trainmon.stats.rows import StepRows
 
 __all__ = ["Sink", "NullSink", "DropFamilies", "SinkOptions", "register_sink", "sink_class", "registered_sinks"]
 
@@ -17,8 +18,8 @@ class SinkOptions:
 
     rank_dir: Path
     rank: int = 0
-    ndigits: int | None = None          # significant digits; None = full precision
-    step_count_per_record: int = 1      # steps per CSV file window
+    ndigits: int | None = None  # significant digits; None = full precision
+    step_count_per_record: int = 1  # steps per CSV file window
 
 
 class Sink(ABC):

@@ -14,6 +14,7 @@ choices that matter:
 * Failures (unwritable directory, full disk) never reach the training loop: the first is
   logged as one warning, the rest are counted and reported at ``close()``.
 """
+
 from __future__ import annotations
 
 import logging
@@ -21,12 +22,12 @@ import numbers
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from trainmon.output.layout import family_file_name, partial_file_name, window_bounds
-from trainmon.stats.rows import RowBlock, StepRows, paced
 from trainmon.sinks.base import Sink, SinkOptions, register_sink
+from trainmon.stats.rows import RowBlock, StepRows, paced
 
 __all__ = ["CsvSink"]
 
@@ -83,8 +84,7 @@ class _Formatter:
 
 
 def _columns(micro: bool, extra: tuple[str, ...], stats: tuple[str, ...]) -> tuple[str, ...]:
-    return ("vpp_stage", "name", "step", *(("micro_step",) if micro else ()), *extra, *stats,
-            "shape", "dtype")
+    return ("vpp_stage", "name", "step", *(("micro_step",) if micro else ()), *extra, *stats, "shape", "dtype")
 
 
 class _FdCache:
@@ -201,12 +201,12 @@ class CsvSink(Sink):
         self._fmt = _Formatter(options.ndigits)
         self._dir = Path(options.rank_dir)
         self._fds = _FdCache(max_open_files)
-        self._paths: dict[_FileKey, Path] = {}     # files this sink has chosen
-        self._claimed: set[Path] = set()           # paths taken by some header (ours or on disk)
-        self._retired: set[Path] = set()           # paths whose tail we could not repair
+        self._paths: dict[_FileKey, Path] = {}  # files this sink has chosen
+        self._claimed: set[Path] = set()  # paths taken by some header (ours or on disk)
+        self._retired: set[Path] = set()  # paths whose tail we could not repair
         self._lock = threading.Lock()
-        self._heads: dict[tuple, str] = {}         # (vpp_stage, name) -> "vpp,name,"
-        self._tails: dict[tuple, str] = {}         # (shape, dtype) -> ",shape,dtype\n"
+        self._heads: dict[tuple, str] = {}  # (vpp_stage, name) -> "vpp,name,"
+        self._tails: dict[tuple, str] = {}  # (shape, dtype) -> ",shape,dtype\n"
         self._lost_rows = 0
         self._reported_lost = 0
         self._first_error: str | None = None
@@ -230,8 +230,12 @@ class CsvSink(Sink):
             self._sync_dir()
             new_losses = self._lost_rows - self._reported_lost
             if new_losses:
-                logger.warning("trainmon: %d monitor rows could not be written under %s (first error: %s)",
-                               new_losses, self._dir, self._first_error)
+                logger.warning(
+                    "trainmon: %d monitor rows could not be written under %s (first error: %s)",
+                    new_losses,
+                    self._dir,
+                    self._first_error,
+                )
                 self._reported_lost = self._lost_rows
 
     @property
@@ -244,11 +248,12 @@ class CsvSink(Sink):
     def _group_blocks(self, blocks: Sequence[RowBlock]) -> dict[_FileKey, list[str]]:
         """Lines per file, formatted from the columnar blocks without a ``StatRow`` per row (this
         runs on the writer thread, which shares the GIL with training)."""
-        return self._by_file((self._layout(b.family, b.step, b.micro_step, b.extra, b.stats),
-                              self._block_lines(b)) for b in paced(blocks, 4))
+        return self._by_file(
+            (self._layout(b.family, b.step, b.micro_step, b.extra, b.stats), self._block_lines(b))
+            for b in paced(blocks, 4)
+        )
 
-    def _layout(self, family: str, step: int, micro: int | None, extra: dict | None,
-                stats: tuple[str, ...]) -> tuple:
+    def _layout(self, family: str, step: int, micro: int | None, extra: dict | None, stats: tuple[str, ...]) -> tuple:
         n = self._steps_per_file
         return family, step // n * n, micro is not None, tuple(extra) if extra else (), stats
 
@@ -261,8 +266,7 @@ class CsvSink(Sink):
                 by_layout[layout] = lines
             else:
                 found.extend(lines)
-        return {(family, a, _columns(*layout)): lines
-                for (family, a, *layout), lines in by_layout.items()}
+        return {(family, a, _columns(*layout)): lines for (family, a, *layout), lines in by_layout.items()}
 
     def _block_lines(self, b: RowBlock) -> list[str]:
         # Engine-derived values are Python floats and ints: repr is the full-precision cell.
@@ -295,8 +299,9 @@ class CsvSink(Sink):
     def _append(self, family: str, a: int, columns: tuple[str, ...], lines: list[str]) -> None:
         header = (",".join(_quote(c) for c in columns) + "\n").encode()
         body = "".join(lines).encode()
-        path = (self._paths.get((family, a, columns))
-                or self._dir / family_file_name(family, *window_bounds(a, self._steps_per_file)))
+        path = self._paths.get((family, a, columns)) or self._dir / family_file_name(
+            family, *window_bounds(a, self._steps_per_file)
+        )
         try:
             path, fd, is_new = self._open_for(family, a, columns, header)
             if fd is None:
@@ -306,8 +311,7 @@ class CsvSink(Sink):
         except OSError as exc:
             self._failed(path, exc, len(lines))
 
-    def _open_for(self, family: str, a: int, columns: tuple[str, ...],
-                  header: bytes) -> tuple[Path, int | None, bool]:
+    def _open_for(self, family: str, a: int, columns: tuple[str, ...], header: bytes) -> tuple[Path, int | None, bool]:
         """The fd to append rows with these columns to (None: the file does not exist yet, create
         it with its first rows), and whether it still needs the header."""
         key = (family, a, columns)
@@ -344,8 +348,11 @@ class CsvSink(Sink):
         self._fds.drop(path)
         if not self._warned_removed:
             self._warned_removed = True
-            logger.warning("trainmon: monitor output %s was deleted while this run writes it (folder "
-                           "removed?); recreating it, rows from now on are kept", path)
+            logger.warning(
+                "trainmon: monitor output %s was deleted while this run writes it (folder "
+                "removed?); recreating it, rows from now on are kept",
+                path,
+            )
         return True
 
     def _try_open(self, path: Path, header: bytes) -> tuple[int | None, bool] | None:
@@ -394,8 +401,11 @@ class CsvSink(Sink):
             self._retired.add(path)  # it may end in half a row: never append there again
         if self._first_error is None:
             self._first_error = f"{path}: {exc}"
-            logger.warning("trainmon: cannot write monitor output %s: %s; further failures are "
-                           "counted and reported at close", path, exc)
+            logger.warning(
+                "trainmon: cannot write monitor output %s: %s; further failures are counted and reported at close",
+                path,
+                exc,
+            )
 
     def _sync_dir(self) -> None:
         # Makes the files' directory entries durable too; best effort.
@@ -409,4 +419,3 @@ class CsvSink(Sink):
             pass
         finally:
             _close_quietly(fd)
-

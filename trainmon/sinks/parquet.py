@@ -19,15 +19,16 @@ as soon as the step's rows arrive.  ``flush`` closes the open windows' files too
 rows then go to its next ``.{k}`` file, which readers concatenate in order.  Failures never reach
 the training loop: logged once, counted, reported at ``close`` like the CSV sink.
 """
+
 from __future__ import annotations
 
 import logging
 import numbers
 import os
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -44,7 +45,7 @@ COMPRESSION = "zstd"
 # Rows buffered per open file before they go to its temp file as one row group: bounds the sink's
 # memory however many steps a window (``step_count_per_record``) holds.
 ROW_GROUP_ROWS = 65_536
-_FileKey = tuple[str, int, tuple[str, ...]]   # (family, window start, columns)
+_FileKey = tuple[str, int, tuple[str, ...]]  # (family, window start, columns)
 
 
 def _shape_text(shape: Sequence[int]) -> str:
@@ -60,9 +61,9 @@ class _Window:
     b: int
     columns: tuple[str, ...]
     cells: dict[str, list] = field(default_factory=dict)
-    path: Path | None = None        # final name, chosen when the first row group is written
+    path: Path | None = None  # final name, chosen when the first row group is written
     writer: pq.ParquetWriter | None = None
-    written: int = 0                # rows already in the temp file
+    written: int = 0  # rows already in the temp file
 
     def __post_init__(self):
         self.clear()
@@ -149,8 +150,12 @@ class ParquetSink(Sink):
             self._sync_dir()
             new_losses = self._lost_rows - self._reported_lost
             if new_losses:
-                logger.warning("trainmon: %d monitor rows could not be written under %s (first error: %s)",
-                               new_losses, self._dir, self._first_error)
+                logger.warning(
+                    "trainmon: %d monitor rows could not be written under %s (first error: %s)",
+                    new_losses,
+                    self._dir,
+                    self._first_error,
+                )
                 self._reported_lost = self._lost_rows
 
     @property
@@ -163,8 +168,16 @@ class ParquetSink(Sink):
     def _add(self, b: RowBlock) -> None:
         a, end = window_bounds(int(b.step), self._steps_per_file)
         extra = tuple(b.extra) if b.extra else ()
-        columns = ("vpp_stage", "name", "step", *(("micro_step",) if b.micro_step is not None else ()),
-                   *extra, *b.stats, "shape", "dtype")
+        columns = (
+            "vpp_stage",
+            "name",
+            "step",
+            *(("micro_step",) if b.micro_step is not None else ()),
+            *extra,
+            *b.stats,
+            "shape",
+            "dtype",
+        )
         key = (b.family, a, columns)
         w = self._open.get(key)
         if w is None:
@@ -204,9 +217,9 @@ class ParquetSink(Sink):
             table = self._table(w)
             if w.writer is not None and table.schema != w.writer.schema:
                 try:
-                    table = table.cast(w.writer.schema)   # e.g. ints in a float column
+                    table = table.cast(w.writer.schema)  # e.g. ints in a float column
                 except (pa.ArrowException, ValueError):
-                    self._close_file(w)                   # another type: the next .{k} file
+                    self._close_file(w)  # another type: the next .{k} file
             if w.writer is None:
                 w.path = self._choose_path(w)
                 w.writer = pq.ParquetWriter(w.tmp, table.schema, compression=COMPRESSION)
@@ -260,8 +273,11 @@ class ParquetSink(Sink):
         w.written = 0
         if self._first_error is None:
             self._first_error = f"{w.path or self._dir}: {exc}"
-            logger.warning("trainmon: cannot write monitor output %s: %s; further failures are "
-                           "counted and reported at close", w.path or self._dir, exc)
+            logger.warning(
+                "trainmon: cannot write monitor output %s: %s; further failures are counted and reported at close",
+                w.path or self._dir,
+                exc,
+            )
 
     def _sync_dir(self) -> None:
         try:
@@ -274,4 +290,3 @@ class ParquetSink(Sink):
             pass
         finally:
             os.close(fd)
-

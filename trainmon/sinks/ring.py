@@ -6,6 +6,7 @@ formatting) in a ring of ``steps`` entries, on the training thread; nothing reac
 order and empties the ring: the escalator calls it when an alert fires, so the rows recorded
 *before* the anomaly exist too.  Rows still held at ``close`` were never needed and are dropped.
 """
+
 from __future__ import annotations
 
 from collections import deque

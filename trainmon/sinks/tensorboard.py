@@ -19,6 +19,7 @@ Where and under which tags is decided in :mod:`trainmon.output.tb_tags` (shared 
   by the kill is at the end, where TensorBoard's readers stop).  ``close`` fsyncs.
 * The sink writes synchronously; ``create_sink`` puts it behind the off-thread ``AsyncSink``.
 """
+
 from __future__ import annotations
 
 import logging
@@ -31,19 +32,32 @@ import struct
 import sys
 import threading
 import time
+from collections.abc import Iterable, Sequence
 from itertools import chain, count
 from pathlib import Path
-from typing import Iterable, Sequence, SupportsFloat, cast
+from typing import SupportsFloat, cast
 
 import numpy as np
 
 from trainmon.families import NOT_SCALAR
-from trainmon.stats.rows import StatRow, StepRows, paced
-from trainmon.sinks.base import Sink, SinkOptions, register_sink
 from trainmon.output.tb_tags import event_dir, scalar_tag, series_name
+from trainmon.sinks.base import Sink, SinkOptions, register_sink
+from trainmon.stats.rows import StatRow, StepRows, paced
 
-__all__ = ["TensorBoardSink", "EventFile", "crc32c", "masked_crc32c", "encode_event", "frame_record",
-           "value_prefix", "row_prefixes", "f32_bytes", "make_rounder", "tb_rank_dir", "event_file_name"]
+__all__ = [
+    "TensorBoardSink",
+    "EventFile",
+    "crc32c",
+    "masked_crc32c",
+    "encode_event",
+    "frame_record",
+    "value_prefix",
+    "row_prefixes",
+    "f32_bytes",
+    "make_rounder",
+    "tb_rank_dir",
+    "event_file_name",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +114,7 @@ def _tables_of(images: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     for base in (images[:16], images[16:]):
         tab = np.zeros(65536, dtype=np.uint32)
         for j in range(16):
-            tab[1 << j: 2 << j] = tab[: 1 << j] ^ base[j]
+            tab[1 << j : 2 << j] = tab[: 1 << j] ^ base[j]
         out.append(tab)
     return out[0], out[1]
 
@@ -127,9 +141,9 @@ def crc32c(data: bytes | bytearray | memoryview) -> int:
     lane = max(32, (n // 4096 + 3) // 4 * 4)
     k = -(-n // lane)
     buf = np.zeros(k * lane, dtype=np.uint8)
-    pad = k * lane - n                     # leading zeros do not change a zero register
+    pad = k * lane - n  # leading zeros do not change a zero register
     buf[pad:] = np.frombuffer(data, dtype=np.uint8)
-    buf[pad:pad + 4] ^= 0xFF               # the initial register ~0, folded into the data
+    buf[pad : pad + 4] ^= 0xFF  # the initial register ~0, folded into the data
     words = buf.view("<u4").reshape(k, lane // 4).T.copy()
     reg = np.zeros(k, dtype=np.uint32)
     lo, hi = _halves(reg)
@@ -141,7 +155,7 @@ def crc32c(data: bytes | bytearray | memoryview) -> int:
         np.bitwise_xor(a, b, out=reg)
     m = lane
     while len(reg) > 1:
-        if len(reg) % 2:                   # a zero lane in front keeps the pairs aligned
+        if len(reg) % 2:  # a zero lane in front keeps the pairs aligned
             reg = np.concatenate((np.zeros(1, np.uint32), reg))
         reg = _apply16(_zero_shift(m), reg[0::2]) ^ reg[1::2]
         m *= 2
@@ -183,7 +197,7 @@ def _field(number: int, payload: bytes) -> bytes:
 
 def value_prefix(tag: str) -> bytes:
     """Bytes of a ``Summary.value`` entry ``{tag, simple_value}`` up to its 4-byte float."""
-    body = _field(1, tag.encode("utf-8")) + b"\x15"      # simple_value: field 2, fixed32
+    body = _field(1, tag.encode("utf-8")) + b"\x15"  # simple_value: field 2, fixed32
     return b"\x0a" + _varint(len(body) + 4) + body
 
 
@@ -212,8 +226,9 @@ def frame_record(data: bytes) -> bytes:
 def file_header(wall_time: float) -> bytes:
     from tensorboard.compat.proto import event_pb2
 
-    event = event_pb2.Event(wall_time=wall_time, file_version=_FILE_VERSION,
-                            source_metadata=event_pb2.SourceMetadata(writer="trainmon"))
+    event = event_pb2.Event(
+        wall_time=wall_time, file_version=_FILE_VERSION, source_metadata=event_pb2.SourceMetadata(writer="trainmon")
+    )
     return frame_record(event.SerializeToString())
 
 
@@ -379,13 +394,23 @@ class TensorBoardSink(Sink):
             except OSError as exc:
                 self._failed = exc
                 self._lost_steps += 1
-                logger.warning("trainmon: cannot write TensorBoard events to %s (%s); TensorBoard "
-                               "output of this rank stops here, training continues", self.directory, exc)
+                logger.warning(
+                    "trainmon: cannot write TensorBoard events to %s (%s); TensorBoard "
+                    "output of this rank stops here, training continues",
+                    self.directory,
+                    exc,
+                )
 
     def _heads(self, row: StatRow) -> list[bytes]:
         key: tuple | None
-        key = (row.family, row.vpp_stage, row.name, row.micro_step,
-               tuple(row.extra.items()) if row.extra else (), tuple(row.stats))
+        key = (
+            row.family,
+            row.vpp_stage,
+            row.name,
+            row.micro_step,
+            tuple(row.extra.items()) if row.extra else (),
+            tuple(row.stats),
+        )
         try:
             heads = self._prefixes.get(key)
         except TypeError:  # an unhashable extra value: fine, just not cached
@@ -426,5 +451,6 @@ class TensorBoardSink(Sink):
             if self._file is not None:
                 self._file.close(sync=True)
         if self._lost_steps:
-            logger.warning("trainmon: %d step(s) of TensorBoard output were not written to %s",
-                           self._lost_steps, self.directory)
+            logger.warning(
+                "trainmon: %d step(s) of TensorBoard output were not written to %s", self._lost_steps, self.directory
+            )

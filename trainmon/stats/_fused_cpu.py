@@ -4,17 +4,20 @@ The eager CPU path runs four ATen reductions per tensor (sum, sum of squares, am
 a separate pass over memory plus dispatch overhead.  This kernel reads each tensor once.  It is
 plain C (no torch headers): the first use compiles it with the system C compiler in ~0.3 s into
 ``~/.cache/trainmon`` (``TRAINMON_CACHE_DIR`` to move it), later processes load the cached
-library only after the ownership, mode and content-hash checks of ``_kernel_cache``, and it is called through ``ctypes`` with the tensor's data pointer.  On by default for
+library only after the ownership, mode and content-hash checks of ``_kernel_cache``, and it is called through
+``ctypes`` with the tensor's data pointer.  On by default for
 CPU tensors; ``TRAINMON_FUSED_CPU=0`` turns it off.  No compiler, or a failed build, means one
 log line and the eager path (same values, slower).
 
 Accuracy: 16 float lanes accumulate blocks of 512 elements (32 per lane), and every block's sums
 are added in float64, so the error does not grow with the tensor size (at least as accurate as the
 eager blocked path).  A block whose float sums overflow (finite elements above ~1e18) is summed
-again in double, so any finite tensor gets finite sums; only such blocks pay for it.  min/max propagate NaN like ``torch.amin``/``amax``: a NaN anywhere makes the
+again in double, so any finite tensor gets finite sums; only such blocks pay for it.  min/max propagate NaN
+like ``torch.amin``/``amax``: a NaN anywhere makes the
 sum of squares NaN (and only a NaN can), which is the trigger.  The lanes are independent, so the
 compiler vectorizes them without fast-math and results do not depend on the vector width.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -24,8 +27,8 @@ import os
 import platform
 import shutil
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
@@ -147,18 +150,24 @@ def fill_rows(tensors: Sequence[torch.Tensor], out: torch.Tensor, start: int, co
         row += width * 8
 
 
-def partials_into(tensors: Sequence[torch.Tensor], out: torch.Tensor, start: int,
-                  cols: Sequence[int]) -> None:
+def partials_into(tensors: Sequence[torch.Tensor], out: torch.Tensor, start: int, cols: Sequence[int]) -> None:
     """Write rows ``start..`` of ``out`` (contiguous float64 ``[rows, len(cols)]``, CPU):
     column ``j`` of a tensor's row is fused value ``cols[j]`` (0 count, 1 sum, 2 sumsq, 3 min,
     4 max).  ``tensors``: CPU tensors of a ``FUSED_DTYPES`` dtype."""
     fn = _function()
     if fn is None:
         raise RuntimeError(f"fused CPU kernel unavailable: {_state.get('error')}")
-    if start < 0 or start + len(tensors) > out.shape[0] or out.dtype != torch.float64 \
-            or not out.is_contiguous() or out.dim() != 2 or out.shape[1] != len(cols):
-        raise ValueError("partials_into: out must be a contiguous float64 [rows, len(cols)] "
-                         "matrix with room for every tensor")
+    if (
+        start < 0
+        or start + len(tensors) > out.shape[0]
+        or out.dtype != torch.float64
+        or not out.is_contiguous()
+        or out.dim() != 2
+        or out.shape[1] != len(cols)
+    ):
+        raise ValueError(
+            "partials_into: out must be a contiguous float64 [rows, len(cols)] matrix with room for every tensor"
+        )
     fill_rows(tensors, out, start, tuple(cols))
 
 
@@ -175,17 +184,25 @@ def _function():
         try:
             lib = _kernel_cache.load(_library_name(), _compile)
             fn = lib.trainmon_partials
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
-                           ctypes.c_int64, ctypes.c_void_p]
+            fn.argtypes = [
+                ctypes.c_void_p,
+                ctypes.c_int64,
+                ctypes.c_int,
+                ctypes.c_void_p,
+                ctypes.c_int64,
+                ctypes.c_void_p,
+            ]
             fn.restype = ctypes.c_int
             _state["fn"] = fn
-        except Exception as exc:  # noqa: BLE001 -- any build/load failure means: eager path
+        except Exception as exc:
             _state["error"] = f"{type(exc).__name__}: {exc}"
             explicit = os.environ.get(ENV, "").strip().lower() not in ("", *_OFF)
             unsafe = isinstance(exc, _kernel_cache.UnsafeCache)
             (log.warning if explicit or unsafe else log.info)(
                 "trainmon: the fused CPU stats kernel is unavailable (%s); CPU tensors use the "
-                "eager path (same values, slower)", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                "eager path (same values, slower)",
+                str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+            )
     return _state["fn"]
 
 
@@ -213,8 +230,12 @@ def _compile(tmp: Path) -> Path:
     errors = []
     # -march=native: this CPU's vector width (its flags are in the name).  Without it if unsupported.
     for arch in (["-march=native"], []):
-        proc = subprocess.run([cc, "-O3", *arch, "-shared", "-fPIC", "-o", str(lib), str(src)],
-                              capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            [cc, "-O3", *arch, "-shared", "-fPIC", "-o", str(lib), str(src)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         if proc.returncode == 0:
             return lib
         errors.append(proc.stderr.strip().splitlines()[-1:] or [f"exit {proc.returncode}"])

@@ -15,6 +15,7 @@ loaded only when nobody but the current user could have written it:
   is exactly what was checked, not a file swapped in between.  A file that fails any check is
   rebuilt, never loaded.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -79,9 +80,14 @@ def _trusted_folder() -> Path:
     if problem.startswith("cannot be created"):  # e.g. a read-only home: nothing to fix
         log.info("trainmon: kernel cache %s %s; using %s", wanted, problem, fallback)
     else:
-        log.warning("trainmon: kernel cache %s %s, so nothing is loaded from it; building the kernel "
-                    "in the private folder %s instead (fix: chmod 700 the folder, or set "
-                    "TRAINMON_CACHE_DIR to a folder of yours)", wanted, problem, fallback)
+        log.warning(
+            "trainmon: kernel cache %s %s, so nothing is loaded from it; building the kernel "
+            "in the private folder %s instead (fix: chmod 700 the folder, or set "
+            "TRAINMON_CACHE_DIR to a folder of yours)",
+            wanted,
+            problem,
+            fallback,
+        )
     return fallback
 
 
@@ -135,8 +141,11 @@ def _load_verified(path: Path, expected: str | None = None) -> ctypes.CDLL | Non
             digest = _sha256_fd(fd)
             wanted = expected or _recorded_digest(path)
             if wanted != digest:
-                problem = "does not match the hash recorded when it was built" if wanted else \
-                    "has no valid record of its build"
+                problem = (
+                    "does not match the hash recorded when it was built"
+                    if wanted
+                    else "has no valid record of its build"
+                )
         if problem is not None:
             log.warning("trainmon: not loading %s: it %s; rebuilding it", path, problem)
             return None

@@ -5,9 +5,10 @@ per row and statistic: at a few hundred rows per step that Python work ran on th
 while the training thread waited for the GIL.  The functions are the table's own (each ``Stat``
 row's ``vector``); counts come back as ints.
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

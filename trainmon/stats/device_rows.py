@@ -27,13 +27,15 @@ buffers, DDP buckets as views, DeepSpeed's flat partitions) are reduced together
 per-chunk partials over a ``[chunks, width]`` view of the buffer, combined per tensor by
 ``segment_reduce`` (counts: a cumulative sum), a constant number of ops for the whole group.
 """
+
 from __future__ import annotations
 
 import itertools
 import math
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -42,10 +44,10 @@ from trainmon.stats.table import PARTIAL
 
 __all__ = ["DeviceRows", "HostCopy", "VALUE_COLUMNS", "COUNT_COLUMNS", "gathered_partials"]
 
-VALUE_COLUMNS = ("sum", "sumsq", "min", "max", "m2")   # float32 on the device (sumsq held as the norm)
-COUNT_COLUMNS = ("nans", "infs", "zeros")              # int64 on the device
+VALUE_COLUMNS = ("sum", "sumsq", "min", "max", "m2")  # float32 on the device (sumsq held as the norm)
+COUNT_COLUMNS = ("nans", "infs", "zeros")  # int64 on the device
 _F32 = torch.float32
-_SCRATCH_MAX = 1 << 26   # elements: larger tensors count with transient masks (a scratch of 64 MiB per count at most)
+_SCRATCH_MAX = 1 << 26  # elements: larger tensors count with transient masks (a scratch of 64 MiB per count at most)
 
 
 def _layout(columns: Sequence[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -55,13 +57,13 @@ def _layout(columns: Sequence[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return tuple(c for c in VALUE_COLUMNS if c in wanted), tuple(c for c in COUNT_COLUMNS if c in wanted)
 
 
-_MIN_BATCH = 5            # tensors of one buffer worth a batched reduction (its ~12 ops vs 3 each)
+_MIN_BATCH = 5  # tensors of one buffer worth a batched reduction (its ~12 ops vs 3 each)
 _FLAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
-_FOREACH_MAX = getattr(torch, "_foreach_max", None)                    # torch >= 2.4
+_FOREACH_MAX = getattr(torch, "_foreach_max", None)  # torch >= 2.4
 _MASKS_OUT = all(hasattr(op, "out") for op in (torch.ops.aten.isnan, torch.ops.aten.isinf))
-_WIDTH_MAX = 1 << 12      # chunk width of the batched path: the largest power of two dividing every
-_WIDTH_MIN = 256          # boundary, at most this; below _WIDTH_MIN the tensors are reduced one by one
+_WIDTH_MAX = 1 << 12  # chunk width of the batched path: the largest power of two dividing every
+_WIDTH_MIN = 256  # boundary, at most this; below _WIDTH_MIN the tensors are reduced one by one
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,7 @@ class _FlatLayout:
     chunks: int
     lengths: torch.Tensor
     select: torch.Tensor | None
-    ends: torch.Tensor          # the last chunk of every segment (counts: differences of a cumsum)
+    ends: torch.Tensor  # the last chunk of every segment (counts: differences of a cumsum)
 
     @staticmethod
     def of(key: tuple[tuple[int, int], ...], device: torch.device) -> _FlatLayout | None:
@@ -86,7 +88,7 @@ class _FlatLayout:
         width = _WIDTH_MAX
         for a, b in itertools.pairwise(order):
             if key[a][0] + key[a][1] > key[b][0]:
-                return None   # overlapping views: not one buffer's disjoint parts
+                return None  # overlapping views: not one buffer's disjoint parts
         for off, n in key:
             width = math.gcd(width, off - start, n)
         if width < _WIDTH_MIN:
@@ -95,14 +97,20 @@ class _FlatLayout:
         for k in order:
             off, n = key[k]
             if off > end:
-                lengths.append((off - end) // width)   # a gap: its own segment, never selected
+                lengths.append((off - end) // width)  # a gap: its own segment, never selected
             seg_of[k] = len(lengths)
             lengths.append(n // width)
             end = off + n
         select = None if seg_of == list(range(len(lengths))) else _to_device(seg_of, device)
         ends = list(itertools.accumulate(lengths))
-        return _FlatLayout(start, width, (end - start) // width, _to_device(lengths, device), select,
-                           _to_device([e - 1 for e in ends], device))
+        return _FlatLayout(
+            start,
+            width,
+            (end - start) // width,
+            _to_device(lengths, device),
+            select,
+            _to_device([e - 1 for e in ends], device),
+        )
 
 
 def _storage_ptr(t: torch.Tensor) -> int | None:
@@ -122,8 +130,8 @@ def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
 
 @dataclass
 class _Chunk:
-    values: torch.Tensor                       # [capacity, len(value columns)] float32
-    counts: torch.Tensor | None                # [capacity, len(count columns)] int64
+    values: torch.Tensor  # [capacity, len(value columns)] float32
+    counts: torch.Tensor | None  # [capacity, len(count columns)] int64
     extremes: dict[torch.dtype, torch.Tensor]  # dtype -> [capacity, 2] in that dtype
 
 
@@ -141,11 +149,11 @@ class DeviceRows:
         self.chunks: list[_Chunk] = []
         self.lock = threading.Lock()
         self.numels: list[int] = []
-        self.kinds: list[torch.dtype] = []    # the dtype whose extremes buffer holds the row's min/max
-        self._scratch: dict[Any, torch.Tensor] = {}   # stream -> [counts, size] bool masks (see _count)
-        self._layouts: dict[tuple, _FlatLayout | None] = {}   # flat layouts seen (see _flat_groups)
-        self._batchable = set(self.values) <= {"sum", "sumsq", "min", "max"}   # not m2 (std)
-        self._zero_counts: torch.Tensor | None = None   # [counts, 1] int64 zeros (see _batch_counts)
+        self.kinds: list[torch.dtype] = []  # the dtype whose extremes buffer holds the row's min/max
+        self._scratch: dict[Any, torch.Tensor] = {}  # stream -> [counts, size] bool masks (see _count)
+        self._layouts: dict[tuple, _FlatLayout | None] = {}  # flat layouts seen (see _flat_groups)
+        self._batchable = set(self.values) <= {"sum", "sumsq", "min", "max"}  # not m2 (std)
+        self._zero_counts: torch.Tensor | None = None  # [counts, 1] int64 zeros (see _batch_counts)
 
     # -- hooks ---------------------------------------------------------------------------------
     @torch.no_grad()
@@ -192,7 +200,7 @@ class DeviceRows:
         if len(tensors) < _MIN_BATCH or not self._batchable:
             return []
         by_storage: dict[tuple[int, torch.dtype], list[int]] = {}
-        for k, t in enumerate(tensors):   # plain tensors only: a subclass's storage may not be its data
+        for k, t in enumerate(tensors):  # plain tensors only: a subclass's storage may not be its data
             if type(t) in _PLAIN and t.dtype in _FLAT_DTYPES and t.numel() and t.is_contiguous():
                 ptr = _storage_ptr(t)
                 if ptr is not None:
@@ -207,8 +215,9 @@ class DeviceRows:
                     if len(self._layouts) > 256:
                         self._layouts.clear()
                     layout = self._layouts[key] = _FlatLayout.of(key, self.device)
-                fits = not self.counts or (_MASKS_OUT and layout is not None
-                                           and layout.chunks * layout.width <= _SCRATCH_MAX)
+                fits = not self.counts or (
+                    _MASKS_OUT and layout is not None and layout.chunks * layout.width <= _SCRATCH_MAX
+                )
                 if layout is not None and fits:
                     groups.append((idx, layout))
         return groups
@@ -230,8 +239,10 @@ class DeviceRows:
                 cols.append(torch.segment_reduce(sq, "sum", lengths=lengths).sqrt_())
             elif c == "min":
                 lo, hi = torch.aminmax(flat, dim=1)
-                cols += [torch.segment_reduce(lo, "min", lengths=lengths),
-                         torch.segment_reduce(hi, "max", lengths=lengths)]
+                cols += [
+                    torch.segment_reduce(lo, "min", lengths=lengths),
+                    torch.segment_reduce(hi, "max", lengths=lengths),
+                ]
         for k, t in enumerate(tensors):
             self.numels[row + k] = t.numel()
         picked = None
@@ -240,13 +251,13 @@ class DeviceRows:
             picked = seg if layout.select is None else seg.index_select(0, layout.select)
         counts = self._batch_counts(flat, layout) if self.counts else None
         done = 0
-        while done < len(tensors):   # rows may continue into the next chunk of the row buffer
+        while done < len(tensors):  # rows may continue into the next chunk of the row buffer
             chunk, r = self._chunk(row + done)
             n = min(len(tensors) - done, self.capacity - r)
             if picked is not None:
-                chunk.values[r:r + n, :len(self.values)].copy_(picked[done:done + n])
+                chunk.values[r : r + n, : len(self.values)].copy_(picked[done : done + n])
             if counts is not None:
-                chunk.counts[r:r + n].copy_(counts[done:done + n])  # type: ignore[index]
+                chunk.counts[r : r + n].copy_(counts[done : done + n])  # type: ignore[index]
             done += n
 
     def _foreach(self, group: list[torch.Tensor], row: int) -> None:
@@ -269,17 +280,17 @@ class DeviceRows:
         maxes, foreach_max = None, _FOREACH_MAX
         if "max" in vc and foreach_max is not None:
             maxes = foreach_max(group)
-        elif "max" in vc:   # torch < 2.4: one amax per tensor
+        elif "max" in vc:  # torch < 2.4: one amax per tensor
             for j, t in enumerate(group):
                 chunk, r = self._chunk(row + j)
                 torch.amax(t, out=chunk.values[r, vc["max"]])
         done = 0
-        while done < len(group):   # rows may continue into the next chunk of the row buffer
+        while done < len(group):  # rows may continue into the next chunk of the row buffer
             chunk, r = self._chunk(row + done)
             n = min(len(group) - done, self.capacity - r)
-            torch.stack(norms[done:done + n], out=chunk.values[r:r + n, vc["sumsq"]])
+            torch.stack(norms[done : done + n], out=chunk.values[r : r + n, vc["sumsq"]])
             if maxes is not None:
-                torch.stack(maxes[done:done + n], out=chunk.values[r:r + n, vc["max"]])
+                torch.stack(maxes[done : done + n], out=chunk.values[r : r + n, vc["max"]])
             done += n
 
     def _batch_counts(self, flat: torch.Tensor, layout: _FlatLayout) -> torch.Tensor:
@@ -290,8 +301,8 @@ class DeviceRows:
         m, w = layout.chunks, layout.width
         masks = self._masks(m * w)
         for k, col in enumerate(self.counts):
-            self._mask(flat, col, masks[k, :m * w].view(m, w))
-        cum = torch.sum(masks[:, :m * w].view(len(self.counts), m, w), dim=2).cumsum_(1)
+            self._mask(flat, col, masks[k, : m * w].view(m, w))
+        cum = torch.sum(masks[:, : m * w].view(len(self.counts), m, w), dim=2).cumsum_(1)
         if self._zero_counts is None:
             self._zero_counts = torch.zeros((len(self.counts), 1), dtype=torch.int64, device=self.device)
         seg = torch.diff(cum.index_select(1, layout.ends), dim=1, prepend=self._zero_counts)
@@ -301,10 +312,15 @@ class DeviceRows:
     def _chunk(self, row: int) -> tuple[_Chunk, int]:
         c, r = divmod(row, self.capacity)
         while c >= len(self.chunks):
-            self.chunks.append(_Chunk(
-                torch.empty((self.capacity, max(len(self.values), 1)), dtype=_F32, device=self.device),
-                torch.zeros((self.capacity, len(self.counts)), dtype=torch.int64, device=self.device)
-                if self.counts else None, {}))
+            self.chunks.append(
+                _Chunk(
+                    torch.empty((self.capacity, max(len(self.values), 1)), dtype=_F32, device=self.device),
+                    torch.zeros((self.capacity, len(self.counts)), dtype=torch.int64, device=self.device)
+                    if self.counts
+                    else None,
+                    {},
+                )
+            )
         return self.chunks[c], r
 
     def _reduce(self, t: torch.Tensor, row: int) -> None:
@@ -321,7 +337,7 @@ class DeviceRows:
         if "sumsq" in vc:
             torch.linalg.vector_norm(t, dtype=_F32, out=v[vc["sumsq"]])
         if "min" in vc:
-            ext = v[vc["min"]:vc["min"] + 2] if t.dtype == _F32 else self._extremes(chunk, t.dtype)[r]
+            ext = v[vc["min"] : vc["min"] + 2] if t.dtype == _F32 else self._extremes(chunk, t.dtype)[r]
             torch.aminmax(t, out=(ext[0], ext[1]))
         if "m2" in vc:
             torch.var(t if t.dtype == _F32 else t.to(_F32), dim=None, correction=0, out=v[vc["m2"]])
@@ -334,7 +350,7 @@ class DeviceRows:
         the row's adjacent count columns (``nans, infs``: 3 ops instead of 4)."""
         n = t.numel()
         masks = self._masks(n) if n <= _SCRATCH_MAX and _MASKS_OUT else None
-        if masks is None:   # a tensor this large: one transient mask per count (a scratch would stay)
+        if masks is None:  # a tensor this large: one transient mask per count (a scratch would stay)
             for k, col in enumerate(self.counts):
                 torch.sum(self._mask(t, col), dim=None, out=c[k])
             return
@@ -357,8 +373,9 @@ class DeviceRows:
         buf = self._scratch.get(key)
         if buf is None or buf.shape[1] < n:
             size = max(4096, 1 << (n - 1).bit_length(), 2 * buf.shape[1] if buf is not None else 0)
-            buf = self._scratch[key] = torch.empty((len(self.counts), min(size, _SCRATCH_MAX)),
-                                                   dtype=torch.bool, device=self.device)
+            buf = self._scratch[key] = torch.empty(
+                (len(self.counts), min(size, _SCRATCH_MAX)), dtype=torch.bool, device=self.device
+            )
         return buf
 
     def _eps_in(self, dtype: torch.dtype) -> float:
@@ -390,7 +407,7 @@ class DeviceRows:
             v = chunk.values[r]
             if "min" in self.vcol and self.kinds[i] != _F32 and self.numels[i]:
                 j = self.vcol["min"]
-                v = torch.cat([v[:j], chunk.extremes[self.kinds[i]][r].to(_F32), v[j + 2:]])
+                v = torch.cat([v[:j], chunk.extremes[self.kinds[i]][r].to(_F32), v[j + 2 :]])
             vals.append(v)
             if self.counts:
                 cnts.append(chunk.counts[r])  # type: ignore[index]
@@ -402,7 +419,7 @@ class DeviceRows:
         values = torch.stack(vals) if vals else torch.empty((0, max(len(self.values), 1)), device=self.device)
         return values, meta
 
-    def snapshot(self, extra: Sequence[torch.Tensor] = ()) -> "HostCopy | None":
+    def snapshot(self, extra: Sequence[torch.Tensor] = ()) -> HostCopy | None:
         """Start the step's one device->host copy (the rows, then ``extra`` tensors of this device:
         ready-made values, gathered shard rows); the buffers are reused for the next step."""
         with self.lock:
@@ -412,7 +429,7 @@ class DeviceRows:
         if n == 0 and not extra:
             return None
         parts: list[torch.Tensor] = []
-        layout: list[tuple[Any, ...]] = []   # (chunk or index, key, dtype, width or shape, rows)
+        layout: list[tuple[Any, ...]] = []  # (chunk or index, key, dtype, width or shape, rows)
         for c, chunk in enumerate(self.chunks[: (n + self.capacity - 1) // self.capacity]):
             rows = min(self.capacity, n - c * self.capacity)
             for key, buf in (("values", chunk.values), ("counts", chunk.counts), *chunk.extremes.items()):
@@ -422,8 +439,13 @@ class DeviceRows:
         for k, t in enumerate(extra):
             parts.append(t.reshape(-1).view(torch.uint8))
             layout.append((k, "extra", t.dtype, t.shape, 0))
-        flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone() if parts else \
-            torch.empty(0, dtype=torch.uint8, device=self.device)
+        flat = (
+            torch.cat(parts)
+            if len(parts) > 1
+            else parts[0].clone()
+            if parts
+            else torch.empty(0, dtype=torch.uint8, device=self.device)
+        )
         return HostCopy(_copy_to_host(flat), layout, numels, kinds, self)
 
     def clear(self) -> None:
@@ -464,8 +486,14 @@ def _copy_to_host(flat: torch.Tensor) -> tuple[torch.Tensor, object]:
 class HostCopy:
     """The step's device rows on their way to the host; ``rows`` waits for the copy."""
 
-    def __init__(self, copy: tuple[torch.Tensor, object], layout: list, numels: list[int],
-                 kinds: list[torch.dtype], owner: DeviceRows):
+    def __init__(
+        self,
+        copy: tuple[torch.Tensor, object],
+        layout: list,
+        numels: list[int],
+        kinds: list[torch.dtype],
+        owner: DeviceRows,
+    ):
         self._host, self._event = copy
         self._layout, self.numels, self.kinds, self._owner = layout, numels, kinds, owner
 
@@ -476,7 +504,7 @@ class HostCopy:
         for _k, key, dtype, shape, _rows in self._layout:
             size = (int(np.prod(shape)) if key == "extra" else _rows * shape) * dtype.itemsize
             if key == "extra":
-                out.append(self._host[pos:pos + size].clone().view(dtype).reshape(shape))
+                out.append(self._host[pos : pos + size].clone().view(dtype).reshape(shape))
             pos += size
         return out
 
@@ -498,7 +526,7 @@ class HostCopy:
             if key == "extra":
                 break
             size = rows * width * dtype.itemsize
-            mat = self._host[pos:pos + size].clone().view(dtype).reshape(rows, width).to(torch.float64).numpy()
+            mat = self._host[pos : pos + size].clone().view(dtype).reshape(rows, width).to(torch.float64).numpy()
             pos += size
             span = slice(c * cap, c * cap + rows)
             if key == "values":
@@ -511,8 +539,9 @@ class HostCopy:
                 maxs[span] = np.where(pick, mat[:, 1], maxs[span])
         return self._assemble(columns, values, counts, mins, maxs)
 
-    def _assemble(self, columns: Sequence[str], values: np.ndarray, counts: np.ndarray,
-                  mins: np.ndarray, maxs: np.ndarray) -> np.ndarray:
+    def _assemble(
+        self, columns: Sequence[str], values: np.ndarray, counts: np.ndarray, mins: np.ndarray, maxs: np.ndarray
+    ) -> np.ndarray:
         if "min" in self._owner.vcol:
             j = self._owner.vcol["min"]
             f32 = np.array([k == _F32 for k in self.kinds], dtype=bool)
@@ -541,9 +570,9 @@ def _partials(columns: Sequence[str], numel: np.ndarray, values: np.ndarray, cou
             if c in ccol:
                 col = counts[:, ccol[c]]
             elif c == "sumsq":
-                col = np.square(values[:, vcol[c]])   # the device holds the norm
+                col = np.square(values[:, vcol[c]])  # the device holds the norm
             elif c == "m2":
-                col = values[:, vcol[c]] * numel      # the device holds var(correction=0)
+                col = values[:, vcol[c]] * numel  # the device holds var(correction=0)
             else:
                 col = values[:, vcol[c]]
             out[:, j] = np.where(numel > 0, col, PARTIAL[c].identity)

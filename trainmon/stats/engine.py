@@ -14,28 +14,30 @@ Accelerator tensors (and, under the test seam ``TRAINMON_DEVICE_PATH=1``, CPU te
 copy per device per step, resolved (and sharded rows merged in float64) on the host when the rows
 are first read.  ``stats_paths`` says which path each device type used (recorded in run.json).
 """
+
 from __future__ import annotations
 
 import functools
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
-from trainmon.stats.rows import StepRows, RowBlock, paced
-from trainmon.stats.host_rows import HostRows
-from trainmon.stats.device_rows import DeviceRows, HostCopy
-from trainmon.stats.partials import device_columns, fused_columns, write_cpu_rows
 from trainmon.stats.derive import derive_block
+from trainmon.stats.device_rows import DeviceRows, HostCopy
+from trainmon.stats.host_rows import HostRows
+from trainmon.stats.partials import device_columns, fused_columns, write_cpu_rows
+from trainmon.stats.rows import RowBlock, StepRows, paced
 from trainmon.stats.table import combine, partials_for, unscale
 
 __all__ = ["StatsEngine", "Tracked", "Meta", "SEAM_ENV", "device_path_forced", "merge_rows"]
 
 SEAM_ENV = "TRAINMON_DEVICE_PATH"
-SKIPPED = object()   # the row handle of a tensor seen while a CUDA graph was being captured
+SKIPPED = object()  # the row handle of a tensor seen while a CUDA graph was being captured
 log = logging.getLogger(__name__)
 
 
@@ -59,7 +61,7 @@ class Tracked:
     name: str
     tensor: torch.Tensor
     vpp_stage: int = 0
-    shape: tuple[int, ...] | None = None   # logical (full) shape when ``tensor`` is a shard
+    shape: tuple[int, ...] | None = None  # logical (full) shape when ``tensor`` is a shard
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,14 +84,14 @@ _Item = tuple
 class _Pending:
     family: str
     items: list[_Item]
-    rows: list[Any]                        # host row index (CPU), (DeviceRows, index), or a value tensor
+    rows: list[Any]  # host row index (CPU), (DeviceRows, index), or a value tensor
     columns: tuple[str, ...]
     micro_step: int | None = None
     extra: dict[str, Any] | None = None
     is_values: bool = False
-    group: Any = None                      # process group to merge over (sharded tensors)
-    slot: Any = None                       # (device, index) of this capture's tensors in the step's copy
-    scale: Any = None                      # divide the partials by this (float, or a device 0-d tensor)
+    group: Any = None  # process group to merge over (sharded tensors)
+    slot: Any = None  # (device, index) of this capture's tensors in the step's copy
+    scale: Any = None  # divide the partials by this (float, or a device 0-d tensor)
 
 
 class StatsEngine:
@@ -101,14 +103,22 @@ class StatsEngine:
         self.columns = device_columns(partials_for(self.ops))
         self._pending: list[_Pending] = []
         self._host = HostRows(len(self.columns))
-        self._fused_cols: tuple[int, ...] | None | bool = False
+        self._fused_cols: tuple[int, ...] | bool | None = False
         self.seam = device_path_forced()
         self._devices: dict[torch.device, DeviceRows] = {}
-        self.stats_paths: dict[str, str] = {}     # device type -> "cpu-fused" | "cpu-eager" | "device"
+        self.stats_paths: dict[str, str] = {}  # device type -> "cpu-fused" | "cpu-eager" | "device"
         self._warned_capture = False
 
-    def capture(self, family: str, items: Sequence[Tracked], *, micro_step: int | None = None,
-                extra: dict[str, Any] | None = None, group: Any = None, scale: Any = None) -> None:
+    def capture(
+        self,
+        family: str,
+        items: Sequence[Tracked],
+        *,
+        micro_step: int | None = None,
+        extra: dict[str, Any] | None = None,
+        group: Any = None,
+        scale: Any = None,
+    ) -> None:
         """Record the stats of ``items`` as they are now.  No host sync.
 
         ``group``: the tensors are shards of larger tensors split over this process group; the
@@ -147,8 +157,7 @@ class StatsEngine:
                 self._warn_capturing()
                 got = [SKIPPED] * len(idx)
             elif device.type == "cpu" and not self.seam:
-                got = list(write_cpu_rows([tensors[i] for i in idx], self.columns, self.eps,
-                                          self._host, self._fused()))
+                got = list(write_cpu_rows([tensors[i] for i in idx], self.columns, self.eps, self._host, self._fused()))
             else:
                 got = self._device_rows(device).write([tensors[i] for i in idx])
             for i, r in zip(idx, got):
@@ -158,8 +167,10 @@ class StatsEngine:
     def _warn_capturing(self) -> None:
         if not self._warned_capture:
             self._warned_capture = True
-            log.warning("trainmon: a CUDA graph is being captured; statistics of tensors seen during "
-                        "the capture are skipped (graph replays run no hooks and are not recorded)")
+            log.warning(
+                "trainmon: a CUDA graph is being captured; statistics of tensors seen during "
+                "the capture are skipped (graph replays run no hooks and are not recorded)"
+            )
 
     def _device_rows(self, device: torch.device) -> DeviceRows:
         rows = self._devices.get(device)
@@ -174,32 +185,68 @@ class StatsEngine:
             self._fused_cols = fused_columns(self.columns)
         return self._fused_cols  # type: ignore[return-value]
 
-    def capture_rows(self, family: str, items: Sequence[Tracked], rows: Sequence[Any], *,
-                     micro_step: int | None = None, extra: dict[str, Any] | None = None,
-                     group: Any = None, scale: Any = None) -> None:
+    def capture_rows(
+        self,
+        family: str,
+        items: Sequence[Tracked],
+        rows: Sequence[Any],
+        *,
+        micro_step: int | None = None,
+        extra: dict[str, Any] | None = None,
+        group: Any = None,
+        scale: Any = None,
+    ) -> None:
         """Record rows from ``partials`` under the names of ``items`` (one row may serve several
         names: a tensor that is the output of one module and the input of the next); ``scale``:
         see ``capture``."""
         if items and not any(r is SKIPPED for r in rows):
-            self._pending.append(_Pending(family, [
-                (it.name, it.vpp_stage, it.shape if it.shape is not None else it.tensor.shape,
-                 it.tensor.dtype) for it in items], rows if isinstance(rows, list) else list(rows),
-                self.columns, micro_step, dict(extra) if extra else None, group=group,
-                scale=None if scale is None else scale.detach()
-                if isinstance(scale, torch.Tensor) and (self.seam or not scale.is_cpu) else float(scale)))
+            self._pending.append(
+                _Pending(
+                    family,
+                    [
+                        (it.name, it.vpp_stage, it.shape if it.shape is not None else it.tensor.shape, it.tensor.dtype)
+                        for it in items
+                    ],
+                    rows if isinstance(rows, list) else list(rows),
+                    self.columns,
+                    micro_step,
+                    dict(extra) if extra else None,
+                    group=group,
+                    scale=None
+                    if scale is None
+                    else scale.detach()
+                    if isinstance(scale, torch.Tensor) and (self.seam or not scale.is_cpu)
+                    else float(scale),
+                )
+            )
 
-    def capture_tensors(self, family: str, vpp_stage: int, names: Sequence[str],
-                        tensors: Sequence[torch.Tensor], rows: Sequence[Any], *,
-                        micro_step: int | None = None, shape: tuple[int, ...] | None = None) -> None:
+    def capture_tensors(
+        self,
+        family: str,
+        vpp_stage: int,
+        names: Sequence[str],
+        tensors: Sequence[torch.Tensor],
+        rows: Sequence[Any],
+        *,
+        micro_step: int | None = None,
+        shape: tuple[int, ...] | None = None,
+    ) -> None:
         """``capture_rows`` without ``Tracked`` objects, for hooks (activations)."""
         if any(r is SKIPPED for r in rows):
             return
-        self._pending.append(_Pending(family, [
-            (n, vpp_stage, t.shape if shape is None else shape, t.dtype) for n, t in zip(names, tensors)],
-            list(rows), self.columns, micro_step))
+        self._pending.append(
+            _Pending(
+                family,
+                [(n, vpp_stage, t.shape if shape is None else shape, t.dtype) for n, t in zip(names, tensors)],
+                list(rows),
+                self.columns,
+                micro_step,
+            )
+        )
 
-    def capture_values(self, family: str, metas: Sequence[Meta], values: Sequence[torch.Tensor],
-                       columns: Sequence[str]) -> None:
+    def capture_values(
+        self, family: str, metas: Sequence[Meta], values: Sequence[torch.Tensor], columns: Sequence[str]
+    ) -> None:
         """Record values already computed on the device (one ``[len(columns)]`` row per meta;
         the rows share the first meta's ``micro_step`` and ``extra``).  Kept as they are (no fp64
         on the device); they reach the host with the step's one copy."""
@@ -207,9 +254,17 @@ class StatsEngine:
             self._warn_capturing()
             return
         if metas:
-            self._pending.append(_Pending(family, [(m.name, m.vpp_stage, m.shape, m.dtype) for m in metas],
-                                          [v.detach().reshape(-1) for v in values], tuple(columns),
-                                          metas[0].micro_step, metas[0].extra or None, is_values=True))
+            self._pending.append(
+                _Pending(
+                    family,
+                    [(m.name, m.vpp_stage, m.shape, m.dtype) for m in metas],
+                    [v.detach().reshape(-1) for v in values],
+                    tuple(columns),
+                    metas[0].micro_step,
+                    metas[0].extra or None,
+                    is_values=True,
+                )
+            )
 
     def discard(self) -> None:
         self._pending.clear()
@@ -245,15 +300,19 @@ class StatsEngine:
     def _merge_sharded(self, pending: list[_Pending]) -> None:
         """Host (CPU) rows of sharded captures: gathered and merged now (reading CPU memory is
         free).  Device rows: see ``_start_device_merges``."""
-        host = [p for p in pending if p.group is not None and not p.is_values and p.rows
-                and isinstance(p.rows[0], int)]
+        host = [p for p in pending if p.group is not None and not p.is_values and p.rows and isinstance(p.rows[0], int)]
         for p in host:
             p.rows = list(self._host.rows(p.rows).unbind(0))
         _merge_host_sharded(host)
 
 
-def _build_blocks(pending: list[_Pending], host: list[list[float]], copies: dict[Any, HostCopy | None],
-                  step: int, ops: tuple[str, ...]) -> list[RowBlock]:
+def _build_blocks(
+    pending: list[_Pending],
+    host: list[list[float]],
+    copies: dict[Any, HostCopy | None],
+    step: int,
+    ops: tuple[str, ...],
+) -> list[RowBlock]:
     """One block per run of consecutive captures that share a layout (an activation hook captures
     one or two tensors at a time: merged, a micro-batch's forward is one block, so numpy's fixed
     cost is paid a few times per step, not once per hook call)."""
@@ -293,8 +352,9 @@ def _runs(pending: list[_Pending], values: list[list[list[float]]]):
         yield key, run
 
 
-def _to_host(pending: list[_Pending], host: list[list[float]],
-             copies: dict[Any, HostCopy | None]) -> list[list[list[float]]]:
+def _to_host(
+    pending: list[_Pending], host: list[list[float]], copies: dict[Any, HostCopy | None]
+) -> list[list[list[float]]]:
     """Each pending's rows as floats: host rows by index, device rows from their device's copy
     (waiting for it here), value tensors and gathered shards from the extras of that copy."""
     decoded: dict[Any, list[list[float]]] = {}
@@ -312,8 +372,13 @@ def _to_host(pending: list[_Pending], host: list[list[float]],
     return out
 
 
-def _values_of(p: _Pending, host: list[list[float]], copies: dict[Any, HostCopy | None],
-               decoded: dict[Any, list[list[float]]], extras: dict[Any, list[torch.Tensor]]) -> list[list[float]]:
+def _values_of(
+    p: _Pending,
+    host: list[list[float]],
+    copies: dict[Any, HostCopy | None],
+    decoded: dict[Any, list[list[float]]],
+    extras: dict[Any, list[torch.Tensor]],
+) -> list[list[float]]:
     """One pending's rows as floats (see ``_to_host``)."""
     if p.slot is not None:
         device, k = p.slot
@@ -367,7 +432,12 @@ def _device_extras(pending: list[_Pending], seam: bool) -> dict[torch.device, li
         for p in members:  # each member reads its own rows of the gathered payload
             n = len(p.rows)
             p.slot = (owner.device, len(slots))
-            slots.extend([gathered[0][:, pos:pos + n], torch.cat([gathered[1][:, :1], gathered[1][:, 1 + pos:1 + pos + n]], 1)])
+            slots.extend(
+                [
+                    gathered[0][:, pos : pos + n],
+                    torch.cat([gathered[1][:, :1], gathered[1][:, 1 + pos : 1 + pos + n]], 1),
+                ]
+            )
             pos += n
     return extras
 
@@ -379,10 +449,20 @@ def _merged_rows(values: torch.Tensor, counts: torch.Tensor, columns: Sequence[s
     n_ranks = counts[:, 0, 0].tolist()
     n = values.shape[1]
     if any(c != n_ranks[0] for c in n_ranks):
-        raise RuntimeError(f"trainmon: ranks captured different numbers of sharded rows {n_ranks}; "
-                           "every rank must capture a (maybe empty) shard of every sharded tensor")
-    mats = np.stack([gathered_partials(columns, values[w].double().numpy(), counts[w, 1:].numpy())
-                     for w in range(values.shape[0])]) if n else np.zeros((values.shape[0], 0, len(columns)))
+        raise RuntimeError(
+            f"trainmon: ranks captured different numbers of sharded rows {n_ranks}; "
+            "every rank must capture a (maybe empty) shard of every sharded tensor"
+        )
+    mats = (
+        np.stack(
+            [
+                gathered_partials(columns, values[w].double().numpy(), counts[w, 1:].numpy())
+                for w in range(values.shape[0])
+            ]
+        )
+        if n
+        else np.zeros((values.shape[0], 0, len(columns)))
+    )
     return combine(mats, columns).tolist()
 
 
@@ -405,12 +485,14 @@ def _merge_host_sharded(pending: list[_Pending]) -> None:
         gathered = _dist.all_gather_rows(torch.cat([count, local]), members[0].group)
         counts = gathered[:, 0, 0].tolist()
         if any(c != len(rows) for c in counts):
-            raise RuntimeError(f"trainmon: ranks captured different numbers of sharded rows {counts}; "
-                               "every rank must capture a (maybe empty) shard of every sharded tensor")
+            raise RuntimeError(
+                f"trainmon: ranks captured different numbers of sharded rows {counts}; "
+                "every rank must capture a (maybe empty) shard of every sharded tensor"
+            )
         merged = merge_rows(gathered[:, 1:], members[0].columns)
         pos = 0
         for p in members:
-            p.rows = list(merged[pos:pos + len(p.rows)].unbind(0))
+            p.rows = list(merged[pos : pos + len(p.rows)].unbind(0))
             pos += len(p.rows)
 
 

@@ -4,10 +4,11 @@ A CPU capture writes its row straight into the buffer and keeps only the row's i
 per row, no stacking at the end of the step, and ``finish_step`` reads every row with one
 ``tolist``.  Hooks run this once per module input/output, so per-capture cost is what matters.
 """
+
 from __future__ import annotations
 
 import threading
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 
@@ -22,7 +23,7 @@ class HostRows:
         # work on device threads) must not write into a buffer that is being grown.
         self.lock = threading.Lock()
         self.tensor = torch.empty((capacity, width), dtype=torch.float64)
-        self.array = self.tensor.numpy()   # same memory: eager rows are written through numpy
+        self.array = self.tensor.numpy()  # same memory: eager rows are written through numpy
 
     def reserve(self, k: int) -> int:
         """Index of the first of ``k`` new rows (the buffer may move: read ``tensor`` after)."""
@@ -39,7 +40,7 @@ class HostRows:
     def take(self) -> list[list[float]]:
         """Every row written since the last ``take``/``clear``; the buffer is then reused."""
         with self.lock:
-            values = self.array[:self.count].tolist()
+            values = self.array[: self.count].tolist()
             self.count = 0
         return values
 
@@ -48,5 +49,5 @@ class HostRows:
 
     def _grow(self, need: int) -> None:
         bigger = torch.empty((max(need, 2 * self.tensor.shape[0]), self.width), dtype=torch.float64)
-        bigger[:self.count] = self.tensor[:self.count]
+        bigger[: self.count] = self.tensor[: self.count]
         self.tensor, self.array = bigger, bigger.numpy()

@@ -19,11 +19,12 @@ Accuracy notes (why the code looks like this):
   though every element is finite.  A row whose sum, sum of squares or m2 is not finite while the
   tensor is all finite is recomputed in float64 chunks (``_rescued``): only such tensors pay it.
 """
+
 from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -34,10 +35,10 @@ from trainmon.stats.table import PARTIAL, combine
 __all__ = ["compute_partials", "write_cpu_rows", "device_columns"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
-_BLOCK = 1 << 10          # elements per block when reducing CPU tensors (accuracy, see above)
-_BIG = 1 << 16            # tensors larger than this take the blocked path on CPU
+_BLOCK = 1 << 10  # elements per block when reducing CPU tensors (accuracy, see above)
+_BIG = 1 << 16  # tensors larger than this take the blocked path on CPU
 _ONE_PASS_EXTREMES = 1 << 20
-_CHUNK = 1 << 22          # elements per fp32 chunk when upcasting low precision on CPU
+_CHUNK = 1 << 22  # elements per fp32 chunk when upcasting low precision on CPU
 
 # Columns computed on the device, in order; "count" comes from numel.
 _DEVICE_ORDER = ("count", "sum", "sumsq", "min", "max", "nans", "infs", "zeros", "m2")
@@ -52,8 +53,9 @@ def device_columns(partials: Sequence[str]) -> tuple[str, ...]:
 
 
 @torch.no_grad()
-def compute_partials(tensors: Sequence[torch.Tensor], columns: Sequence[str], eps: float,
-                     no_sync: bool = False) -> list[torch.Tensor]:
+def compute_partials(
+    tensors: Sequence[torch.Tensor], columns: Sequence[str], eps: float, no_sync: bool = False
+) -> list[torch.Tensor]:
     """Partials rows, one ``[len(columns)]`` float64 CPU tensor per input.  CPU tensors take the
     engine's CPU path (fused kernel for lean columns when it is on); others the device path,
     read back at once (this function waits for the device: not for hooks)."""
@@ -96,8 +98,9 @@ def fused_columns(columns: Sequence[str]) -> tuple[int, ...] | None:
     return _FUSED_MAPS[key] if _FUSED_MAPS[key] is not None and _fused_cpu.enabled() else None
 
 
-def write_cpu_rows(tensors: Sequence[torch.Tensor], columns: Sequence[str], eps: float,
-                   host: HostRows, fused: tuple[int, ...] | None) -> range:
+def write_cpu_rows(
+    tensors: Sequence[torch.Tensor], columns: Sequence[str], eps: float, host: HostRows, fused: tuple[int, ...] | None
+) -> range:
     """Partials of CPU ``tensors`` written into ``host`` (the engine's step buffer); returns their
     row indices.  ``fused``: ``fused_columns(columns)``.  The hot path of every hook on a CPU
     model, hence no per-row tensors and few Python frames."""
@@ -113,7 +116,6 @@ def write_cpu_rows(tensors: Sequence[torch.Tensor], columns: Sequence[str], eps:
                 else:
                     host.array[start + k] = _cpu_values(t, columns, eps)
         return range(start, start + len(tensors))
-
 
 
 def _fused_rows(group: list[torch.Tensor], columns: Sequence[str]) -> list[torch.Tensor]:
@@ -162,8 +164,11 @@ def _cpu_values(t: torch.Tensor, columns: Sequence[str], eps: float) -> list[flo
     # On the CPU the values are already computed (no stream to wait for): reading them as Python
     # floats costs less than stacking and converting 0-d tensors.
     values = [float(part[c]) for c in columns]
-    if not math.isfinite(sum(v for c, v in zip(columns, values) if c in _ACCUMULATED)) \
-            and t.dtype != torch.float64 and bool(torch.isfinite(t).all()):
+    if (
+        not math.isfinite(sum(v for c, v in zip(columns, values) if c in _ACCUMULATED))
+        and t.dtype != torch.float64
+        and bool(torch.isfinite(t).all())
+    ):
         return _chunked_partials(t, columns, eps, torch.float64).tolist()  # overflow: see the docstring
     return values
 
@@ -184,12 +189,13 @@ def _blocked_sumsq(t: torch.Tensor) -> torch.Tensor:
     return blocks
 
 
-_ACCUMULATED = frozenset({"sum", "sumsq", "m2"})   # columns that can overflow on finite input
+_ACCUMULATED = frozenset({"sum", "sumsq", "m2"})  # columns that can overflow on finite input
 _IDENTITY = {name: p.identity for name, p in PARTIAL.items()}
 
 
-def _chunked_partials(t: torch.Tensor, columns: Sequence[str], eps: float,
-                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def _chunked_partials(
+    t: torch.Tensor, columns: Sequence[str], eps: float, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Partials of a CPU tensor upcast chunk by chunk into one reused ``dtype`` buffer (fp32 for
     low precision; fp64 to recompute a row whose fp32 accumulation overflowed)."""
     flat = t.reshape(-1)
@@ -200,7 +206,7 @@ def _chunked_partials(t: torch.Tensor, columns: Sequence[str], eps: float,
     row = None
     for start in range(0, n, _CHUNK):
         part = buf[: min(_CHUNK, n - start)]
-        part.copy_(flat[start:start + part.numel()])
+        part.copy_(flat[start : start + part.numel()])
         chunk_row = _cpu_row(part, columns, eps)
         row = chunk_row if row is None else _merge_rows(row, chunk_row, columns)
     return row  # type: ignore[return-value]

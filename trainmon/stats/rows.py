@@ -3,12 +3,14 @@
 A step's rows are columnar :class:`RowBlock` s (what the engine produces and the CSV sink
 formats); :class:`StatRow` is the per-row view of them that row-wise sinks iterate.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Sequence, TypeVar, overload
+from typing import TypeVar, overload
 
 __all__ = ["StatRow", "RowBlock", "StepRows", "paced"]
 
@@ -59,7 +61,7 @@ class RowBlock:
     step: int
     micro_step: int | None
     extra: dict[str, object] | None
-    stats: tuple[str, ...]                 # names of the values, in order
+    stats: tuple[str, ...]  # names of the values, in order
     names: list[str]
     vpp_stages: list[int]
     shapes: list[tuple[int, ...]]
@@ -71,10 +73,10 @@ class RowBlock:
 
     def rows(self) -> list[StatRow]:
         family, step, micro, stats, extra = self.family, self.step, self.micro_step, self.stats, self.extra
-        return [StatRow(family, name, step, dict(zip(stats, vals)), shape, dtype, vpp, micro,
-                        dict(extra) if extra else {})
-                for name, vpp, shape, dtype, vals in zip(self.names, self.vpp_stages, self.shapes,
-                                                         self.dtypes, self.values)]
+        return [
+            StatRow(family, name, step, dict(zip(stats, vals)), shape, dtype, vpp, micro, dict(extra) if extra else {})
+            for name, vpp, shape, dtype, vals in zip(self.names, self.vpp_stages, self.shapes, self.dtypes, self.values)
+        ]
 
 
 class StepRows(Sequence[StatRow]):
@@ -85,7 +87,7 @@ class StepRows(Sequence[StatRow]):
     per-row objects at all.  ``StepRows.of(rows)`` wraps rows built by hand (tests, converters).
     """
 
-    __slots__ = ("_build", "_blocks", "_rows")
+    __slots__ = ("_blocks", "_build", "_rows")
 
     def __init__(self, build: Callable[[], list[RowBlock]]):
         self._build: Callable[[], list[RowBlock]] | None = build
@@ -93,7 +95,7 @@ class StepRows(Sequence[StatRow]):
         self._rows: list[StatRow] | None = None
 
     @classmethod
-    def of(cls, rows: Iterable[StatRow]) -> "StepRows":
+    def of(cls, rows: Iterable[StatRow]) -> StepRows:
         """Rows built by hand, as blocks (consecutive rows with one layout share a block)."""
         rows = list(rows)
         return cls(lambda: _blocks_of(rows))
@@ -140,8 +142,21 @@ def _blocks_of(rows: Sequence[StatRow]) -> list[RowBlock]:
     for r in rows:
         k = (r.family, r.step, r.micro_step, tuple(r.extra.items()) if r.extra else (), tuple(r.stats))
         if k != key:
-            blocks.append(RowBlock(r.family, r.step, r.micro_step, dict(r.extra) if r.extra else None,
-                                   tuple(r.stats), [], [], [], [], [], plain=True))
+            blocks.append(
+                RowBlock(
+                    r.family,
+                    r.step,
+                    r.micro_step,
+                    dict(r.extra) if r.extra else None,
+                    tuple(r.stats),
+                    [],
+                    [],
+                    [],
+                    [],
+                    [],
+                    plain=True,
+                )
+            )
             key = k
         b = blocks[-1]
         b.names.append(r.name)

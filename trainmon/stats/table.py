@@ -18,19 +18,34 @@ Adding a statistic is therefore one ``Stat`` row (and a partial, if it needs a n
 config loader uses it, and no numpy until a statistic is derived or merged (the config and
 output layers stay light).
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["PARTIALS", "PARTIAL", "Partial", "Stat", "STATS", "STAT_NAMES", "DEFAULT_OPS", "partials_for",
-           "derive", "derive_columns", "combine", "merge_partials", "unscale"]
+__all__ = [
+    "PARTIALS",
+    "PARTIAL",
+    "Partial",
+    "Stat",
+    "STATS",
+    "STAT_NAMES",
+    "DEFAULT_OPS",
+    "partials_for",
+    "derive",
+    "derive_columns",
+    "combine",
+    "merge_partials",
+    "unscale",
+]
 
-Columns = Mapping[str, "np.ndarray"]   # partial name -> float64 column (one entry per tensor)
+Columns = Mapping[str, "np.ndarray"]  # partial name -> float64 column (one entry per tensor)
 
 
 def _np() -> Any:
@@ -42,23 +57,26 @@ def _np() -> Any:
 @dataclass(frozen=True)
 class Partial:
     name: str
-    merge: str          # "sum" | "min" | "max" | "m2" (Chan et al., needs count and sum)
-    identity: float     # the partial of an empty piece
+    merge: str  # "sum" | "min" | "max" | "m2" (Chan et al., needs count and sum)
+    identity: float  # the partial of an empty piece
     doc: str
-    power: int = 0      # the partial of (x / s) is the partial of x / s**power (s > 0); 0: unchanged
+    power: int = 0  # the partial of (x / s) is the partial of x / s**power (s > 0); 0: unchanged
 
 
-PARTIAL: dict[str, Partial] = {p.name: p for p in (
-    Partial("count", "sum", 0.0, "number of elements"),
-    Partial("sum", "sum", 0.0, "sum of elements (fp32+ accumulation, fp64 combine)", 1),
-    Partial("sumsq", "sum", 0.0, "sum of squares", 2),
-    Partial("min", "min", math.inf, "smallest element (NaN if any element is NaN)", 1),
-    Partial("max", "max", -math.inf, "largest element (NaN if any element is NaN)", 1),
-    Partial("nans", "sum", 0.0, "number of NaN elements"),
-    Partial("infs", "sum", 0.0, "number of +-Inf elements"),
-    Partial("zeros", "sum", 0.0, "number of elements with abs(x) < eps"),
-    Partial("m2", "m2", 0.0, "sum of squared deviations from the mean", 2),
-)}
+PARTIAL: dict[str, Partial] = {
+    p.name: p
+    for p in (
+        Partial("count", "sum", 0.0, "number of elements"),
+        Partial("sum", "sum", 0.0, "sum of elements (fp32+ accumulation, fp64 combine)", 1),
+        Partial("sumsq", "sum", 0.0, "sum of squares", 2),
+        Partial("min", "min", math.inf, "smallest element (NaN if any element is NaN)", 1),
+        Partial("max", "max", -math.inf, "largest element (NaN if any element is NaN)", 1),
+        Partial("nans", "sum", 0.0, "number of NaN elements"),
+        Partial("infs", "sum", 0.0, "number of +-Inf elements"),
+        Partial("zeros", "sum", 0.0, "number of elements with abs(x) < eps"),
+        Partial("m2", "m2", 0.0, "sum of squared deviations from the mean", 2),
+    )
+}
 PARTIALS: tuple[str, ...] = tuple(PARTIAL)
 
 
@@ -106,17 +124,24 @@ def _std(p: Columns) -> np.ndarray:
         return np.where(ok, np.sqrt(np.maximum(m2, 0.0) / np.where(ok, n - 1, 1.0)), np.nan)
 
 
-STATS: dict[str, Stat] = {s.name: s for s in (
-    Stat("norm", ("sumsq",), _norm, "L2 norm"),
-    Stat("mean", ("count", "sum"), lambda p: _ratio(p["sum"], p["count"]), "arithmetic mean"),
-    Stat("min", ("count", "min"), _extreme("min"), "smallest element"),
-    Stat("max", ("count", "max"), _extreme("max"), "largest element"),
-    Stat("zeros", ("count", "zeros"), lambda p: _ratio(p["zeros"], p["count"]),
-         "fraction of elements with abs(x) < eps"),
-    Stat("nans", ("nans",), lambda p: p["nans"], "number of NaN elements", integer=True),
-    Stat("infs", ("infs",), lambda p: p["infs"], "number of +-Inf elements", integer=True),
-    Stat("std", ("count", "sum", "m2"), _std, "standard deviation (unbiased)"),
-)}
+STATS: dict[str, Stat] = {
+    s.name: s
+    for s in (
+        Stat("norm", ("sumsq",), _norm, "L2 norm"),
+        Stat("mean", ("count", "sum"), lambda p: _ratio(p["sum"], p["count"]), "arithmetic mean"),
+        Stat("min", ("count", "min"), _extreme("min"), "smallest element"),
+        Stat("max", ("count", "max"), _extreme("max"), "largest element"),
+        Stat(
+            "zeros",
+            ("count", "zeros"),
+            lambda p: _ratio(p["zeros"], p["count"]),
+            "fraction of elements with abs(x) < eps",
+        ),
+        Stat("nans", ("nans",), lambda p: p["nans"], "number of NaN elements", integer=True),
+        Stat("infs", ("infs",), lambda p: p["infs"], "number of +-Inf elements", integer=True),
+        Stat("std", ("count", "sum", "m2"), _std, "standard deviation (unbiased)"),
+    )
+}
 
 STAT_NAMES: tuple[str, ...] = tuple(STATS)
 DEFAULT_OPS: tuple[str, ...] = ("norm", "mean", "min", "max")

@@ -7,6 +7,7 @@ data into a tensor (``lift_fresh``, the source of every ``torch.tensor(...)``) o
 device are host<->device copies; ``largest`` is the largest tensor an op allocated (out= results
 and views allocate nothing).
 """
+
 from __future__ import annotations
 
 from collections import Counter

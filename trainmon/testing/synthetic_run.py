@@ -9,6 +9,7 @@ the first findings are known:
 * a NaN in ``grad_unreduced`` of param ``nan_param`` on rank ``nan_rank`` at step ``nan_step``;
 * a x1e4 spike in ``grad_reduced`` (every rank) of param ``spike_param`` at step ``spike_step``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -63,8 +64,14 @@ class SyntheticRun:
         p = np.tile(np.arange(self.params), len(steps))
         noise = rng.standard_normal(n) * 0.01
         norm = scale[p] * (1.0 + 0.05 * np.sin(t / 7.0 + p)) * (1.0 + noise)
-        out = {"norm": norm, "mean": norm * 1e-3 * np.cos(p + t), "min": -norm * 0.1, "max": norm * 0.1,
-               "nans": np.zeros(n, dtype=np.int64), "infs": np.zeros(n, dtype=np.int64)}
+        out = {
+            "norm": norm,
+            "mean": norm * 1e-3 * np.cos(p + t),
+            "min": -norm * 0.1,
+            "max": norm * 0.1,
+            "nans": np.zeros(n, dtype=np.int64),
+            "infs": np.zeros(n, dtype=np.int64),
+        }
         if family == "grad_reduced":
             hit = (np.repeat(steps, self.params) == self.spike_step) & (p == self.spike_param)
             out["norm"] = np.where(hit, out["norm"] * 1e4, out["norm"])
@@ -80,19 +87,26 @@ class SyntheticRun:
         import pandas as pd
 
         names = np.array(self.names(), dtype=object)
-        shapes = np.array([f"[{64 + i % 7}, {32 + i % 5}]" if i % 2 == 0 else f"[{64 + i % 7}]"
-                           for i in range(self.params)], dtype=object)
+        shapes = np.array(
+            [f"[{64 + i % 7}, {32 + i % 5}]" if i % 2 == 0 else f"[{64 + i % 7}]" for i in range(self.params)],
+            dtype=object,
+        )
         for rank in range(self.ranks):
             for a in range(0, self.steps, self.steps_per_file):
                 steps = np.arange(a, min(a + self.steps_per_file, self.steps))
                 n = len(steps) * self.params
                 for family in self.families:
                     stats = self._block(family, rank, steps)
-                    frame = pd.DataFrame({"vpp_stage": np.zeros(n, dtype=np.int64),
-                                          "name": np.tile(names, len(steps)),
-                                          "step": np.repeat(steps, self.params).astype(np.int64),
-                                          **{op: stats[op] for op in OPS},
-                                          "shape": np.tile(shapes, len(steps)), "dtype": "torch.float32"})
+                    frame = pd.DataFrame(
+                        {
+                            "vpp_stage": np.zeros(n, dtype=np.int64),
+                            "name": np.tile(names, len(steps)),
+                            "step": np.repeat(steps, self.params).astype(np.int64),
+                            **{op: stats[op] for op in OPS},
+                            "shape": np.tile(shapes, len(steps)),
+                            "dtype": "torch.float32",
+                        }
+                    )
                     yield rank, family, a, a + self.steps_per_file - 1, frame
 
     def write(self, run_dir: str | Path, fmt: str = "csv") -> Path:

@@ -1,4 +1,5 @@
 """A tiny GPT-like model on synthetic data: the demo run, and the model tests and benchmarks use."""
+
 from __future__ import annotations
 
 import math
@@ -81,8 +82,9 @@ def synthetic_batches(cfg: GPTConfig, batch: int, n: int, seed: int = 0):
         yield torch.where(noise, torch.randint(0, cfg.vocab, seq.shape, generator=g), seq)
 
 
-def train(model: TinyGPT, optimizer: torch.optim.Optimizer, steps: int, grad_acc_steps: int = 1,
-          batch: int = 8, seed: int = 0) -> list[float]:
+def train(
+    model: TinyGPT, optimizer: torch.optim.Optimizer, steps: int, grad_acc_steps: int = 1, batch: int = 8, seed: int = 0
+) -> list[float]:
     """A plain training loop; returns the loss of every step (mean over micro-batches)."""
     losses = []
     data = synthetic_batches(model.cfg, batch, steps * grad_acc_steps, seed)
