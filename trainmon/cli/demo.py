@@ -64,7 +64,7 @@ def _train(args) -> int:
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     with TrainerMon(config_path) as monitor:
         monitor.set_monitor(model, grad_acc_steps=args.grad_acc_steps, optimizer=optimizer)
-        losses = train(model, optimizer, args.steps, args.grad_acc_steps)
+        losses = train(model, optimizer, args.steps, args.grad_acc_steps, record_loss=monitor.record_loss)
     print(f"trained {args.steps} steps: loss {losses[0]:.3f} -> {losses[-1]:.3f}")
     if monitor.run_dir is None:
         print("nothing was recorded (output directory not writable)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -83,15 +84,27 @@ def synthetic_batches(cfg: GPTConfig, batch: int, n: int, seed: int = 0):
 
 
 def train(
-    model: TinyGPT, optimizer: torch.optim.Optimizer, steps: int, grad_acc_steps: int = 1, batch: int = 8, seed: int = 0
+    model: TinyGPT,
+    optimizer: torch.optim.Optimizer,
+    steps: int,
+    grad_acc_steps: int = 1,
+    batch: int = 8,
+    seed: int = 0,
+    record_loss: Callable[[torch.Tensor], None] | None = None,
 ) -> list[float]:
-    """A plain training loop; returns the loss of every step (mean over micro-batches)."""
+    """A plain training loop; returns the loss of every step (mean over micro-batches).
+
+    ``record_loss`` (e.g. ``monitor.record_loss``) is handed each micro-batch's loss.
+    """
     losses = []
     data = synthetic_batches(model.cfg, batch, steps * grad_acc_steps, seed)
     for _ in range(steps):
         total = 0.0
         for _ in range(grad_acc_steps):
-            loss = model.loss(next(data)) / grad_acc_steps
+            micro = model.loss(next(data))
+            if record_loss is not None:
+                record_loss(micro.detach())
+            loss = micro / grad_acc_steps
             loss.backward()
             total += loss.item()
         optimizer.step()
