@@ -176,7 +176,9 @@ class ConfigStager:
             config = fallback
         with self._lock:
             decision = self._stage_locked(config, self._generation)
-        return self._staged(decision)
+        assert decision is not None  # staged with the current generation: never stale
+        self._staged(decision)
+        return decision
 
     def drop_pending(self, now: float) -> bool:
         """Forget a rested change without reading (the watcher saw it brings nothing new); False

@@ -17,6 +17,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from trainmon.config.reader import _at, _did_you_mean, _join, _json_type, _pairs_hook, _Reader, _show
 from trainmon.errors import ConfigError, Problem
@@ -131,7 +132,7 @@ class AnomalyConfig:
     that many steps before the alert in memory (the flight recorder) and writes them on an alert.
     """
 
-    config: Mapping[str, object] = field(default_factory=dict, hash=False)
+    config: Mapping[str, Any] = field(default_factory=dict, hash=False)
     steps: int = 1
     max_times: int = 1
     history_steps: int = 0
@@ -420,11 +421,11 @@ def _parse_grad_probe(r: _Reader, key: str, value: object, default: GradProbeCon
         r.bad(_join(key, "grad_level"), f"{_js(level)} is not a grad level ({hint}allowed: {', '.join(GRAD_LEVELS)})")
         level = base.grad_level
     names_key = _join(key, "param_list")
-    items = r.array(names_key, obj.get("param_list", []), "list of parameter or module names; [] = all")
+    items = r.array(names_key, obj.get("param_list", []), "list of parameter or module names; [] = all") or []
     seen: dict = {}
     names = tuple(
         v
-        for i, v in enumerate(items or ())
+        for i, v in enumerate(items)
         if r.string(_at(names_key, i), v, "non-empty parameter or module name") is not None
         and r.distinct(names_key, items, seen, i)
     )
@@ -680,7 +681,7 @@ def parse_config(data: object, source: str) -> MonitorConfig:
         r.bad("", f'the top level is {_json_type(data)}, expected an object ({{"key": value, ...}})')
         raise ConfigError(source, r.problems)
     r.dupes(str, data)
-    values: dict[str, object] = {}
+    values: dict[str, Any] = {}
     for name, value in data.items():  # file order, so problems read top to bottom
         if name in _SECTIONS:
             values[name] = _SECTIONS[name](r, name, value, getattr(_DEFAULTS, name))

@@ -10,6 +10,7 @@ import json
 import math
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from trainmon.errors import Problem
 
@@ -60,7 +61,7 @@ class _Reader:
     def __init__(self) -> None:
         self.problems: list[Problem] = []
         # config fields a section parser derives besides its own value (targets -> target_specs)
-        self.derived: dict[str, object] = {}
+        self.derived: dict[str, Any] = {}
 
     def bad(self, key: str, message: str) -> None:
         self.problems.append(Problem(key, message))

@@ -66,6 +66,7 @@ class Agreement:
         """``value`` of the rank ``group_rank`` of the group (any picklable object)."""
         if self.local:
             return value
+        assert self.group is not None  # built in __init__ unless local
         box = [value if dist.get_rank(self.group) == group_rank else None]
         dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, group_rank), group=self.group)
         return box[0]

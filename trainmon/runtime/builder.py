@@ -81,13 +81,15 @@ class SessionBuilder:
         if not matcher.selects_all:
             matcher.check_all_used(self._names, source)
         if cfg.grad_probe is not None and cfg.grad_probe.param_list:
-            params = {
-                (p.vpp_stage, ".".join(p.name.split(".")[:k]))
-                for p in tracked_params(self.attachment.chunks)
-                if matcher.matches(p.name, p.vpp_stage)
-                for k in range(1, p.name.count(".") + 2)
-            }
-            params = sorted(params)  # names and their module prefixes: did-you-mean offers both
+            # names and their module prefixes: did-you-mean offers both
+            params = sorted(
+                {
+                    (p.vpp_stage, ".".join(p.name.split(".")[:k]))
+                    for p in tracked_params(self.attachment.chunks)
+                    if matcher.matches(p.name, p.vpp_stage)
+                    for k in range(1, p.name.count(".") + 2)
+                }
+            )
             TargetMatcher(cfg.grad_probe.param_list).check_all_used(
                 params, source, key="grad_probe.param_list", what="trainable parameter (selected by targets)"
             )

@@ -147,6 +147,7 @@ class DynamicDriver:
                 self._log("step %d: config version %d has dynamic_on false: staying off", self.step, decision.version)
             return
         cfg = decision.config
+        assert cfg is not None  # decision.on
         # collect_times counts from this switch; a start_step already passed means "from now".
         cfg = dataclasses.replace(cfg, start_step=max(cfg.start_step, self.step))
         new = self._build(cfg)
@@ -159,6 +160,7 @@ class DynamicDriver:
                 decision.version,
             )
             return
+        assert new is not None  # all_true above: built on every rank, this one included
         if self.session is not None:
             self.session.close()
         self.session, self.config = new, cfg

@@ -63,7 +63,7 @@ def recorder_config(cfg: MonitorConfig, first_step: int) -> MonitorConfig | None
     if spec is None or spec.history_steps == 0:
         return None
     merged = cfg.escalated()
-    off = {flag: False for flag in _FLAGS if getattr(cfg, flag)}
+    off: dict[str, Any] = {flag: False for flag in _FLAGS if getattr(cfg, flag)}
     comm = CommConfig() if cfg.cc_distribution.enable else merged.cc_distribution
     rec = dataclasses.replace(
         merged,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -24,6 +24,9 @@ from trainmon.runtime.run_dir import record_stats_path
 from trainmon.sinks.base import Sink
 from trainmon.stats.engine import Meta
 from trainmon.stats.rows import RowBlock, StepRows
+
+if TYPE_CHECKING:
+    from trainmon.collectors.loss import LossCollector
 
 __all__ = ["Session"]
 
@@ -96,7 +99,8 @@ class Session:
         collector = next((c for c in self.collectors if c.name == "loss"), None)
         if collector is None:
             return
-        late = self.ctx.guard.run(collector, collector.record, loss)
+        loss_collector = cast("LossCollector", collector)  # the collector named "loss"
+        late = self.ctx.guard.run(collector, loss_collector.record, loss)
         if late is not None:
             self.sink.write(*late)
 
