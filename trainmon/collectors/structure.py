@@ -100,7 +100,9 @@ class ModuleStructCollector(Collector):
             return
         self._written = True
         super().detach()  # hooks off: the structure is taken from the first forward only
-        chunks = [{"vpp_stage": vpp, "tree": self._tree(vpp, chunk)} for vpp, chunk in enumerate(self.ctx.chunks)]
+        chunks: list[dict[str, Any]] = [
+            {"vpp_stage": vpp, "tree": self._tree(vpp, chunk)} for vpp, chunk in enumerate(self.ctx.chunks)
+        ]
         self._write({"chunks": chunks})
         if self.ctx.rank == 0:
             lines = [line for c in chunks for line in _render(c["tree"], 0, c["vpp_stage"], len(chunks))]

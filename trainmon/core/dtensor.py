@@ -8,7 +8,7 @@ replicated over a dimension is not merged over it (replicas are not counted twic
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -64,7 +64,7 @@ def dtensor_parts(t: torch.Tensor, reduce_partial: bool = False) -> tuple[torch.
 
     if not isinstance(t, DTensor):
         return t.detach(), None, None
-    t = t.detach()
+    t = cast(DTensor, t.detach())  # DTensor.detach is typed as Tensor's; it returns a DTensor
     if reduce_partial:
         from torch.distributed.tensor import Partial, Replicate
 

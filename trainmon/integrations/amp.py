@@ -72,7 +72,12 @@ def wrap_step_with_scaler(
         wrapped = wrap_optimizer_step(optimizer, before, after, entry=entry)
         if own is None:
             return wrapped
-        return Handle(lambda: (wrapped.remove(), own.remove()))
+
+        def undo_both() -> None:
+            wrapped.remove()
+            own.remove()
+
+        return Handle(undo_both)
     step = wrap_optimizer_step(optimizer, before, after, entry=entry)
     key, watcher = id(optimizer), (before, after)
     with _lock:
@@ -192,7 +197,7 @@ def _step(self: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         scalers.pop(id(optimizer), None)
 
 
-def _find_original(cls: type) -> Callable:
+def _find_original(cls: type[torch.amp.GradScaler]) -> Callable:
     # uninstalled while a step ran: the class attribute is the original again
     return cls.step if cls.step is not _step else torch.amp.GradScaler.step
 

@@ -72,7 +72,8 @@ class DeepSpeedIntegration(Integration):
         super().__init__(chunks, optimizer, use_main_grad)
         self.engine = _engine(chunks)
         self.stage = int(self.engine.zero_optimization_stage())
-        self.zero = self.engine.optimizer if self.stage > 0 else None
+        # DeepSpeed's ZeRO optimizer (untyped, never imported); None at stage 0, where its methods are not called
+        self.zero: Any = self.engine.optimizer if self.stage > 0 else None
         self.group = getattr(self.zero, "dp_process_group", None)
         self.reduces_every_micro_batch = self.stage >= 2
 
@@ -222,7 +223,7 @@ class DeepSpeedIntegration(Integration):
         """This rank's partition without the padding that rounds partitions up."""
         rank = torch.distributed.get_rank(self.group)
         size = t.numel()
-        valid = max(0, min(size, tp.param.ds_numel - rank * size))
+        valid = max(0, min(size, tp.param.ds_numel - rank * size))  # type: ignore[attr-defined]  # set by ZeRO-3
         return t.reshape(-1)[:valid]
 
     def _sharded(self, tp: TrackedParam, t: torch.Tensor | None) -> View:
@@ -243,7 +244,8 @@ class DeepSpeedIntegration(Integration):
         mapping = getattr(tp.param, "_hp_mapping", None)
         if mapping is None:
             return self._sharded(tp, None)
-        frag = mapping.get_lp_grad_fragment(tp.param._index_in_param_group).reshape(-1).float()
+        index = tp.param._index_in_param_group  # type: ignore[attr-defined]  # set by ZeRO
+        frag = mapping.get_lp_grad_fragment(index).reshape(-1).float()
         address = mapping.lp_fragment_address
         if frag.numel() == tp.param.numel() and frag.numel() != address.numel:
             frag = frag.narrow(0, address.start, address.numel)  # a full local buffer (bf16)

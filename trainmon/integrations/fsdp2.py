@@ -101,6 +101,7 @@ class FSDP2Integration(Integration):
 
     def _param_groups(self) -> list[Any]:
         fsdp = _fsdp_module_class()
+        assert fsdp is not None  # detect() found FSDPModule instances
         groups = []
         for chunk in self.chunks:
             for m in chunk.modules():

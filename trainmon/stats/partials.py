@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 
@@ -158,7 +159,7 @@ def _cpu_values(t: torch.Tensor, columns: Sequence[str], eps: float) -> list[flo
     if "m2" in columns:
         part["m2"] = torch.var(t, correction=0) * t.numel()
     if "nans" in columns or "infs" in columns:
-        finite = bool(torch.isfinite(part["sumsq"]))  # a host read is free on the CPU
+        finite = bool(torch.isfinite(cast(torch.Tensor, part["sumsq"])))  # a host read is free on the CPU
         part["nans"] = torch.isnan(t).sum() if not finite else 0.0
         part["infs"] = torch.isinf(t).sum() if not finite else 0.0
     # On the CPU the values are already computed (no stream to wait for): reading them as Python
