@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 from collections import Counter
+from typing import cast
 
 from trainmon.cli import CommandError
 from trainmon.cli._options import check_recorded, non_negative, rank_list
 from trainmon.cli._progress import Progress
 from trainmon.diagnosis import engine
-from trainmon.diagnosis.reader import RunDirError, load_run
+from trainmon.diagnosis.reader import RunDirError, RunTable, load_run
 from trainmon.diagnosis.report import dump_json, parse_name_list, table
 from trainmon.diagnosis.rules import Anomaly, Rules, SpikeRule
 from trainmon.diagnosis.scan import merge_runtime, scan
@@ -129,11 +130,12 @@ def _family_bytes(run_dir: str) -> int:
     return total
 
 
-def find(args: argparse.Namespace) -> tuple[object, list[Anomaly]]:
+def find(args: argparse.Namespace) -> tuple[engine.RunFiles | RunTable, list[Anomaly]]:
     rules = _rules(args)
     non_negative(args.limit, "--limit")
     kinds, ranks = parse_name_list(args.kinds), rank_list(args.ranks)
     use_engine = _use_engine(getattr(args, "engine", "auto"), args.run_dir)
+    run: engine.RunFiles | RunTable
     try:
         run = (
             engine.run_files(args.run_dir, families=kinds, ranks=ranks)
@@ -146,13 +148,18 @@ def find(args: argparse.Namespace) -> tuple[object, list[Anomaly]]:
     _check_names(ranks, run.ranks_on_disk, "rank", run.path)
     if (rules.spike is not None or rules.threshold is not None) and run.stats:
         _check_names(rules.ops, run.stats, "stat", run.path)
-    found = _engine_scan(run, rules, quiet=args.json) if use_engine else scan(run, rules)
+    # run_files' RunFiles with the engine, load_run's RunTable without
+    found = (
+        _engine_scan(cast(engine.RunFiles, run), rules, quiet=args.json)
+        if use_engine
+        else scan(cast(RunTable, run), rules)
+    )
     if not args.no_runtime:
         found = merge_runtime(found, run.path, kinds=kinds, ranks=ranks)
     return run, found
 
 
-def _load_run(path, kinds, ranks, *, quiet: bool):
+def _load_run(path, kinds, ranks, *, quiet: bool) -> RunTable:
     progress = Progress("reading", 0, quiet=quiet)
     try:
         return load_run(path, families=kinds, ranks=ranks, progress=progress)

@@ -46,8 +46,8 @@ def _target(run_dir: Path, out: str | None) -> Path:
 
 
 def _csv_to_parquet(src: Path, dst: Path) -> int:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    import pyarrow as pa  # type: ignore[import-untyped]  # pyarrow ships no stubs
+    import pyarrow.parquet as pq  # type: ignore[import-untyped]  # pyarrow ships no stubs
 
     from trainmon.output.runs import column_roles, read_csv
     from trainmon.sinks.parquet import COMPRESSION

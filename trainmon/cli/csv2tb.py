@@ -79,7 +79,7 @@ def native_event_files(directory: Path) -> list[Path]:
 
 
 def _targets(runs: list[Path], output: Path | None) -> list[tuple[Path, Path]]:
-    jobs = []
+    jobs: list[tuple[Path, Path]] = []
     for run_dir in runs:
         base = run_dir / TB_DIRNAME if output is None else output / run_dir.name
         jobs.extend((rank, base / rank.name) for rank in rank_dirs(run_dir))

@@ -81,7 +81,7 @@ def _columns(f: FamilyFile) -> list[str]:
 
 def _has_rows(f: FamilyFile) -> bool:
     if f.ext == "parquet":
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # type: ignore[import-untyped]  # pyarrow ships no stubs
 
         return pq.ParquetFile(f.path).metadata.num_rows > 0
     with open(f.path, "rb") as fh:
@@ -341,7 +341,11 @@ def _median(values: list[float]) -> float:
 def _connect(threads: int | None, spill_dir: str):
     import duckdb
 
-    config = {"memory_limit": MEMORY_LIMIT, "preserve_insertion_order": True, "temp_directory": spill_dir}
+    config: dict[str, str | bool | int | float | list[str]] = {
+        "memory_limit": MEMORY_LIMIT,
+        "preserve_insertion_order": True,
+        "temp_directory": spill_dir,
+    }
     if threads:
         config["threads"] = int(threads)
     return duckdb.connect(":memory:", config=config)

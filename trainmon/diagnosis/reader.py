@@ -32,6 +32,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import pandas as pd
 
@@ -90,7 +91,7 @@ def ranked_dirs(run_dir: str | Path) -> list[tuple[int, Path]]:
     own = runs.rank_of(path)
     if own is not None and runs.family_files(path):
         return [(own, path)]
-    return [(runs.rank_of(d), d) for d in runs.rank_dirs(path)]
+    return [(cast(int, runs.rank_of(d)), d) for d in runs.rank_dirs(path)]  # rank_dirs: rank<R> dirs only
 
 
 def resolve_run_dir(path: str | Path) -> Path:

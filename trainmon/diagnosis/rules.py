@@ -27,6 +27,7 @@ import math
 from collections import deque
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 from trainmon.diagnosis.flow import flow_key, phase_of
 from trainmon.families import FAMILIES
@@ -144,7 +145,7 @@ class Anomaly:
         return out
 
     @classmethod
-    def from_json(cls, data: Mapping[str, object], *, source: str | None = None) -> Anomaly:
+    def from_json(cls, data: Mapping[str, Any], *, source: str | None = None) -> Anomaly:
         baseline = data.get("baseline")
         micro = data.get("micro_step")
         return cls(
@@ -182,7 +183,7 @@ def _json_value(op: str, value: float) -> float | int | str:
 
 
 def from_json_number(value: object) -> float:
-    return float(value)  # float("nan"), float("-inf") parse the spelled-out forms
+    return float(cast("str | float", value))  # float("nan"), float("-inf") parse the spelled-out forms
 
 
 def nonfinite_op(stats: Mapping[str, float | int]) -> str | None:

@@ -19,7 +19,7 @@ __all__ = ["read_parquet", "read_parquet_files", "parquet_columns"]
 
 def _pyarrow():
     try:
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # type: ignore[import-untyped]  # pyarrow ships no stubs
     except ImportError as exc:  # a Parquet run read where pyarrow is missing
         raise ImportError(f"reading Parquet output needs pyarrow (pip install 'trainmon[parquet]'): {exc}") from None
     return pq

@@ -24,6 +24,7 @@ import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from trainmon.diagnosis.escalation import AlertLatch, Trigger
 from trainmon.diagnosis.rules import (
@@ -64,7 +65,9 @@ class AlertSettings:
         spike rule, ``factor`` = 1 + msprobe's relative ``threshold`` unless ``factor`` is given,
         with optional ``floor``, ``warmup``, ``window``, ``ops``.
         """
-        threshold, spike, ops = None, None, ("norm",)
+        threshold: float | None = None
+        spike: SpikeRule | None = None
+        ops: tuple[str, ...] = ("norm",)
         for rule in _get(alert, "rules", ()) or ():
             name, args = _rule_parts(rule)
             if name in ("AnomalyNan", "nonfinite"):
@@ -80,11 +83,11 @@ def _get(obj: object, key: str, default):
     return obj.get(key, default) if isinstance(obj, Mapping) else getattr(obj, key, default)
 
 
-def _rule_parts(rule: object) -> tuple[str, Mapping[str, object]]:
+def _rule_parts(rule: object) -> tuple[str, Mapping[str, Any]]:
     return str(_get(rule, "rule_name", "")), dict(_get(rule, "args", {}) or {})
 
 
-def _spike_rule(args: Mapping[str, object]) -> SpikeRule:
+def _spike_rule(args: Mapping[str, Any]) -> SpikeRule:
     default = SpikeRule()
     factor = args.get("factor")
     if factor is None and args.get("threshold") is not None:

@@ -24,6 +24,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
+from typing import SupportsFloat, cast
 
 from trainmon.output.layout import family_file_name, partial_file_name, window_bounds
 from trainmon.sinks.base import Sink, SinkOptions, register_sink
@@ -67,7 +68,7 @@ class _Formatter:
         if isinstance(value, numbers.Integral):  # bool too: a statistic cell holds numbers only
             return str(int(value))
         try:
-            return self._float(float(value))  # numpy / torch scalars
+            return self._float(float(cast(SupportsFloat, value)))  # numpy / torch scalars
         except (TypeError, ValueError):
             return "nan"  # not a number (None, text): what the TensorBoard sink records too
 

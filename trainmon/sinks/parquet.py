@@ -30,8 +30,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
+import pyarrow as pa  # type: ignore[import-untyped]  # pyarrow ships no stubs
+import pyarrow.parquet as pq  # type: ignore[import-untyped]  # pyarrow ships no stubs
 
 from trainmon.output.layout import TMP_SUFFIX, family_file_name, window_bounds
 from trainmon.sinks.base import Sink, SinkOptions, register_sink
@@ -237,6 +237,7 @@ class ParquetSink(Sink):
     def _close_file(self, w: _Window) -> None:
         """Footer, then the atomic rename that makes the file visible under its family name."""
         writer, w.writer = w.writer, None
+        assert writer is not None and w.path is not None  # called only for a window with an open file
         try:
             writer.close()
             os.replace(w.tmp, w.path)

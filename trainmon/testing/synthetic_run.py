@@ -120,8 +120,8 @@ class SyntheticRun:
                 # pandas writes float64 with repr: the CSV sink's full-precision spelling.
                 frame.to_csv(path, index=False)
             else:
-                import pyarrow as pa
-                import pyarrow.parquet as pq
+                import pyarrow as pa  # type: ignore[import-untyped]  # pyarrow ships no stubs
+                import pyarrow.parquet as pq  # type: ignore[import-untyped]  # pyarrow ships no stubs
 
                 pq.write_table(pa.Table.from_pandas(frame, preserve_index=False), path, compression="zstd")
         return run_dir
