@@ -15,6 +15,7 @@ from tests._support.runs import read_family
 from trainmon import TrainerMon
 from trainmon.config import parse_config
 from trainmon.output.layout import parse_family_file
+from trainmon.families import FAMILIES
 from trainmon.runtime.builder import REPLICATED_UNDER_DDP
 
 ALL = ("grad_unreduced", "grad_reduced", "param_origin", "param_updated", "exp_avg", "exp_avg_sq", "update_ratio")
@@ -45,7 +46,9 @@ def _jobs(rank, world, tmp):
 def test_replicated_once_is_a_documented_boolean_key():
     assert parse_config({"replicated_once": True}, "x").replicated_once is True
     assert parse_config({}, "x").replicated_once is False
-    assert REPLICATED_UNDER_DDP == set(ALL) - {"grad_unreduced"}
+    # every family equal on all ranks under plain DDP (families.FAMILIES' replicated ones + grad_reduced)
+    replicated = {str(f) for f, info in FAMILIES.items() if info.replicated} | {"grad_reduced"}
+    assert REPLICATED_UNDER_DDP == replicated and set(ALL) - {"grad_unreduced"} <= replicated
 
 
 @pytest.mark.slow

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import io
 import os
 import signal
 import subprocess
@@ -302,12 +303,17 @@ def test_sigkill_mid_run_leaves_whole_contiguous_steps(tmp_path):
 
     by_family: dict[str, list[int]] = {}
     for path in sorted(tmp_path.glob("*.csv")):
-        assert path.read_bytes().endswith(b"\n"), path
-        df = pd.read_csv(path)
+        data = path.read_bytes()
+        # The one documented exception (docs/output_files.md): a kill that lands while the kernel
+        # copies one large write can cut it, leaving a last line without its newline, which the
+        # readers leave out.  Everything before the last newline is whole rows.
+        cut = not data.endswith(b"\n")
+        df = pd.read_csv(io.BytesIO(data[: data.rfind(b"\n") + 1]))
         assert df.notna().all().all(), path  # no partial rows
         assert list(df.columns[-2:]) == ["shape", "dtype"]
         sizes = df.groupby("step").size()
-        assert (sizes == 150).all(), path
+        whole = sizes.iloc[:-1] if cut else sizes   # a cut write can leave its step short
+        assert (whole == 150).all() and (sizes <= 150).all(), path
         family, window = path.stem.rsplit("_", 1)
         a, b = map(int, window.split("-"))
         assert sizes.index.min() == a and sizes.index.max() <= b
