@@ -44,5 +44,5 @@ def test_demo_trains_and_writes_real_output(tmp_path):
     assert (grads["norm"] > 0).all() and (grads["nans"] == 0).all()
     families = {p.name.rsplit("_", 1)[0] for p in (run_dir / "rank0").glob("*.csv")}
     assert families == {"grad_unreduced", "grad_reduced", "param_origin", "param_updated", "exp_avg",
-                        "exp_avg_sq", "update_ratio", "actv", "actv_grad"}
+                        "exp_avg_sq", "update_ratio", "actv", "actv_grad", "loss"}
     assert "next: trainmon anomalies" in out.stdout

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainmon.diagnosis.flow import family_rank
-from trainmon.diagnosis.reader import RunDirError, ranked_dirs, resolve_run_dir
+from trainmon.diagnosis.reader import FamilyStatsView, RunDirError, ranked_dirs, resolve_run_dir
 from trainmon.diagnosis.rules import COUNT_OPS, RATIO_FAMILIES, Anomaly, Rules
 from trainmon.errors import DamagedFileError
 from trainmon.output import runs
@@ -49,7 +49,7 @@ def available() -> bool:
 
 
 @dataclass
-class RunFiles:
+class RunFiles(FamilyStatsView):
     """What the scan needs to know about a run without reading its rows."""
 
     path: Path
@@ -58,17 +58,6 @@ class RunFiles:
     ranks: tuple[int, ...] = ()
     families_on_disk: tuple[str, ...] = ()  # every family of every rank, chosen or not
     ranks_on_disk: tuple[int, ...] = ()
-
-    @property
-    def families(self) -> tuple[str, ...]:
-        return tuple(self.family_stats)
-
-    @property
-    def stats(self) -> tuple[str, ...]:
-        seen: dict[str, None] = {}
-        for cols in self.family_stats.values():
-            seen.update(dict.fromkeys(cols))
-        return tuple(seen)
 
 
 def _columns(f: FamilyFile) -> list[str]:

@@ -40,7 +40,16 @@ from trainmon.diagnosis.flow import FLOW_KEYS, PHASES, family_rank, phase_of
 from trainmon.errors import TrainmonError
 from trainmon.output import runs
 
-__all__ = ["RunDirError", "RunTable", "resolve_run_dir", "ranked_dirs", "read_stats_family", "load_run", "EXTRA_PREFIX"]
+__all__ = [
+    "RunDirError",
+    "FamilyStatsView",
+    "RunTable",
+    "resolve_run_dir",
+    "ranked_dirs",
+    "read_stats_family",
+    "load_run",
+    "EXTRA_PREFIX",
+]
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +60,26 @@ class RunDirError(TrainmonError):
     """A path that is not (or holds not exactly one) trainmon run directory."""
 
 
+class FamilyStatsView:
+    """``families`` and ``stats`` of anything with a ``family_stats`` mapping (family -> its stat
+    columns): the run table and the engine's file listing answer them alike."""
+
+    family_stats: dict[str, tuple[str, ...]]
+
+    @property
+    def families(self) -> tuple[str, ...]:
+        return tuple(self.family_stats)
+
+    @property
+    def stats(self) -> tuple[str, ...]:
+        seen: dict[str, None] = {}
+        for cols in self.family_stats.values():
+            seen.update(dict.fromkeys(cols))
+        return tuple(seen)
+
+
 @dataclass
-class RunTable:
+class RunTable(FamilyStatsView):
     """Every recorded row of a run (see the module docstring for the columns)."""
 
     path: Path
@@ -66,17 +93,6 @@ class RunTable:
     @property
     def ranks(self) -> tuple[int, ...]:
         return tuple(sorted(int(r) for r in self.frame["rank"].unique()))
-
-    @property
-    def families(self) -> tuple[str, ...]:
-        return tuple(self.family_stats)
-
-    @property
-    def stats(self) -> tuple[str, ...]:
-        seen: dict[str, None] = {}
-        for cols in self.family_stats.values():
-            seen.update(dict.fromkeys(cols))
-        return tuple(seen)
 
     def family(self, family: str) -> pd.DataFrame:
         return self.frame[self.frame["family"] == family]

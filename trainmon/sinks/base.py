@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -90,3 +91,36 @@ def sink_class(name: str) -> type[Sink]:
 
 def registered_sinks() -> tuple[str, ...]:
     return tuple(sorted(_REGISTRY))
+
+
+class LostRows:
+    """Rows a file sink could not write: the first failure is logged at once, the rest counted
+    and reported at close (so a full disk gives two lines, not one per step)."""
+
+    def __init__(self, where: Path, logger: logging.Logger):
+        self.where = where
+        self.log = logger  # the sink's own logger
+        self.count = 0
+        self._reported = 0
+        self.first_error: str | None = None
+
+    def lose(self, n_rows: int, path: object, exc: BaseException) -> None:
+        self.count += n_rows
+        if self.first_error is None:
+            self.first_error = f"{path}: {exc}"
+            self.log.warning(
+                "trainmon: cannot write monitor output %s: %s; further failures are counted and reported at close",
+                path,
+                exc,
+            )
+
+    def report(self) -> None:
+        new = self.count - self._reported
+        if new:
+            self.log.warning(
+                "trainmon: %d monitor rows could not be written under %s (first error: %s)",
+                new,
+                self.where,
+                self.first_error,
+            )
+            self._reported = self.count

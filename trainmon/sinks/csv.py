@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import SupportsFloat, cast
 
 from trainmon.output.layout import family_file_name, partial_file_name, window_bounds
-from trainmon.sinks.base import Sink, SinkOptions, register_sink
+from trainmon.sinks.base import LostRows, Sink, SinkOptions, register_sink
 from trainmon.stats.rows import RowBlock, StepRows, paced
 
 __all__ = ["CsvSink"]
@@ -208,9 +208,7 @@ class CsvSink(Sink):
         self._lock = threading.Lock()
         self._heads: dict[tuple, str] = {}  # (vpp_stage, name) -> "vpp,name,"
         self._tails: dict[tuple, str] = {}  # (shape, dtype) -> ",shape,dtype\n"
-        self._lost_rows = 0
-        self._reported_lost = 0
-        self._first_error: str | None = None
+        self._lost = LostRows(self._dir, logger)
         self._warned_removed = False
 
     # -- Sink interface -------------------------------------------------------------------
@@ -229,20 +227,12 @@ class CsvSink(Sink):
         with self._lock:
             self._fds.close_all(sync=True)
             self._sync_dir()
-            new_losses = self._lost_rows - self._reported_lost
-            if new_losses:
-                logger.warning(
-                    "trainmon: %d monitor rows could not be written under %s (first error: %s)",
-                    new_losses,
-                    self._dir,
-                    self._first_error,
-                )
-                self._reported_lost = self._lost_rows
+            self._lost.report()
 
     @property
     def lost_rows(self) -> int:
         """Rows dropped because their file could not be written."""
-        return self._lost_rows
+        return self._lost.count
 
     # -- rendering ------------------------------------------------------------------------
 
@@ -396,17 +386,10 @@ class CsvSink(Sink):
         self._fds.put(path, fd)
 
     def _failed(self, path: Path, exc: OSError, n_rows: int) -> None:
-        self._lost_rows += n_rows
+        self._lost.lose(n_rows, path, exc)
         self._fds.drop(path)  # reopen next time: fstat then tells whether a header is due
         if isinstance(exc, _TailDamaged):
             self._retired.add(path)  # it may end in half a row: never append there again
-        if self._first_error is None:
-            self._first_error = f"{path}: {exc}"
-            logger.warning(
-                "trainmon: cannot write monitor output %s: %s; further failures are counted and reported at close",
-                path,
-                exc,
-            )
 
     def _sync_dir(self) -> None:
         # Makes the files' directory entries durable too; best effort.

@@ -34,7 +34,7 @@ import pyarrow as pa  # type: ignore[import-untyped]  # pyarrow ships no stubs
 import pyarrow.parquet as pq  # type: ignore[import-untyped]  # pyarrow ships no stubs
 
 from trainmon.output.layout import TMP_SUFFIX, family_file_name, window_bounds
-from trainmon.sinks.base import Sink, SinkOptions, register_sink
+from trainmon.sinks.base import LostRows, Sink, SinkOptions, register_sink
 from trainmon.stats.rows import RowBlock, StepRows, paced
 
 __all__ = ["ParquetSink", "COMPRESSION"]
@@ -118,9 +118,7 @@ class ParquetSink(Sink):
         self._open: dict[_FileKey, _Window] = {}
         self._claimed: set[Path] = set()
         self._lock = threading.Lock()
-        self._lost_rows = 0
-        self._reported_lost = 0
-        self._first_error: str | None = None
+        self._lost = LostRows(self._dir, logger)
 
     # -- Sink interface -------------------------------------------------------------------
 
@@ -148,20 +146,12 @@ class ParquetSink(Sink):
                 self._finish(w)
             self._open.clear()
             self._sync_dir()
-            new_losses = self._lost_rows - self._reported_lost
-            if new_losses:
-                logger.warning(
-                    "trainmon: %d monitor rows could not be written under %s (first error: %s)",
-                    new_losses,
-                    self._dir,
-                    self._first_error,
-                )
-                self._reported_lost = self._lost_rows
+            self._lost.report()
 
     @property
     def lost_rows(self) -> int:
         """Rows dropped because their file could not be written."""
-        return self._lost_rows
+        return self._lost.count
 
     # -- buffering ------------------------------------------------------------------------
 
@@ -270,15 +260,8 @@ class ParquetSink(Sink):
                 w.tmp.unlink()
             except OSError:
                 pass
-        self._lost_rows += rows + w.written
+        self._lost.lose(rows + w.written, w.path or self._dir, exc)
         w.written = 0
-        if self._first_error is None:
-            self._first_error = f"{w.path or self._dir}: {exc}"
-            logger.warning(
-                "trainmon: cannot write monitor output %s: %s; further failures are counted and reported at close",
-                w.path or self._dir,
-                exc,
-            )
 
     def _sync_dir(self) -> None:
         try:
