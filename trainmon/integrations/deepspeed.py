@@ -276,7 +276,26 @@ class DeepSpeedIntegration(Integration):
             return None if t is None else self._z3_valid(tp, t)
         mapping = getattr(tp.param, "_hp_mapping", None)
         frags = getattr(mapping, "optim_fragment", None) or {}
-        return frags.get(key)
+        return frags[key] if key in frags else self._flat_moment(mapping, key)
+
+    def _flat_moment(self, mapping: Any, key: str) -> torch.Tensor | None:
+        """This param's slice of the moment of its flat fp32 partition, from the inner optimizer.
+
+        DeepSpeed links ``optim_fragment`` once, right after the first param group's first step,
+        so the other groups' params (the Trainer's no-weight-decay group) are never linked."""
+        if mapping is None:
+            return None
+        flats = getattr(self.zero, "single_partition_of_fp32_groups", None)
+        if flats is None:
+            flats = getattr(self.zero, "fp32_groups_flat_partition", None)  # BF16_Optimizer
+        inner = getattr(self.zero, "optimizer", None)
+        if flats is None or inner is None:
+            return None
+        moment = inner.state.get(flats[mapping.param_group_index], {}).get(key)
+        if not isinstance(moment, torch.Tensor):
+            return None
+        address = mapping.hp_fragment_address
+        return moment.detach().narrow(0, address.start, address.numel)
 
     def has_moments(self) -> bool:
         return True if self.stage > 0 else super().has_moments()
