@@ -10,9 +10,14 @@ boundary: it steps once per ``gradient_accumulation_steps`` micro-batches, after
 ``max_grad_norm`` clipping, so ``grad_reduced`` is the clipped grad the update uses and
 ``grad_unreduced`` the accumulated grad before clipping).  Steps are the Trainer's
 ``global_step`` numbers (also when resuming); an epoch's shorter last step is counted right.
-``on_train_end`` flushes and removes every hook.  A Trainer running DeepSpeed does not give
-callbacks the engine that owns ZeRO's partitions: the callback then records nothing and says so
-(attach ``TrainerMon`` to the engine instead).
+``on_train_end`` flushes and removes every hook.
+
+A Trainer running DeepSpeed hands callbacks accelerate's ``DeepSpeedOptimizerWrapper`` (whose
+``step`` is a no-op: the engine steps inside ``accelerator.backward``) and the bare model, never
+the ``DeepSpeedEngine`` that owns ZeRO's partitions and clips inside its optimizer's step.  The
+callback finds that engine (the one whose ``optimizer`` is the wrapper's) and attaches to it as
+``set_monitor(engine, optimizer=engine.optimizer)`` does, so ``grad_reduced`` is the clipped fp32
+grad DeepSpeed's inner optimizer applies and the moments are read from this rank's partitions.
 
 transformers is not a dependency of trainmon; this module needs it (``pip install "trainmon[hf]"``)
 and without it fails to import with one line saying so.
@@ -20,6 +25,7 @@ and without it fails to import with one line saying so.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from typing import Any
@@ -65,7 +71,15 @@ class TrainerMonCallback(TrainerCallback):
             )
             return
         if _runs_deepspeed(optimizer):
-            return
+            engine = _deepspeed_engine(optimizer)
+            if engine is None:
+                log.warning(
+                    "trainmon: this Trainer runs DeepSpeed but its engine (the one stepping the Trainer's "
+                    "optimizer) was not found; nothing is monitored. Attach TrainerMon to the engine instead "
+                    "(see docs/frameworks.md)"
+                )
+                return
+            model, optimizer = engine, engine.optimizer
         acc = EpochAccumulation(
             args.gradient_accumulation_steps,
             _batches_per_epoch(train_dataloader),
@@ -95,11 +109,21 @@ def _batches_per_epoch(dataloader: Any) -> int | None:
 
 def _runs_deepspeed(optimizer: Any) -> bool:
     inner = getattr(optimizer, "optimizer", None)
-    if type(optimizer).__name__ != "DeepSpeedOptimizerWrapper" and not type(inner).__module__.startswith("deepspeed"):
-        return False
-    log.warning(
-        "trainmon: this Trainer runs DeepSpeed and callbacks are not given its engine, without which "
-        "ZeRO's sharded grads and moments cannot be read right; nothing is monitored. Attach "
-        "TrainerMon to the engine instead (see docs/frameworks.md)"
-    )
-    return True
+    return type(optimizer).__name__ == "DeepSpeedOptimizerWrapper" or type(inner).__module__.startswith("deepspeed")
+
+
+def _deepspeed_engine(optimizer: Any) -> Any:
+    """The ``DeepSpeedEngine`` whose optimizer the Trainer's wrapper holds.
+
+    Callbacks are handed neither the Trainer nor its ``model_wrapped``; the engine is reached
+    from the optimizer it owns (``gc.get_referrers``, once at train begin).  Python 3.11+ may
+    refer to attributes from the instance itself or from its ``__dict__``: both are followed.
+    """
+    inner = getattr(optimizer, "optimizer", None)
+    if inner is None:
+        return None
+    for ref in gc.get_referrers(inner):
+        for owner in [ref, *gc.get_referrers(ref)] if isinstance(ref, dict) else [ref]:
+            if type(owner).__name__ == "DeepSpeedEngine" and getattr(owner, "optimizer", None) is inner:
+                return owner
+    return None

@@ -1,0 +1,173 @@
+"""transformers' Trainer running DeepSpeed ZeRO 0-3 through accelerate, with the callback alone.
+
+Single process on DeepSpeed's CPU accelerator (``DS_ACCELERATOR=cpu``, gloo).  Truths, read from
+DeepSpeed itself: the sum of squares of the grads its inner torch optimizer holds when it steps
+(one call per param group: the clipped fp32 partitions) against the merged ``grad_reduced`` norms,
+and ``safe_get_full_optimizer_state(p, "exp_avg")`` after each step against ``exp_avg``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("deepspeed", reason="DeepSpeed not installed (.ci/run installs it)")
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from tests._support.distributed import run_distributed
+
+pytestmark = pytest.mark.slow
+
+CLIP = 0.05  # gradient_clipping ("auto": the Trainer's max_grad_norm), far below the grads' norm
+VOCAB, SEQ, ACC, MICRO_BATCHES = 64, 12, 2, 7  # 7 micro-batches, 2 per step: the last step has 1
+STAGES = (0, 1, 2, 3)
+
+
+def _train(rank, world, root: str, stage: int):
+    import torch
+    import transformers
+    from deepspeed.utils import safe_get_full_optimizer_state
+
+    from tests._support.applied import recorded_norms
+    from tests._support.runs import only_run_dir
+    from trainmon.integrations.hf import TrainerMonCallback
+    from trainmon.output.layout import rank_dir_name
+
+    class Tokens(torch.utils.data.Dataset):
+        ids = torch.randint(0, VOCAB, (2 * MICRO_BATCHES, SEQ), generator=torch.Generator().manual_seed(3))
+
+        def __len__(self):
+            return len(self.ids)
+
+        def __getitem__(self, i):
+            return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+    class Applied(transformers.TrainerCallback):
+        """What DeepSpeed's optimizer applies: grads at its inner optimizer's step, moments after."""
+
+        def __init__(self):
+            self.sq, self.exp_avg, self.wrapper = [0.0], [], None
+
+        def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+            self.model, zero = model, optimizer.optimizer  # accelerate's wrapper -> DeepSpeed's optimizer
+            self.inner = zero if stage == 0 else zero.optimizer  # the torch AdamW that applies the update
+            self.inner.register_step_pre_hook(self._pre)
+
+        def _pre(self, inner, *_):
+            self.sq[-1] += sum(
+                float(p.grad.double().pow(2).sum())
+                for g in inner.param_groups
+                for p in g["params"]
+                if p.grad is not None
+            )
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.exp_avg.append(
+                (
+                    self._per_param(),
+                    sum(  # every param together: the (flat) moments
+                        float(st["exp_avg"].double().pow(2).sum()) for st in self.inner.state.values()
+                    ),
+                )
+            )
+            self.sq.append(0.0)
+
+        def _per_param(self):
+            """DeepSpeed's own per-param read (torch's at stage 0).  At stages 1-2 only where it links
+            the state: it links once, after the first param group's first step."""
+            params = dict(self.model.named_parameters())
+            if stage == 0:
+                return {n: float(self.inner.state[p]["exp_avg"].double().norm()) for n, p in params.items()}
+            if stage in (1, 2):
+                params = {n: p for n, p in params.items() if "exp_avg" in p._hp_mapping.optim_fragment}
+                assert params, "DeepSpeed linked no optimizer state"
+            return {n: float(safe_get_full_optimizer_state(p, "exp_avg").double().norm()) for n, p in params.items()}
+
+    out = Path(root) / f"stage{stage}"
+    os.environ["MONITOR_OUTPUT_DIR"] = str(out)
+    cfg = Path(root) / f"monitor{stage}.json"
+    cfg.write_text(json.dumps(dict(wg_distribution=True, mv_distribution=True, ops=["norm"])))
+    ds = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+    }
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=SEQ,
+        )
+    )
+    args = transformers.TrainingArguments(
+        output_dir=str(Path(root) / f"hf{stage}"),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=ACC,
+        num_train_epochs=1,
+        learning_rate=1e-3,
+        max_grad_norm=CLIP,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=0,
+        deepspeed=ds,
+    )
+    warned: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warned.append(record.getMessage())
+    logging.getLogger("trainmon").addHandler(handler)
+    applied = Applied()
+    trainer = transformers.Trainer(
+        model=model, args=args, train_dataset=Tokens(), callbacks=[TrainerMonCallback(cfg), applied]
+    )
+    trainer.train()
+    logging.getLogger("trainmon").removeHandler(handler)
+    assert not warned, warned
+    steps = -(-MICRO_BATCHES // ACC)
+    raw = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]  # DeepSpeed's, before its clip
+    if stage > 0:  # stage 0 with a torch optimizer computes no global norm (same grads as the other stages)
+        assert len(raw) == steps and min(raw) > 2 * CLIP, raw  # clipping is active every step
+    assert trainer.state.global_step == steps and len(applied.exp_avg) == steps
+    rank0 = only_run_dir(out) / rank_dir_name(rank)
+    reduced, moments = recorded_norms(rank0, "grad_reduced"), recorded_norms(rank0, "exp_avg")
+    assert sorted(reduced) == sorted(moments) == list(range(steps))
+    assert sorted(recorded_norms(rank0, "grad_unreduced")) == list(range(steps))  # the short last step too
+    names = {n for n, _ in model.named_parameters()}
+    for step in range(steps):
+        merged = math.sqrt(sum(v**2 for v in reduced[step].values()))
+        assert merged == pytest.approx(math.sqrt(applied.sq[step]), rel=1e-5), (stage, step)
+        assert merged <= CLIP * (1 + 1e-5), (stage, step, merged)  # the clipped grad, not the raw one
+        per_param, total = applied.exp_avg[step]
+        assert set(moments[step]) == names, (stage, step, set(moments[step]) ^ names)
+        for name, norm in per_param.items():
+            assert moments[step][name] == pytest.approx(norm, rel=1e-5), (stage, step, name)
+        merged = math.sqrt(sum(v**2 for v in moments[step].values()))
+        assert merged == pytest.approx(math.sqrt(total), rel=1e-5), (stage, step)
+    return True
+
+
+def _body(rank, world, root):
+    logging.getLogger("trainmon").setLevel(logging.WARNING)
+    return [_train(rank, world, root, stage) for stage in STAGES]
+
+
+@pytest.mark.timeout(900)
+def test_trainer_running_deepspeed_zero_0_to_3_records_the_clipped_grad_and_moments_it_applies(tmp_path, monkeypatch):
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    assert run_distributed(_body, world_size=1, timeout=840, args=(str(tmp_path),)) == [[True] * len(STAGES)]
