@@ -1,9 +1,12 @@
 """transformers' Trainer running DeepSpeed ZeRO 0-3 through accelerate, with the callback alone.
 
-Single process on DeepSpeed's CPU accelerator (``DS_ACCELERATOR=cpu``, gloo).  Truths, read from
-DeepSpeed itself: the sum of squares of the grads its inner torch optimizer holds when it steps
-(one call per param group: the clipped fp32 partitions) against the merged ``grad_reduced`` norms,
-and ``safe_get_full_optimizer_state(p, "exp_avg")`` after each step against ``exp_avg``.
+1 and 2 processes on DeepSpeed's CPU accelerator (``DS_ACCELERATOR=cpu``, gloo; ``use_cpu`` so
+accelerate shards the batches), 2 accumulation steps (1 process: a short last step), the
+Trainer's two param groups, clipping active.  Truths, read from DeepSpeed itself: the sum of
+squares of the grads its inner torch optimizer holds when it steps (one call per param group:
+this rank's clipped fp32 partitions, summed over the ranks) against the merged ``grad_reduced``
+norms; after each step ``safe_get_full_optimizer_state(p, "exp_avg")`` (torch's state at stage 0)
+per param where DeepSpeed links it, and the inner optimizer's flat moments for all params together.
 """
 
 from __future__ import annotations
@@ -55,8 +58,8 @@ def _train(rank, world, root: str, stage: int):
             self.sq, self.exp_avg, self.wrapper = [0.0], [], None
 
         def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
-            self.model, zero = model, optimizer.optimizer  # accelerate's wrapper -> DeepSpeed's optimizer
-            self.inner = zero if stage == 0 else zero.optimizer  # the torch AdamW that applies the update
+            self.model, self.zero = model, optimizer.optimizer  # accelerate's wrapper -> DeepSpeed's optimizer
+            self.inner = self.zero if stage == 0 else self.zero.optimizer  # the torch AdamW that applies the update
             self.inner.register_step_pre_hook(self._pre)
 
         def _pre(self, inner, *_):
@@ -85,8 +88,8 @@ def _train(rank, world, root: str, stage: int):
             if stage == 0:
                 return {n: float(self.inner.state[p]["exp_avg"].double().norm()) for n, p in params.items()}
             if stage in (1, 2):
-                params = {n: p for n, p in params.items() if "exp_avg" in p._hp_mapping.optim_fragment}
-                assert params, "DeepSpeed linked no optimizer state"
+                first = {id(p) for p in self.zero.bit16_groups[0]}  # the same params on every rank
+                params = {n: p for n, p in params.items() if id(p) in first}
             return {n: float(safe_get_full_optimizer_state(p, "exp_avg").double().norm()) for n, p in params.items()}
 
     out = Path(root) / f"stage{stage}"
@@ -127,6 +130,7 @@ def _train(rank, world, root: str, stage: int):
         dataloader_num_workers=0,
         seed=0,
         deepspeed=ds,
+        use_cpu=True,  # accelerate then sees the gloo process group (MULTI_CPU) and shards the data
     )
     warned: list[str] = []
     handler = logging.Handler(logging.WARNING)
@@ -139,7 +143,7 @@ def _train(rank, world, root: str, stage: int):
     trainer.train()
     logging.getLogger("trainmon").removeHandler(handler)
     assert not warned, warned
-    steps = -(-MICRO_BATCHES // ACC)
+    steps = math.ceil(math.ceil(MICRO_BATCHES / world) / ACC)  # accelerate shards the batches over the ranks
     raw = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]  # DeepSpeed's, before its clip
     if stage > 0:  # stage 0 with a torch optimizer computes no global norm (same grads as the other stages)
         assert len(raw) == steps and min(raw) > 2 * CLIP, raw  # clipping is active every step
@@ -151,14 +155,20 @@ def _train(rank, world, root: str, stage: int):
     names = {n for n, _ in model.named_parameters()}
     for step in range(steps):
         merged = math.sqrt(sum(v**2 for v in reduced[step].values()))
-        assert merged == pytest.approx(math.sqrt(applied.sq[step]), rel=1e-5), (stage, step)
+        total = torch.tensor([applied.sq[step]], dtype=torch.float64)
+        if stage > 0:
+            torch.distributed.all_reduce(total)  # each rank applies its partition
+        assert merged == pytest.approx(math.sqrt(float(total)), rel=1e-5), (stage, step)
         assert merged <= CLIP * (1 + 1e-5), (stage, step, merged)  # the clipped grad, not the raw one
         per_param, total = applied.exp_avg[step]
         assert set(moments[step]) == names, (stage, step, set(moments[step]) ^ names)
         for name, norm in per_param.items():
             assert moments[step][name] == pytest.approx(norm, rel=1e-5), (stage, step, name)
         merged = math.sqrt(sum(v**2 for v in moments[step].values()))
-        assert merged == pytest.approx(math.sqrt(total), rel=1e-5), (stage, step)
+        total = torch.tensor([total], dtype=torch.float64)
+        if stage > 0:
+            torch.distributed.all_reduce(total)  # each rank holds its partition's moments
+        assert merged == pytest.approx(math.sqrt(float(total)), rel=1e-5), (stage, step)
     return True
 
 
@@ -168,6 +178,11 @@ def _body(rank, world, root):
 
 
 @pytest.mark.timeout(900)
-def test_trainer_running_deepspeed_zero_0_to_3_records_the_clipped_grad_and_moments_it_applies(tmp_path, monkeypatch):
+@pytest.mark.parametrize("world", [1, 2], ids=["1-process", "2-processes"])
+def test_trainer_running_deepspeed_zero_0_to_3_records_the_clipped_grad_and_moments_it_applies(
+    tmp_path, monkeypatch, world
+):
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    assert run_distributed(_body, world_size=1, timeout=840, args=(str(tmp_path),)) == [[True] * len(STAGES)]
+    assert (
+        run_distributed(_body, world_size=world, timeout=840, args=(str(tmp_path),)) == [[True] * len(STAGES)] * world
+    )
