@@ -1,7 +1,7 @@
 """transformers' Trainer running DeepSpeed ZeRO 0-3 through accelerate, with the callback alone.
 
-1 and 2 processes on DeepSpeed's CPU accelerator (``DS_ACCELERATOR=cpu``, gloo; ``use_cpu`` so
-accelerate shards the batches), 2 accumulation steps (1 process: a short last step), the
+ZeRO 0-3 in fp32 on 1 and 2 processes, ZeRO 1-3 in bf16 on 1, on DeepSpeed's CPU accelerator
+(``DS_ACCELERATOR=cpu``, gloo; ``use_cpu`` so accelerate shards the batches), 2 accumulation steps (1 process: a short last step), the
 Trainer's two param groups, clipping active.  Truths, read from DeepSpeed itself: the sum of
 squares of the grads its inner torch optimizer holds when it steps (one call per param group:
 this rank's clipped fp32 partitions, summed over the ranks) against the merged ``grad_reduced``
@@ -32,7 +32,7 @@ VOCAB, SEQ, ACC, MICRO_BATCHES = 64, 12, 2, 7  # 7 micro-batches, 2 per step: th
 STAGES = (0, 1, 2, 3)
 
 
-def _train(rank, world, root: str, stage: int):
+def _train(rank, world, root: str, stage: int, bf16: bool = False):
     import torch
     import transformers
     from deepspeed.utils import safe_get_full_optimizer_state
@@ -61,6 +61,8 @@ def _train(rank, world, root: str, stage: int):
             self.model, self.zero = model, optimizer.optimizer  # accelerate's wrapper -> DeepSpeed's optimizer
             self.inner = self.zero if stage == 0 else self.zero.optimizer  # the torch AdamW that applies the update
             self.inner.register_step_pre_hook(self._pre)
+            dtypes = {p.dtype for p in model.parameters()}
+            assert dtypes == {torch.bfloat16 if bf16 else torch.float32}, dtypes  # DeepSpeed's bf16 really runs
 
         def _pre(self, inner, *_):
             self.sq[-1] += sum(
@@ -92,7 +94,7 @@ def _train(rank, world, root: str, stage: int):
                 params = {n: p for n, p in params.items() if id(p) in first}
             return {n: float(safe_get_full_optimizer_state(p, "exp_avg").double().norm()) for n, p in params.items()}
 
-    out = Path(root) / f"stage{stage}"
+    out = Path(root) / f"stage{stage}{'_bf16' * bf16}"
     os.environ["MONITOR_OUTPUT_DIR"] = str(out)
     cfg = Path(root) / f"monitor{stage}.json"
     cfg.write_text(json.dumps(dict(wg_distribution=True, mv_distribution=True, ops=["norm"])))
@@ -103,6 +105,7 @@ def _train(rank, world, root: str, stage: int):
         "zero_optimization": {"stage": stage},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
+        "bf16": {"enabled": "auto"},  # the Trainer's bf16
     }
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(
@@ -130,6 +133,7 @@ def _train(rank, world, root: str, stage: int):
         dataloader_num_workers=0,
         seed=0,
         deepspeed=ds,
+        bf16=bf16,
         use_cpu=True,  # accelerate then sees the gloo process group (MULTI_CPU) and shards the data
     )
     warned: list[str] = []
@@ -172,17 +176,20 @@ def _train(rank, world, root: str, stage: int):
     return True
 
 
-def _body(rank, world, root):
+def _body(rank, world, root, bf16):
     logging.getLogger("trainmon").setLevel(logging.WARNING)
-    return [_train(rank, world, root, stage) for stage in STAGES]
+    return [_train(rank, world, root, stage, bf16) for stage in (STAGES[1:] if bf16 else STAGES)]
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("world", [1, 2], ids=["1-process", "2-processes"])
+@pytest.mark.parametrize(
+    "world,bf16", [(1, False), (2, False), (1, True)], ids=["1-process", "2-processes", "1-process-bf16"]
+)
 def test_trainer_running_deepspeed_zero_0_to_3_records_the_clipped_grad_and_moments_it_applies(
-    tmp_path, monkeypatch, world
+    tmp_path, monkeypatch, world, bf16
 ):
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    stages = len(STAGES) - bf16  # bf16: ZeRO 1-3
     assert (
-        run_distributed(_body, world_size=world, timeout=840, args=(str(tmp_path),)) == [[True] * len(STAGES)] * world
+        run_distributed(_body, world_size=world, timeout=840, args=(str(tmp_path), bf16)) == [[True] * stages] * world
     )
