@@ -1,12 +1,14 @@
 """transformers' Trainer running DeepSpeed ZeRO 0-3 through accelerate, with the callback alone.
 
 ZeRO 0-3 in fp32 on 1 and 2 processes, ZeRO 1-3 in bf16 on 1, on DeepSpeed's CPU accelerator
-(``DS_ACCELERATOR=cpu``, gloo; ``use_cpu`` so accelerate shards the batches), 2 accumulation steps (1 process: a short last step), the
-Trainer's two param groups, clipping active.  Truths, read from DeepSpeed itself: the sum of
-squares of the grads its inner torch optimizer holds when it steps (one call per param group:
-this rank's clipped fp32 partitions, summed over the ranks) against the merged ``grad_reduced``
-norms; after each step ``safe_get_full_optimizer_state(p, "exp_avg")`` (torch's state at stage 0)
-per param where DeepSpeed links it, and the inner optimizer's flat moments for all params together.
+(``DS_ACCELERATOR=cpu``, gloo; ``use_cpu`` so accelerate shards the batches), 2 accumulation
+steps (1 process: a short last step), the Trainer's two param groups, clipping active.
+
+Truths, read from DeepSpeed itself: the sum of squares of the grads its inner torch optimizer
+holds when it steps (one call per param group: this rank's clipped fp32 partitions, summed over
+the ranks) against the merged ``grad_reduced`` norms; after each step
+``safe_get_full_optimizer_state(p, "exp_avg")`` (torch's state at stage 0) per param where
+DeepSpeed links it, and the inner optimizer's flat moments for all params together.
 """
 
 from __future__ import annotations
