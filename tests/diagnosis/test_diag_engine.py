@@ -48,7 +48,7 @@ def pq_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("engine_pq")
 
 
-def _same_findings(name: str, rules: str, pq_dir: Path) -> list:
+def _assert_same_findings(name: str, rules: str, pq_dir: Path) -> list:
     run = named_run(name)
     want = _found(scan(load_run(run), RULE_SETS[rules]))
     assert _found(engine.engine_scan(engine.run_files(run), RULE_SETS[rules])) == want
@@ -57,7 +57,7 @@ def _same_findings(name: str, rules: str, pq_dir: Path) -> list:
 
 
 def test_engine_finds_the_planted_nan_first_like_the_in_memory_scan(pq_dir, capsys):
-    want = _same_findings("nan", "default", pq_dir)
+    want = _assert_same_findings("nan", "default", pq_dir)
     assert want and want[0]["rule"] == "nonfinite" and want[0]["step"] == 6
 
 
@@ -65,7 +65,7 @@ def test_engine_finds_the_planted_nan_first_like_the_in_memory_scan(pq_dir, caps
 @pytest.mark.parametrize("rules", list(RULE_SETS))
 @pytest.mark.parametrize("name", [n for n in SIM_RUNS if n not in ("base", "lr", "act")])
 def test_engine_finds_what_the_in_memory_scan_finds_on_every_fault_run_csv_and_parquet(name, rules, pq_dir):
-    _same_findings(name, rules, pq_dir)
+    _assert_same_findings(name, rules, pq_dir)
 
 
 @pytest.fixture(scope="module")

@@ -45,7 +45,7 @@ def _truth(t):
             "nans": 0, "infs": 0, "_mean_atol": 0.0}
 
 
-def _close(got, want, rtol):
+def _assert_close(got, want, rtol):
     for op, w in want.items():
         if op.startswith("_"):
             continue
@@ -152,13 +152,13 @@ def test_values_equal_float64_truth_on_every_dtype_and_odd_tensor(dtype):
     tensors = [base.to(dtype), base.to(dtype).t(), base.to(dtype)[::3, 1::2], special.to(dtype), posinf.to(dtype),
                torch.zeros(10, dtype=dtype), torch.empty(0, dtype=dtype), torch.full((1,), 2.5, dtype=dtype)]
     for t, got in zip(tensors, _stats(tensors)):
-        _close(got, _truth(t), rtol=1e-5)
+        _assert_close(got, _truth(t), rtol=1e-5)
 
 
 def test_integer_and_bool_tensors_match_truth():
     tensors = [torch.arange(-5, 7), torch.tensor([True, False, True])]
     for t, got in zip(tensors, _stats(tensors)):
-        _close(got, reference_stats(t), rtol=1e-6)
+        _assert_close(got, reference_stats(t), rtol=1e-6)
 
 
 def test_device_rows_equal_the_cpu_path_rows(monkeypatch):
@@ -215,7 +215,7 @@ def test_fp16_loss_scale_divides_the_partials_not_the_grads(ops):
     grads = [(torch.randn(300, generator=g) * 0.01 * 1024).to(torch.float16), torch.randn(40, generator=g) * 512]
     truth = [reference_stats(t.double() / 1024.0) for t in grads]
     for got, want in zip(_stats(grads, ops, scale=scale), truth):
-        _close(got, {k: v for k, v in want.items() if k in ops or k == "_mean_atol"}, rtol=1e-5)
+        _assert_close(got, {k: v for k, v in want.items() if k in ops or k == "_mean_atol"}, rtol=1e-5)
     engine = StatsEngine(DEFAULT)   # (std of fp16 and zeros with a scale need an fp32/scaled copy)
     engine.partials([grads[0][:1]])
     with OpCounter() as c:
@@ -227,4 +227,4 @@ def test_fp16_loss_scale_on_the_cpu_path_too(monkeypatch):
     monkeypatch.setenv("TRAINMON_DEVICE_PATH", "0")
     t = torch.randn(100) * 64
     got = _stats([t], DEFAULT + ["std"], scale=torch.tensor([64.0]))[0]
-    _close(got, {k: v for k, v in reference_stats(t / 64).items() if k in DEFAULT + ["std", "_mean_atol"]}, 1e-6)
+    _assert_close(got, {k: v for k, v in reference_stats(t / 64).items() if k in DEFAULT + ["std", "_mean_atol"]}, 1e-6)

@@ -41,7 +41,7 @@ def _counted(engine, tensors):
     return c
 
 
-def _close(got, t):
+def _assert_close(got, t):
     want = reference_stats(t)
     for op in DEFAULT:
         atol = want["_mean_atol"] if op == "mean" else 1e-30
@@ -100,7 +100,7 @@ def test_batched_rows_equal_float64_truth_in_caller_order_with_gaps_and_stranger
     rows = engine.finish_step(0)
     assert [r.name for r in rows] == [f"t{i}" for i in range(len(tensors))]
     for t, r in zip(tensors, rows):
-        _close(r.stats, t)
+        _assert_close(r.stats, t)
 
 
 def test_batched_rows_that_run_into_the_next_row_chunk_keep_their_values():
@@ -110,7 +110,7 @@ def test_batched_rows_that_run_into_the_next_row_chunk_keep_their_values():
     engine.capture("x", [Tracked(f"t{i}", t) for i, t in enumerate(flat)])
     rows = [r for r in engine.finish_step(0) if r.family == "x"]
     for t, r in zip(flat, rows):
-        _close(r.stats, t)
+        _assert_close(r.stats, t)
 
 
 @pytest.mark.slow

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -124,3 +125,20 @@ class LostRows:
                 self.first_error,
             )
             self._reported = self.count
+
+
+def sync_dir(path: Path) -> None:
+    """Make a directory's entries (new, renamed files) durable; best effort, never raises."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        try:
+            os.close(fd)
+        except OSError:
+            pass

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import SupportsFloat, cast
 
 from trainmon.output.layout import family_file_name, partial_file_name, window_bounds
-from trainmon.sinks.base import LostRows, Sink, SinkOptions, register_sink
+from trainmon.sinks.base import LostRows, Sink, SinkOptions, register_sink, sync_dir
 from trainmon.stats.rows import RowBlock, StepRows, paced
 
 __all__ = ["CsvSink"]
@@ -226,7 +226,7 @@ class CsvSink(Sink):
     def close(self) -> None:
         with self._lock:
             self._fds.close_all(sync=True)
-            self._sync_dir()
+            sync_dir(self._dir)
             self._lost.report()
 
     @property
@@ -390,16 +390,3 @@ class CsvSink(Sink):
         self._fds.drop(path)  # reopen next time: fstat then tells whether a header is due
         if isinstance(exc, _TailDamaged):
             self._retired.add(path)  # it may end in half a row: never append there again
-
-    def _sync_dir(self) -> None:
-        # Makes the files' directory entries durable too; best effort.
-        try:
-            fd = os.open(self._dir, os.O_RDONLY)
-        except OSError:
-            return
-        try:
-            os.fsync(fd)
-        except OSError:
-            pass
-        finally:
-            _close_quietly(fd)

@@ -34,7 +34,7 @@ import pyarrow as pa  # type: ignore[import-untyped]  # pyarrow ships no stubs
 import pyarrow.parquet as pq  # type: ignore[import-untyped]  # pyarrow ships no stubs
 
 from trainmon.output.layout import TMP_SUFFIX, family_file_name, window_bounds
-from trainmon.sinks.base import LostRows, Sink, SinkOptions, register_sink
+from trainmon.sinks.base import LostRows, Sink, SinkOptions, register_sink, sync_dir
 from trainmon.stats.rows import RowBlock, StepRows, paced
 
 __all__ = ["ParquetSink", "COMPRESSION"]
@@ -145,7 +145,7 @@ class ParquetSink(Sink):
             for w in self._open.values():
                 self._finish(w)
             self._open.clear()
-            self._sync_dir()
+            sync_dir(self._dir)
             self._lost.report()
 
     @property
@@ -262,15 +262,3 @@ class ParquetSink(Sink):
                 pass
         self._lost.lose(rows + w.written, w.path or self._dir, exc)
         w.written = 0
-
-    def _sync_dir(self) -> None:
-        try:
-            fd = os.open(self._dir, os.O_RDONLY)
-        except OSError:
-            return
-        try:
-            os.fsync(fd)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
