@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import logging
+import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,7 +12,14 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from tests._support.applied import AppliedRecorder, assert_recorded_as_applied, recorded_norms  # noqa: E402
+from tests._support.applied import (  # noqa: E402
+    AppliedRecorder,
+    LocalGradRecorder,
+    assert_data_parallel_grads,
+    assert_recorded_as_applied,
+    recorded_norms,
+)
+from tests._support.distributed import run_distributed  # noqa: E402
 from tests._support.runs import only_run_dir, read_family  # noqa: E402
 from trainmon.integrations.hf import TrainerMonCallback  # noqa: E402
 from trainmon.output.layout import rank_dir_name  # noqa: E402
@@ -50,6 +59,7 @@ class Recorder(transformers.TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         self.applied = AppliedRecorder(optimizer.optimizer, model)   # the torch AdamW inside accelerate's
+        self.local = LocalGradRecorder(optimizer.optimizer, model)
 
 
 def train(tmp_path, make_config, build, acc, micro_batches):
@@ -63,6 +73,8 @@ def train(tmp_path, make_config, build, acc, micro_batches):
     trainer = transformers.Trainer(model=model, args=args, train_dataset=RandomTokens(2 * micro_batches),
                                    callbacks=[TrainerMonCallback(make_config(**CFG)), recorder])
     trainer.train()
+    recorder.local.remove()
+    trainer.local = recorder.local
     return recorder.applied, trainer
 
 
@@ -92,3 +104,22 @@ def test_trainer_records_the_clipped_grad_and_the_moments_its_optimizer_applies(
     applied.remove()
     opt = applied.optimizer
     assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks   # on_train_end closed it
+
+
+def _ddp_body(rank, world, tmp, config):
+    """One rank of a 2-process DDP Trainer (gloo, CPU): accelerate wraps the model in DDP and
+    accumulates under ``no_sync``; the callback is handed the bare model."""
+    applied, trainer = train(Path(tmp), lambda **_: Path(config), tiny_llama, acc=2, micro_batches=12)
+    assert type(trainer.model_wrapped).__name__ == "DistributedDataParallel"
+    assert trainer.state.global_step == 3   # 24 samples over 2 ranks, 2 per micro-batch, 2 per step
+    assert_recorded_as_applied(Path(os.environ["MONITOR_OUTPUT_DIR"]), applied, 3, rank=rank)
+    rank_dir = only_run_dir(Path(os.environ["MONITOR_OUTPUT_DIR"])) / rank_dir_name(rank)
+    assert_data_parallel_grads(rank_dir, trainer.local, 3, CLIP)
+    return True
+
+
+@pytest.mark.timeout(300)
+def test_trainer_on_two_ddp_processes_records_each_ranks_local_grad_and_the_applied_grad(
+        tmp_path, output_root, make_config):
+    assert run_distributed(_ddp_body, world_size=2, timeout=240, args=(str(tmp_path), str(make_config(**CFG)))) == [
+        True, True]
