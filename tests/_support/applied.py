@@ -74,17 +74,18 @@ class LocalGradRecorder:
     A post-accumulate-grad hook per param keeps a float64 copy of the param's grad after each
     backward (torch runs it before DDP's reducer writes the mean back at the end of backward;
     with ``no_sync`` accumulation the last copy is this rank's accumulated local grad).  A step
-    pre-hook (registered after ``set_monitor``) files, per ``step()``, those local copies and the
-    grads the optimizer is about to apply (reduced and clipped).
+    post-hook files, per ``step()``, those local copies and the grads the update applied (reduced
+    and clipped; a post-hook, not a pre-hook, because a ``step(closure)`` runs the last backward
+    after the pre-hooks).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module):
         self.names = {p: n for n, p in model.named_parameters() if p.requires_grad}
         self._latest: dict[str, torch.Tensor] = {}
         self.local: list[dict[str, torch.Tensor]] = []     # per step: name -> this rank's pre-reduce grad
-        self.applied: list[dict[str, torch.Tensor]] = []   # per step: name -> grad at step entry
+        self.applied: list[dict[str, torch.Tensor]] = []   # per step: name -> the grad the update used
         self._handles = [p.register_post_accumulate_grad_hook(self._keep) for p in self.names]
-        self._handles.append(optimizer.register_step_pre_hook(self._file))
+        self._handles.append(optimizer.register_step_post_hook(self._file))
 
     @torch.no_grad()
     def _keep(self, p: torch.Tensor) -> None:

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import logging
+import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -9,7 +11,14 @@ import torch
 
 L = pytest.importorskip("lightning")
 
-from tests._support.applied import AppliedRecorder, assert_recorded_as_applied, recorded_norms  # noqa: E402
+from tests._support.applied import (  # noqa: E402
+    AppliedRecorder,
+    LocalGradRecorder,
+    assert_data_parallel_grads,
+    assert_recorded_as_applied,
+    recorded_norms,
+)
+from tests._support.distributed import run_distributed  # noqa: E402
 from tests._support.runs import only_run_dir, read_family  # noqa: E402
 from trainmon.integrations.lightning import TrainerMonCallback  # noqa: E402
 from trainmon.output.layout import rank_dir_name  # noqa: E402
@@ -53,18 +62,21 @@ class Recorder(L.Callback):
 
     def on_train_start(self, trainer, pl_module):
         self.applied = AppliedRecorder(trainer.optimizers[0], pl_module)
+        self.local = LocalGradRecorder(trainer.optimizers[0], pl_module)
 
 
-def fit(output_root, make_config, batches, *, acc=1, manual_acc=None, **cb_kwargs):
+def fit(output_root, make_config, batches, *, acc=1, manual_acc=None, devices=1, strategy="auto", **cb_kwargs):
     model = LitGPT(manual_acc)
     data = list(synthetic_batches(SMALL, 4, batches, seed=1))
     recorder = Recorder()
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, accumulate_grad_batches=acc,
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_epochs=1, accumulate_grad_batches=acc,
                         gradient_clip_val=None if manual_acc else CLIP, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[TrainerMonCallback(make_config(**CFG), **cb_kwargs), recorder])
     trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=None))
     trainer.losses = model.losses
+    recorder.local.remove()
+    trainer.local = recorder.local
     return recorder.applied, trainer
 
 
@@ -92,6 +104,24 @@ def test_automatic_optimization_records_the_clipped_accumulated_grad_and_moments
     np.testing.assert_array_equal(loss["loss"].to_numpy(), np.array(trainer.losses))
     assert list(zip(loss["step"], loss["micro_step"])) == [(b // acc, b % acc) for b in range(batches)]
     assert_no_trainmon_warning(caplog)
+
+
+def _ddp_body(rank, world, config):
+    """One rank of ``strategy="ddp"`` on 2 CPU processes, started as torchrun would (RANK,
+    LOCAL_RANK, WORLD_SIZE in the environment and the gloo group up: Lightning launches nothing
+    and reuses the group); its DistributedSampler gives each rank half of the batches."""
+    root = Path(os.environ["MONITOR_OUTPUT_DIR"])
+    applied, trainer = fit(root, lambda **_: Path(config), 12, acc=2, devices=world, strategy="ddp")
+    assert type(trainer.strategy).__name__ == "DDPStrategy" and trainer.world_size == world
+    assert trainer.global_step == 3   # 6 batches per rank, 2 per step
+    assert_recorded_as_applied(root, applied, 3, rank=rank)
+    assert_data_parallel_grads(only_run_dir(root) / rank_dir_name(rank), trainer.local, 3, CLIP)
+    return True
+
+
+@pytest.mark.timeout(300)
+def test_ddp_on_two_processes_records_each_ranks_local_grad_and_the_applied_grad(output_root, make_config):
+    assert run_distributed(_ddp_body, world_size=2, timeout=240, args=(str(make_config(**CFG)),)) == [True, True]
 
 
 def test_manual_optimization_with_accumulation_records_what_opt_step_applies(output_root, make_config, caplog):
