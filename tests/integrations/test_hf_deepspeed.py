@@ -1,14 +1,26 @@
 """transformers' Trainer running DeepSpeed ZeRO 0-3 through accelerate, with the callback alone.
 
-ZeRO 0-3 in fp32 on 1 and 2 processes, ZeRO 1-3 in bf16 on 1, on DeepSpeed's CPU accelerator
+ZeRO 0-3 in fp32 on 1 and 2 processes, ZeRO 1-3 in bf16 on 1, ZeRO 0-3 in fp16 (loss scaling) on
+1, ZeRO-Offload (``offload_optimizer: cpu``, stages 1-3) on 2, on DeepSpeed's CPU accelerator
 (``DS_ACCELERATOR=cpu``, gloo; ``use_cpu`` so accelerate shards the batches), 2 accumulation
 steps (1 process: a short last step), the Trainer's two param groups, clipping active.
+
+fp16: DeepSpeed's CPU accelerator says fp16 is unsupported unless oneDNN has fp16 kernels for the
+CPU (``torch.ops.mkldnn._is_mkldnn_fp16_supported()``, false on CPUs without AVX512-FP16/AMX-FP16,
+as on CI's), and the engine then refuses to start ("Type fp16 is not supported on your device").
+The test overrides that one capability answer; everything else is DeepSpeed's real fp16 path
+(torch runs the fp16 ops on CPU).  The initial loss scale (2^20, hysteresis 1) overflows the fp16
+grads on the first step: skipped steps are checked too.
 
 Truths, read from DeepSpeed itself: the sum of squares of the grads its inner torch optimizer
 holds when it steps (one call per param group: this rank's clipped fp32 partitions, summed over
 the ranks) against the merged ``grad_reduced`` norms; after each step
 ``safe_get_full_optimizer_state(p, "exp_avg")`` (torch's state at stage 0) per param where
-DeepSpeed links it, and the inner optimizer's flat moments for all params together.
+DeepSpeed links it, and the inner optimizer's flat moments for all params together; on one
+process at stages 0-1 (one reduce, at the boundary), the ``grad_unreduced`` norms against
+DeepSpeed's own unscaled pre-clip global norm.  A step DeepSpeed's loss scaler skips (its
+optimizer's ``overflow``) has no ``grad_reduced``/``exp_avg`` rows and a ``steps`` row with
+``skipped`` 1 and the loss scale it ran with.
 """
 
 from __future__ import annotations
@@ -34,13 +46,16 @@ VOCAB, SEQ, ACC, MICRO_BATCHES = 64, 12, 2, 7  # 7 micro-batches, 2 per step: th
 STAGES = (0, 1, 2, 3)
 
 
-def _train(rank, world, root: str, stage: int, bf16: bool = False):
+MODES = {"fp32": STAGES, "bf16": STAGES[1:], "fp16": STAGES[1:], "offload": STAGES[1:]}
+
+
+def _train(rank, world, root: str, stage: int, mode: str = "fp32"):
     import torch
     import transformers
     from deepspeed.utils import safe_get_full_optimizer_state
 
     from tests._support.applied import recorded_norms
-    from tests._support.runs import only_run_dir
+    from tests._support.runs import only_run_dir, read_family
     from trainmon.integrations.hf import TrainerMonCallback
     from trainmon.output.layout import rank_dir_name
 
@@ -58,13 +73,19 @@ def _train(rank, world, root: str, stage: int, bf16: bool = False):
 
         def __init__(self):
             self.sq, self.exp_avg, self.wrapper = [0.0], [], None
+            self.skipped, self.scales = [], []  # per step: DeepSpeed's loss scaler skipped it; its scale
 
         def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
             self.model, self.zero = model, optimizer.optimizer  # accelerate's wrapper -> DeepSpeed's optimizer
-            self.inner = self.zero if stage == 0 else self.zero.optimizer  # the torch AdamW that applies the update
+            # the torch AdamW that applies the update (stage 0 fp16: inside DeepSpeed's FP16_UnfusedOptimizer)
+            self.inner = self.zero if stage == 0 and mode != "fp16" else self.zero.optimizer
             self.inner.register_step_pre_hook(self._pre)
             dtypes = {p.dtype for p in model.parameters()}
-            assert dtypes == {torch.bfloat16 if bf16 else torch.float32}, dtypes  # DeepSpeed's bf16 really runs
+            want = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mode, torch.float32)
+            assert dtypes == {want}, dtypes  # DeepSpeed's bf16/fp16 really runs
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.scales.append(float(getattr(self.zero, "loss_scale", 1.0)))
 
         def _pre(self, inner, *_):
             self.sq[-1] += sum(
@@ -75,6 +96,11 @@ def _train(rank, world, root: str, stage: int, bf16: bool = False):
             )
 
         def on_step_end(self, args, state, control, **kwargs):
+            self.skipped.append(getattr(self.zero, "overflow", False) is True)
+            if self.skipped[-1]:  # nothing applied (on the first step: no moments exist yet)
+                self.exp_avg.append(None)
+                self.sq.append(0.0)
+                return
             self.exp_avg.append(
                 (
                     self._per_param(),
@@ -89,14 +115,17 @@ def _train(rank, world, root: str, stage: int, bf16: bool = False):
             """DeepSpeed's own per-param read (torch's at stage 0).  At stages 1-2 only where it links
             the state: it links once, after the first param group's first step."""
             params = dict(self.model.named_parameters())
-            if stage == 0:
-                return {n: float(self.inner.state[p]["exp_avg"].double().norm()) for n, p in params.items()}
+            if stage == 0:  # fp16: the state of each param's fp32 master
+                pairs = zip(sum(self.zero.fp16_groups, []), sum(self.zero.fp32_groups, [])) if mode == "fp16" else []
+                master = {id(p16): p32 for p16, p32 in pairs}
+                state = {n: self.inner.state[master.get(id(p), p)] for n, p in params.items()}
+                return {n: float(st["exp_avg"].double().norm()) for n, st in state.items()}
             if stage in (1, 2):
                 first = {id(p) for p in self.zero.bit16_groups[0]}  # the same params on every rank
                 params = {n: p for n, p in params.items() if id(p) in first}
             return {n: float(safe_get_full_optimizer_state(p, "exp_avg").double().norm()) for n, p in params.items()}
 
-    out = Path(root) / f"stage{stage}{'_bf16' * bf16}"
+    out = Path(root) / f"stage{stage}_{mode}"
     os.environ["MONITOR_OUTPUT_DIR"] = str(out)
     cfg = Path(root) / f"monitor{stage}.json"
     cfg.write_text(json.dumps(dict(wg_distribution=True, mv_distribution=True, ops=["norm"])))
@@ -109,6 +138,14 @@ def _train(rank, world, root: str, stage: int, bf16: bool = False):
         "steps_per_print": 10**9,
         "bf16": {"enabled": "auto"},  # the Trainer's bf16
     }
+    if mode == "fp16":
+        ds["fp16"] = {"enabled": "auto", "initial_scale_power": 20, "hysteresis": 1}  # overflows at first
+        from deepspeed.accelerator import get_accelerator
+
+        type(get_accelerator()).is_fp16_supported = lambda self: True  # see the module docstring
+    if mode == "offload":  # ZeRO-Offload; the Trainer's torch AdamW steps on the CPU partitions
+        ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        ds["zero_force_ds_cpu_optimizer"] = False
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(
         transformers.LlamaConfig(
@@ -135,7 +172,8 @@ def _train(rank, world, root: str, stage: int, bf16: bool = False):
         dataloader_num_workers=0,
         seed=0,
         deepspeed=ds,
-        bf16=bf16,
+        bf16=mode == "bf16",
+        fp16=mode == "fp16",
         use_cpu=True,  # accelerate then sees the gloo process group (MULTI_CPU) and shards the data
     )
     warned: list[str] = []
@@ -148,18 +186,34 @@ def _train(rank, world, root: str, stage: int, bf16: bool = False):
     )
     trainer.train()
     logging.getLogger("trainmon").removeHandler(handler)
-    assert not warned, warned
     steps = math.ceil(math.ceil(MICRO_BATCHES / world) / ACC)  # accelerate shards the batches over the ranks
-    raw = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]  # DeepSpeed's, before its clip
-    if stage > 0:  # stage 0 with a torch optimizer computes no global norm (same grads as the other stages)
-        assert len(raw) == steps and min(raw) > 2 * CLIP, raw  # clipping is active every step
     assert trainer.state.global_step == steps and len(applied.exp_avg) == steps
+    skipped = [step for step in range(steps) if applied.skipped[step]]
+    done = [step for step in range(steps) if not applied.skipped[step]]
+    assert (len(skipped) > 0 and len(done) > 1) if mode == "fp16" else not skipped, applied.skipped
+    if skipped:  # said once: the skipped steps have no grad_reduced rows
+        assert len(warned) == 1 and "applied no update" in warned[0], warned
+    else:
+        assert not warned, warned
+    raw = [h.get("grad_norm") for h in trainer.state.log_history if "loss" in h]  # DeepSpeed's, before its clip
+    if stage > 0 or mode == "fp16":  # stage 0 with a torch optimizer computes no global norm
+        assert len(raw) == steps and min(raw[s] for s in done) > 2 * CLIP, raw  # clipping is active every step
     rank0 = only_run_dir(out) / rank_dir_name(rank)
     reduced, moments = recorded_norms(rank0, "grad_reduced"), recorded_norms(rank0, "exp_avg")
-    assert sorted(reduced) == sorted(moments) == list(range(steps))
-    assert sorted(recorded_norms(rank0, "grad_unreduced")) == list(range(steps))  # the short last step too
+    assert sorted(reduced) == sorted(moments) == done
+    unreduced = recorded_norms(rank0, "grad_unreduced")
+    assert sorted(unreduced) == list(range(steps))  # the short last step and the skipped ones too
+    if world == 1 and stage <= 1 and raw[done[0]] is not None:  # on the loss's scale: DeepSpeed's unscaled norm
+        for step in done:
+            merged = math.sqrt(sum(v**2 for v in unreduced[step].values()))
+            assert merged == pytest.approx(raw[step], rel=1e-3), (stage, step)
+    if mode == "fp16":  # one row per step: skipped or not, and the loss scale the step ran with
+        rows = read_family(rank0, "steps")
+        assert list(rows["step"]) == list(range(steps)), rows
+        assert list(rows["skipped"]) == [float(s) for s in applied.skipped], rows
+        assert list(rows["loss_scale"]) == applied.scales, rows
     names = {n for n, _ in model.named_parameters()}
-    for step in range(steps):
+    for step in done:
         merged = math.sqrt(sum(v**2 for v in reduced[step].values()))
         total = torch.tensor([applied.sq[step]], dtype=torch.float64)
         if stage > 0:
@@ -178,20 +232,22 @@ def _train(rank, world, root: str, stage: int, bf16: bool = False):
     return True
 
 
-def _body(rank, world, root, bf16):
+def _body(rank, world, root, mode):
     logging.getLogger("trainmon").setLevel(logging.WARNING)
-    return [_train(rank, world, root, stage, bf16) for stage in (STAGES[1:] if bf16 else STAGES)]
+    return [_train(rank, world, root, stage, mode) for stage in MODES[mode]]
 
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(
-    "world,bf16", [(1, False), (2, False), (1, True)], ids=["1-process", "2-processes", "1-process-bf16"]
+    "world,mode",
+    [(1, "fp32"), (2, "fp32"), (1, "bf16"), (1, "fp16"), (2, "offload")],
+    ids=["1-process", "2-processes", "1-process-bf16", "1-process-fp16", "2-processes-offload"],
 )
 def test_trainer_running_deepspeed_zero_0_to_3_records_the_clipped_grad_and_moments_it_applies(
-    tmp_path, monkeypatch, world, bf16
+    tmp_path, monkeypatch, world, mode
 ):
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    stages = len(STAGES) - bf16  # bf16: ZeRO 1-3
+    stages = len(MODES[mode])
     assert (
-        run_distributed(_body, world_size=world, timeout=840, args=(str(tmp_path), bf16)) == [[True] * stages] * world
+        run_distributed(_body, world_size=world, timeout=840, args=(str(tmp_path), mode)) == [[True] * stages] * world
     )

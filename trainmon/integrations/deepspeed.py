@@ -27,6 +27,18 @@ instance and, right before it calls the inner optimizer, each param's slice of t
 ``.grad`` is measured (stage 3: the sub-group's flat fp32 grad, cut at ``grad_position``;
 ``BF16_Optimizer``: at its inner optimizer's step entry, after its clip).  Stage 0
 clips ``param.grad`` in place before calling the torch optimizer, whose step entry already sees it.
+
+fp16 (loss scaling): the model's grads carry DeepSpeed's loss scale until its optimizer unscales
+them, so ``grad_unreduced`` is reported divided by the scale the iteration ran with (the rows are on
+the scale of the loss, as under Megatron); the applied-grad points above already see unscaled
+grads.  Stage 0 in fp16 runs DeepSpeed's ``FP16_UnfusedOptimizer``: an fp32 master per param, whose
+grads it unscales and clips before its inner torch optimizer steps; ``grad_reduced`` is read at that
+inner step's entry and the param and moments from the masters.  (A fused ``FP16_Optimizer``, chosen
+for DeepSpeed's FusedAdam, keeps flat masters that are not mapped: one warning, and ``grad_reduced``
+is then read at step entry, unscaled but before the clip.)  A step the loss scaler skips (an
+overflow: DeepSpeed's optimizer returns before its inner optimizer steps) is handled by
+``integrations.amp``: its ``grad_unreduced`` rows (with the overflow in them), no ``grad_reduced``,
+param or moment rows, and a ``steps`` row with ``skipped`` 1 and the ``loss_scale`` it ran with.
 """
 
 from __future__ import annotations
@@ -76,6 +88,27 @@ class DeepSpeedIntegration(Integration):
         self.zero: Any = self.engine.optimizer if self.stage > 0 else None
         self.group = getattr(self.zero, "dp_process_group", None)
         self.reduces_every_micro_batch = self.stage >= 2
+        self.fp16 = bool(getattr(self.engine, "fp16_enabled", lambda: False)())
+        # stage 0 fp16: model param id -> its fp32 master in FP16_UnfusedOptimizer (None otherwise)
+        self._masters = self._fp16_masters() if self.stage == 0 and self.fp16 else None
+
+    def _fp16_masters(self) -> dict[int, torch.Tensor] | None:
+        opt = self.engine.optimizer
+        fp16, fp32 = getattr(opt, "fp16_groups", None), getattr(opt, "fp32_groups", None)
+        if fp16 is None or fp32 is None or not hasattr(getattr(opt, "optimizer", None), "register_step_pre_hook"):
+            log.warning(
+                "trainmon: DeepSpeed fp16 without ZeRO runs %s, whose fp32 masters trainmon does not map; "
+                "grad_reduced is read at step entry (unscaled, before DeepSpeed's clip) and exp_avg* are not "
+                "recorded (use ZeRO stage 1-3, or an unfused torch optimizer)",
+                type(opt).__name__,
+            )
+            return None
+        return {id(p): m for g16, g32 in zip(fp16, fp32) for p, m in zip(g16, g32)}
+
+    def _loss_scale(self) -> float | None:
+        """The loss scale the running iteration's grads carry (fp16), else None."""
+        scale = getattr(self.engine.optimizer, "loss_scale", None) if self.fp16 else None
+        return None if scale is None else float(scale)
 
     def pre_reduce_points(
         self, params: list[TrackedParam], emit: Callable[[list[TrackedParam], int], None]
@@ -123,6 +156,8 @@ class DeepSpeedIntegration(Integration):
     def applied_grad_points(
         self, params: list[TrackedParam], emit: Callable[[list[tuple[TrackedParam, View]]], None]
     ) -> list[Handle] | None:
+        if self.stage == 0 and self._masters is not None:
+            return self._fp16_applied_points(params, emit)
         if self.stage == 0:
             return None  # the engine clips param.grad before the torch optimizer's step entry
         if hasattr(self.zero, "fp32_groups_flat_partition") and hasattr(self.zero, "bf16_groups"):
@@ -177,6 +212,22 @@ class DeepSpeedIntegration(Integration):
 
         return [Handle(self.zero.optimizer.register_step_pre_hook(pre).remove)]
 
+    def _fp16_applied_points(
+        self, params: list[TrackedParam], emit: Callable[[list[tuple[TrackedParam, View]]], None]
+    ) -> list[Handle]:
+        """Stage 0 fp16: the masters' grads, unscaled and clipped, at the inner optimizer's step entry."""
+        masters = self._masters or {}
+
+        def pre(*_: Any) -> None:
+            pairs = []
+            for tp in params:
+                master = masters.get(id(tp.param))
+                if master is not None and master.grad is not None:
+                    pairs.append((tp, View(master.grad.detach())))
+            emit(pairs)
+
+        return [Handle(self.engine.optimizer.optimizer.register_step_pre_hook(pre).remove)]
+
     def _z12_applied(self, tp: TrackedParam, group: int) -> View:
         """This rank's slice of the clipped fp32 grad partition the inner optimizer is about to apply."""
         mapping = getattr(tp.param, "_hp_mapping", None)
@@ -215,8 +266,9 @@ class DeepSpeedIntegration(Integration):
         elif self.stage == 3:
             g = tp.param.grad  # still whole: partitioned only after the reduce-scatter
         else:
-            return super().local_grad(tp)
-        return None if g is None else View(g.detach().reshape(-1), None, self._shape(tp))
+            view = super().local_grad(tp)
+            return view if view is None or not self.fp16 else View(view.tensor, scale=self._loss_scale())
+        return None if g is None else View(g.detach().reshape(-1), None, self._shape(tp), scale=self._loss_scale())
 
     # -- fragments ---------------------------------------------------------------------------
     def _z3_valid(self, tp: TrackedParam, t: torch.Tensor) -> torch.Tensor:
@@ -253,13 +305,18 @@ class DeepSpeedIntegration(Integration):
 
     def param(self, tp: TrackedParam) -> View:
         if self.stage == 0:
-            return super().param(tp)
+            master = (self._masters or {}).get(id(tp.param))
+            return super().param(tp) if master is None else View(master.detach())
         if self.stage == 3:
             return self._sharded(tp, self._z3_valid(tp, self.zero.get_local_fp32_param(tp.param)).detach())
         mapping = getattr(tp.param, "_hp_mapping", None)
         return self._sharded(tp, None if mapping is None else mapping.hp_fragment.detach())
 
     def moments(self, tp: TrackedParam) -> dict[str, View]:
+        if self.stage == 0 and self._masters is not None:
+            master = self._masters.get(id(tp.param))
+            state = self.engine.optimizer.optimizer.state.get(master, {}) if master is not None else {}
+            return {k: View(state[k].detach()) for k in _MOMENTS if isinstance(state.get(k), torch.Tensor)}
         if self.stage == 0:
             return super().moments(tp)
         out = {}
@@ -298,4 +355,4 @@ class DeepSpeedIntegration(Integration):
         return moment.detach().narrow(0, address.start, address.numel)
 
     def has_moments(self) -> bool:
-        return True if self.stage > 0 else super().has_moments()
+        return True if self.stage > 0 or self._masters is not None else super().has_moments()
