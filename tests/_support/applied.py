@@ -31,15 +31,21 @@ class AppliedRecorder:
         grads, moments = {}, {}
         for p, name in self.names.items():
             if p.grad is not None:
-                grads[name] = p.grad.detach().double().norm().item()
+                grads[name] = _full(p.grad).double().norm().item()
             state = self.optimizer.state.get(p, {})
             if isinstance(state.get("exp_avg"), torch.Tensor):
-                moments[name] = state["exp_avg"].detach().double().norm().item()
+                moments[name] = _full(state["exp_avg"]).double().norm().item()
         self.grad.append(grads)
         self.exp_avg.append(moments)
 
     def remove(self) -> None:
         self._handle.remove()
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: an FSDP2 shard (a DTensor) is gathered from every rank (a collective)."""
+    t = t.detach()
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def recorded_norms(rank_dir: Path, family: str) -> dict[int, dict[str, float]]:

@@ -62,13 +62,13 @@ class Recorder(transformers.TrainerCallback):
         self.local = LocalGradRecorder(optimizer.optimizer, model)
 
 
-def train(tmp_path, make_config, build, acc, micro_batches):
+def train(tmp_path, make_config, build, acc, micro_batches, **training_args):
     torch.manual_seed(0)
     model = build()
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / "hf"), per_device_train_batch_size=2, gradient_accumulation_steps=acc,
         num_train_epochs=1, learning_rate=1e-3, max_grad_norm=CLIP, report_to="none", use_cpu=True,
-        save_strategy="no", logging_steps=1, disable_tqdm=True, dataloader_num_workers=0, seed=0)
+        save_strategy="no", logging_steps=1, disable_tqdm=True, dataloader_num_workers=0, seed=0, **training_args)
     recorder = Recorder()
     trainer = transformers.Trainer(model=model, args=args, train_dataset=RandomTokens(2 * micro_batches),
                                    callbacks=[TrainerMonCallback(make_config(**CFG)), recorder])
@@ -123,3 +123,18 @@ def test_trainer_on_two_ddp_processes_records_each_ranks_local_grad_and_the_appl
         tmp_path, output_root, make_config):
     assert run_distributed(_ddp_body, world_size=2, timeout=240, args=(str(tmp_path), str(make_config(**CFG)))) == [
         True, True]
+
+
+def _fsdp_body(rank, world, tmp, config, version):
+    """One rank of a 2-process Trainer with accelerate's FSDP plugin (``fsdp_version``), on CPU/gloo."""
+    import logging as _logging
+
+    warned: list[str] = []
+    handler = _logging.Handler(_logging.WARNING)
+    handler.emit = lambda record: warned.append(record.getMessage())
+    _logging.getLogger("trainmon").addHandler(handler)
+    fsdp_config = {"version": version, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}
+    applied, trainer = train(Path(tmp), lambda **_: Path(config), tiny_llama, acc=2, micro_batches=12,
+                             fsdp="full_shard", fsdp_config=fsdp_config)
+    _logging.getLogger("trainmon").removeHandler(handler)
+    return type(trainer.model_wrapped).__name__, warned, applied.grad, applied.exp_avg
