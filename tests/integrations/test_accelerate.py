@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import logging
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -54,3 +56,47 @@ def test_accelerated_optimizer_is_the_step_boundary_and_records_what_it_applies(
     assert_recorded_as_applied(output_root, recorder, steps=3)
     bad = [r.getMessage() for r in caplog.records if r.name.startswith("trainmon") and r.levelno >= logging.WARNING]
     assert not bad, bad
+
+
+def _fsdp2_body(rank, world, config):
+    """One rank of a plain accelerate loop with its FSDP plugin (``fsdp_version=2``) on CPU/gloo.
+
+    accelerate 1.15 turns FSDP on only for accelerator devices (its FSDP branch sits under the
+    MULTI_GPU/NPU/XPU/... distributed types; on CPU it runs MULTI_CPU, i.e. DDP, and ignores the
+    plugin): the test sets the state's distributed type to FSDP itself, after which ``prepare``
+    is accelerate's own FSDP2 path (``fully_shard`` per block, DTensor params, its optimizer
+    wrapper, ``clip_grad_norm_`` over the shards)."""
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    warned: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warned.append(record.getMessage())
+    logging.getLogger("trainmon").addHandler(handler)
+    accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
+    accelerator.state.distributed_type = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+    torch.manual_seed(0)
+    model = TinyGPT(SMALL)
+    model, opt = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    assert type(model).__name__ == "FSDPTinyGPT" and type(next(model.parameters())).__name__ == "DTensor"
+    monitor = TrainerMon(config).set_monitor(model, grad_acc_steps=2, optimizer=opt)
+    recorder = AppliedRecorder(opt.optimizer, model)   # gathers each applied grad and moment in full
+    for batch in synthetic_batches(SMALL, 4, 6, seed=1 + rank):   # each rank its own data
+        with accelerator.accumulate(model):
+            accelerator.backward(model.loss(batch))
+            if accelerator.sync_gradients:
+                total = accelerator.clip_grad_norm_(model.parameters(), 0.05)
+                assert float(total) > 0.1   # clipping is active
+            opt.step()
+            opt.zero_grad()
+    monitor.close()
+    logging.getLogger("trainmon").removeHandler(handler)
+    assert_recorded_as_applied(Path(os.environ["MONITOR_OUTPUT_DIR"]), recorder, steps=3, rank=rank)
+    assert len(warned) == 1 and "grad_unreduced is not recorded" in warned[0], warned   # FSDP2 without the opt-in
+    return True
+
+
+def test_fsdp2_through_accelerate_records_the_full_tensors_the_optimizer_applies(output_root, make_config):
+    from tests._support.distributed import run_distributed
+
+    assert run_distributed(_fsdp2_body, world_size=2, timeout=240, args=(str(make_config(**CFG)),)) == [True, True]
