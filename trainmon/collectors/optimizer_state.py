@@ -107,7 +107,7 @@ class OptimizerStateCollector(Collector):
                 found[family].append((tp, view if view.shape else replace(view, shape=tuple(tp.param.shape))))
         for family, pairs in found.items():
             capture_views(self.ctx, family, pairs)
-        if not any(found.values()) and not self._warned:
+        if self.ctx.params and not any(found.values()) and not self._warned:  # no params: nothing to look for
             self._warned = True
             log.warning(
                 "trainmon: mv_distribution: optimizer %s has no exp_avg/exp_avg_sq state "
