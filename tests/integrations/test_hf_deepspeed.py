@@ -10,7 +10,8 @@ CPU (``torch.ops.mkldnn._is_mkldnn_fp16_supported()``, false on CPUs without AVX
 as on CI's), and the engine then refuses to start ("Type fp16 is not supported on your device").
 The test overrides that one capability answer; everything else is DeepSpeed's real fp16 path
 (torch runs the fp16 ops on CPU).  The initial loss scale (2^20, hysteresis 1) overflows the fp16
-grads on the first step: skipped steps are checked too.
+grads of ZeRO 1-3 on the first step: skipped steps are checked too.  (Stage 0 runs DeepSpeed's
+``FP16_UnfusedOptimizer``, whose loss scale ``engine.backward`` does not apply: no overflow there.)
 
 Truths, read from DeepSpeed itself: the sum of squares of the grads its inner torch optimizer
 holds when it steps (one call per param group: this rank's clipped fp32 partitions, summed over
@@ -46,7 +47,7 @@ VOCAB, SEQ, ACC, MICRO_BATCHES = 64, 12, 2, 7  # 7 micro-batches, 2 per step: th
 STAGES = (0, 1, 2, 3)
 
 
-MODES = {"fp32": STAGES, "bf16": STAGES[1:], "fp16": STAGES[1:], "offload": STAGES[1:]}
+MODES = {"fp32": STAGES, "bf16": STAGES[1:], "fp16": STAGES, "offload": STAGES[1:]}
 
 
 def _train(rank, world, root: str, stage: int, mode: str = "fp32"):
@@ -190,7 +191,7 @@ def _train(rank, world, root: str, stage: int, mode: str = "fp32"):
     assert trainer.state.global_step == steps and len(applied.exp_avg) == steps
     skipped = [step for step in range(steps) if applied.skipped[step]]
     done = [step for step in range(steps) if not applied.skipped[step]]
-    assert (len(skipped) > 0 and len(done) > 1) if mode == "fp16" else not skipped, applied.skipped
+    assert (len(skipped) > 0 and len(done) > 1) if mode == "fp16" and stage > 0 else not skipped, applied.skipped
     if skipped:  # said once: the skipped steps have no grad_reduced rows
         assert len(warned) == 1 and "applied no update" in warned[0], warned
     else:
@@ -206,7 +207,7 @@ def _train(rank, world, root: str, stage: int, mode: str = "fp32"):
     if world == 1 and stage <= 1 and raw[done[0]] is not None:  # on the loss's scale: DeepSpeed's unscaled norm
         for step in done:
             merged = math.sqrt(sum(v**2 for v in unreduced[step].values()))
-            assert merged == pytest.approx(raw[step], rel=1e-3), (stage, step)
+            assert merged == pytest.approx(raw[step], rel=1e-3), (stage, step, merged, raw[step])
     if mode == "fp16":  # one row per step: skipped or not, and the loss scale the step ran with
         rows = read_family(rank0, "steps")
         assert list(rows["step"]) == list(range(steps)), rows

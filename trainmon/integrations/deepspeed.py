@@ -28,10 +28,10 @@ instance and, right before it calls the inner optimizer, each param's slice of t
 ``BF16_Optimizer``: at its inner optimizer's step entry, after its clip).  Stage 0
 clips ``param.grad`` in place before calling the torch optimizer, whose step entry already sees it.
 
-fp16 (loss scaling): the model's grads carry DeepSpeed's loss scale until its optimizer unscales
-them, so ``grad_unreduced`` is reported divided by the scale the iteration ran with (the rows are on
-the scale of the loss, as under Megatron); the applied-grad points above already see unscaled
-grads.  Stage 0 in fp16 runs DeepSpeed's ``FP16_UnfusedOptimizer``: an fp32 master per param, whose
+fp16 (loss scaling): under ZeRO 1-3 the model's grads carry DeepSpeed's loss scale until its
+optimizer unscales them, so ``grad_unreduced`` is reported divided by the scale the iteration ran
+with (the rows are on the scale of the loss, as under Megatron); the applied-grad points above
+already see unscaled grads.  Stage 0 in fp16 runs DeepSpeed's ``FP16_UnfusedOptimizer``: an fp32 master per param, whose
 grads it unscales and clips before its inner torch optimizer steps; ``grad_reduced`` is read at that
 inner step's entry and the param and moments from the masters.  (A fused ``FP16_Optimizer``, chosen
 for DeepSpeed's FusedAdam, keeps flat masters that are not mapped: one warning, and ``grad_reduced``
@@ -106,8 +106,11 @@ class DeepSpeedIntegration(Integration):
         return {id(p): m for g16, g32 in zip(fp16, fp32) for p, m in zip(g16, g32)}
 
     def _loss_scale(self) -> float | None:
-        """The loss scale the running iteration's grads carry (fp16), else None."""
-        scale = getattr(self.engine.optimizer, "loss_scale", None) if self.fp16 else None
+        """The loss scale the running iteration's grads carry (fp16 under ZeRO 1-3), else None.
+
+        ``engine.backward`` multiplies the loss by the scale only for its ZeRO optimizers; at
+        stage 0 (``FP16_UnfusedOptimizer``) the model's grads carry none (DeepSpeed 0.19: tested)."""
+        scale = getattr(self.engine.optimizer, "loss_scale", None) if self.fp16 and self.stage > 0 else None
         return None if scale is None else float(scale)
 
     def pre_reduce_points(
