@@ -62,7 +62,7 @@ class Recorder(transformers.TrainerCallback):
         self.local = LocalGradRecorder(optimizer.optimizer, model)
 
 
-def train(tmp_path, make_config, build, acc, micro_batches, **training_args):
+def train(tmp_path, make_config, build, acc, micro_batches, setup=None, **training_args):
     torch.manual_seed(0)
     model = build()
     args = transformers.TrainingArguments(
@@ -72,6 +72,8 @@ def train(tmp_path, make_config, build, acc, micro_batches, **training_args):
     recorder = Recorder()
     trainer = transformers.Trainer(model=model, args=args, train_dataset=RandomTokens(2 * micro_batches),
                                    callbacks=[TrainerMonCallback(make_config(**CFG)), recorder])
+    if setup is not None:
+        setup(trainer)
     trainer.train()
     recorder.local.remove()
     trainer.local = recorder.local
@@ -125,16 +127,39 @@ def test_trainer_on_two_ddp_processes_records_each_ranks_local_grad_and_the_appl
         True, True]
 
 
-def _fsdp_body(rank, world, tmp, config, version):
-    """One rank of a 2-process Trainer with accelerate's FSDP plugin (``fsdp_version``), on CPU/gloo."""
-    import logging as _logging
+def _turn_fsdp_on(trainer):
+    """accelerate 1.15 enables FSDP only on accelerator devices: on CPU it runs DDP and drops the
+    plugin.  Set the one gate the Trainer reads (the state's distributed type and plugin, from the
+    Trainer's own ``fsdp_plugin_args``); from there on it is the Trainer's and accelerate's FSDP path."""
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
+    trainer.accelerator.state.distributed_type = DistributedType.FSDP
+    trainer.accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(**trainer.args.fsdp_plugin_args)
+    trainer.is_fsdp_enabled = True
+
+
+def _fsdp2_body(rank, world, tmp, config):
+    """One rank of a 2-process Trainer with FSDP2 (``fsdp_config={"version": 2}``) on CPU/gloo."""
     warned: list[str] = []
-    handler = _logging.Handler(_logging.WARNING)
+    handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: warned.append(record.getMessage())
-    _logging.getLogger("trainmon").addHandler(handler)
-    fsdp_config = {"version": version, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}
+    logging.getLogger("trainmon").addHandler(handler)
+    fsdp_config = {"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}
     applied, trainer = train(Path(tmp), lambda **_: Path(config), tiny_llama, acc=2, micro_batches=12,
-                             fsdp="full_shard", fsdp_config=fsdp_config)
-    _logging.getLogger("trainmon").removeHandler(handler)
-    return type(trainer.model_wrapped).__name__, warned, applied.grad, applied.exp_avg
+                             setup=_turn_fsdp_on, fsdp=True, fsdp_config=fsdp_config)
+    logging.getLogger("trainmon").removeHandler(handler)
+    assert type(trainer.model).__name__ == "FSDPLlamaForCausalLM", type(trainer.model)
+    assert type(next(trainer.model.parameters())).__name__ == "DTensor"
+    assert trainer.state.global_step == 3
+    assert_recorded_as_applied(Path(os.environ["MONITOR_OUTPUT_DIR"]), applied, 3, rank=rank)
+    for step in range(3):   # the Trainer's clip ran over the shards: the applied full grads have norm CLIP
+        np.testing.assert_allclose(np.sqrt(sum(v ** 2 for v in applied.grad[step].values())), CLIP, rtol=1e-3)
+    assert len(warned) == 1 and "grad_unreduced is not recorded" in warned[0], warned   # FSDP2 without the opt-in
+    return True
+
+
+@pytest.mark.timeout(300)
+def test_trainer_with_fsdp2_on_two_processes_records_the_full_tensors_the_optimizer_applies(
+        tmp_path, output_root, make_config):
+    assert run_distributed(_fsdp2_body, world_size=2, timeout=240, args=(str(tmp_path), str(make_config(**CFG)))) == [
+        True, True]
