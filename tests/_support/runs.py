@@ -1,9 +1,11 @@
 """Reading a run back with plain pandas (independent of trainmon's own reader) and the truth."""
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pandas as pd
@@ -19,6 +21,20 @@ def read_family(rank_dir: Path, family: str) -> pd.DataFrame:
     if not files:
         return pd.DataFrame()
     return pd.concat([pd.read_csv(p) for p in files], ignore_index=True)
+
+
+@contextmanager
+def trainmon_warnings():
+    """The messages of trainmon's warnings logged inside the block (a list, filled as they come;
+    for rank processes, where pytest's caplog does not reach)."""
+    warned: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warned.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("trainmon").addHandler(handler)
+    try:
+        yield warned
+    finally:
+        logging.getLogger("trainmon").removeHandler(handler)
 
 
 def only_run_dir(root: Path) -> Path:

@@ -11,6 +11,7 @@ import torch
 accelerate = pytest.importorskip("accelerate")
 
 from tests._support.applied import AppliedRecorder, assert_recorded_as_applied  # noqa: E402
+from tests._support.runs import trainmon_warnings  # noqa: E402
 from trainmon import TrainerMon  # noqa: E402
 from trainmon.testing.tiny_gpt import GPTConfig, TinyGPT, synthetic_batches  # noqa: E402
 
@@ -68,10 +69,6 @@ def _fsdp2_body(rank, world, config):
     wrapper, ``clip_grad_norm_`` over the shards)."""
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
-    warned: list[str] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: warned.append(record.getMessage())
-    logging.getLogger("trainmon").addHandler(handler)
     accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
     accelerator.state.distributed_type = DistributedType.FSDP
     accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
@@ -79,18 +76,18 @@ def _fsdp2_body(rank, world, config):
     model = TinyGPT(SMALL)
     model, opt = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
     assert type(model).__name__ == "FSDPTinyGPT" and type(next(model.parameters())).__name__ == "DTensor"
-    monitor = TrainerMon(config).set_monitor(model, grad_acc_steps=2, optimizer=opt)
-    recorder = AppliedRecorder(opt.optimizer, model)   # gathers each applied grad and moment in full
-    for batch in synthetic_batches(SMALL, 4, 6, seed=1 + rank):   # each rank its own data
-        with accelerator.accumulate(model):
-            accelerator.backward(model.loss(batch))
-            if accelerator.sync_gradients:
-                total = accelerator.clip_grad_norm_(model.parameters(), 0.05)
-                assert float(total) > 0.1   # clipping is active
-            opt.step()
-            opt.zero_grad()
-    monitor.close()
-    logging.getLogger("trainmon").removeHandler(handler)
+    with trainmon_warnings() as warned:
+        monitor = TrainerMon(config).set_monitor(model, grad_acc_steps=2, optimizer=opt)
+        recorder = AppliedRecorder(opt.optimizer, model)   # gathers each applied grad and moment in full
+        for batch in synthetic_batches(SMALL, 4, 6, seed=1 + rank):   # each rank its own data
+            with accelerator.accumulate(model):
+                accelerator.backward(model.loss(batch))
+                if accelerator.sync_gradients:
+                    total = accelerator.clip_grad_norm_(model.parameters(), 0.05)
+                    assert float(total) > 0.1   # clipping is active
+                opt.step()
+                opt.zero_grad()
+        monitor.close()
     assert_recorded_as_applied(Path(os.environ["MONITOR_OUTPUT_DIR"]), recorder, steps=3, rank=rank)
     assert len(warned) == 1 and "grad_unreduced is not recorded" in warned[0], warned   # FSDP2 without the opt-in
     return True

@@ -6,7 +6,6 @@ reported as whole tensors.  trainmon says so once and writes no grad/param/momen
 
 from __future__ import annotations
 
-import logging
 import os
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from tests._support.distributed import run_distributed
-from tests._support.runs import only_run_dir
+from tests._support.runs import only_run_dir, trainmon_warnings
 from trainmon import TrainerMon
 from trainmon.output.layout import rank_dir_name
 from trainmon.testing.tiny_gpt import Block, GPTConfig, TinyGPT, synthetic_batches
@@ -31,23 +30,19 @@ def _body(rank, world, config):
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     root = Path(os.environ["MONITOR_OUTPUT_DIR"])
-    warned: list[str] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: warned.append(record.getMessage())
-    logging.getLogger("trainmon").addHandler(handler)
     torch.manual_seed(0)
     model = FullyShardedDataParallel(
         TinyGPT(SMALL), use_orig_params=True, device_id=torch.device("cpu"), auto_wrap_policy=ModuleWrapPolicy({Block})
     )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    monitor = TrainerMon(config).set_monitor(model, optimizer=opt)
-    for tokens in synthetic_batches(SMALL, 4, 2, seed=rank):
-        logits = model(tokens[:, :-1])
-        F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)).backward()
-        opt.step()
-        opt.zero_grad()
-    monitor.close()
-    logging.getLogger("trainmon").removeHandler(handler)
+    with trainmon_warnings() as warned:
+        monitor = TrainerMon(config).set_monitor(model, optimizer=opt)
+        for tokens in synthetic_batches(SMALL, 4, 2, seed=rank):
+            logits = model(tokens[:, :-1])
+            F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)).backward()
+            opt.step()
+            opt.zero_grad()
+        monitor.close()
     assert len(warned) == 1 and "FSDP1" in warned[0] and "not recorded" in warned[0], warned
     written = {p.name for p in (only_run_dir(root) / rank_dir_name(rank)).glob("*.csv")}
     assert not {f for f in written if f.startswith(PARAM_FAMILIES)}, written

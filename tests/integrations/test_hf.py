@@ -20,7 +20,7 @@ from tests._support.applied import (  # noqa: E402
     recorded_norms,
 )
 from tests._support.distributed import run_distributed  # noqa: E402
-from tests._support.runs import only_run_dir, read_family  # noqa: E402
+from tests._support.runs import only_run_dir, read_family, trainmon_warnings  # noqa: E402
 from trainmon.integrations.hf import TrainerMonCallback  # noqa: E402
 from trainmon.output.layout import rank_dir_name  # noqa: E402
 
@@ -140,14 +140,10 @@ def _turn_fsdp_on(trainer):
 
 def _fsdp2_body(rank, world, tmp, config):
     """One rank of a 2-process Trainer with FSDP2 (``fsdp_config={"version": 2}``) on CPU/gloo."""
-    warned: list[str] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: warned.append(record.getMessage())
-    logging.getLogger("trainmon").addHandler(handler)
     fsdp_config = {"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}
-    applied, trainer = train(Path(tmp), lambda **_: Path(config), tiny_llama, acc=2, micro_batches=12,
-                             setup=_turn_fsdp_on, fsdp=True, fsdp_config=fsdp_config)
-    logging.getLogger("trainmon").removeHandler(handler)
+    with trainmon_warnings() as warned:
+        applied, trainer = train(Path(tmp), lambda **_: Path(config), tiny_llama, acc=2, micro_batches=12,
+                                 setup=_turn_fsdp_on, fsdp=True, fsdp_config=fsdp_config)
     assert type(trainer.model).__name__ == "FSDPLlamaForCausalLM", type(trainer.model)
     assert type(next(trainer.model.parameters())).__name__ == "DTensor"
     assert trainer.state.global_step == 3

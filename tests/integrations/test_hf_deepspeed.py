@@ -56,7 +56,7 @@ def _train(rank, world, root: str, stage: int, mode: str = "fp32"):
     from deepspeed.utils import safe_get_full_optimizer_state
 
     from tests._support.applied import recorded_norms
-    from tests._support.runs import only_run_dir, read_family
+    from tests._support.runs import only_run_dir, read_family, trainmon_warnings
     from trainmon.integrations.hf import TrainerMonCallback
     from trainmon.output.layout import rank_dir_name
 
@@ -117,8 +117,8 @@ def _train(rank, world, root: str, stage: int, mode: str = "fp32"):
             the state: it links once, after the first param group's first step."""
             params = dict(self.model.named_parameters())
             if stage == 0:  # fp16: the state of each param's fp32 master
-                pairs = zip(sum(self.zero.fp16_groups, []), sum(self.zero.fp32_groups, [])) if mode == "fp16" else []
-                master = {id(p16): p32 for p16, p32 in pairs}
+                groups = zip(self.zero.fp16_groups, self.zero.fp32_groups) if mode == "fp16" else []
+                master = {id(p16): p32 for g16, g32 in groups for p16, p32 in zip(g16, g32)}
                 state = {n: self.inner.state[master.get(id(p), p)] for n, p in params.items()}
                 return {n: float(st["exp_avg"].double().norm()) for n, st in state.items()}
             if stage in (1, 2):
@@ -177,16 +177,12 @@ def _train(rank, world, root: str, stage: int, mode: str = "fp32"):
         fp16=mode == "fp16",
         use_cpu=True,  # accelerate then sees the gloo process group (MULTI_CPU) and shards the data
     )
-    warned: list[str] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: warned.append(record.getMessage())
-    logging.getLogger("trainmon").addHandler(handler)
     applied = Applied()
     trainer = transformers.Trainer(
         model=model, args=args, train_dataset=Tokens(), callbacks=[TrainerMonCallback(cfg), applied]
     )
-    trainer.train()
-    logging.getLogger("trainmon").removeHandler(handler)
+    with trainmon_warnings() as warned:
+        trainer.train()
     steps = math.ceil(math.ceil(MICRO_BATCHES / world) / ACC)  # accelerate shards the batches over the ranks
     assert trainer.state.global_step == steps and len(applied.exp_avg) == steps
     skipped = [step for step in range(steps) if applied.skipped[step]]

@@ -69,7 +69,8 @@ def fit(output_root, make_config, batches, *, acc=1, manual_acc=None, devices=1,
     model = LitGPT(manual_acc)
     data = list(synthetic_batches(SMALL, 4, batches, seed=1))
     recorder = Recorder()
-    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_epochs=1, accumulate_grad_batches=acc,
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_epochs=1,
+                        accumulate_grad_batches=acc,
                         gradient_clip_val=None if manual_acc else CLIP, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[TrainerMonCallback(make_config(**CFG), **cb_kwargs), recorder])
