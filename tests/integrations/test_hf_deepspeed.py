@@ -187,7 +187,7 @@ def _train(rank, world, root: str, stage: int, mode: str = "fp32"):
     assert trainer.state.global_step == steps and len(applied.exp_avg) == steps
     skipped = [step for step in range(steps) if applied.skipped[step]]
     done = [step for step in range(steps) if not applied.skipped[step]]
-    assert (len(skipped) > 0 and len(done) > 1) if mode == "fp16" and stage > 0 else not skipped, applied.skipped
+    assert (skipped and done) if mode == "fp16" and stage > 0 else not skipped, applied.skipped  # fp16: both kinds
     if skipped:  # said once: the skipped steps have no grad_reduced rows
         assert len(warned) == 1 and "applied no update" in warned[0], warned
     else:
