@@ -1,7 +1,6 @@
 """Weight families batched on the device path, through the seam: tensors that are views of one
 contiguous buffer (Megatron/DDP grad buckets, DeepSpeed flat partitions, flattened params) cost a
 constant number of aten ops per group, not 3 per tensor; values against float64 truth."""
-
 from __future__ import annotations
 
 import math
@@ -30,7 +29,7 @@ def _views(sizes, dtype=torch.float32, gap=0, seed=0, reverse=False):
     buf = (torch.randn(sum(sizes) + gap * len(sizes), generator=g) * 3 + 0.25).to(dtype)
     out, pos = [], 0
     for n in sizes:
-        out.append(buf[pos : pos + n].view(-1, 256) if n % 256 == 0 else buf[pos : pos + n])
+        out.append(buf[pos:pos + n].view(-1, 256) if n % 256 == 0 else buf[pos:pos + n])
         pos += n + gap
     return out[::-1] if reverse else out
 
@@ -42,7 +41,7 @@ def _chunks(views, width=256):
 
 
 def _counted(engine, tensors):
-    engine.partials(tensors)  # the first sight of a layout builds it (two small index tensors)
+    engine.partials(tensors)        # the first sight of a layout builds it (two small index tensors)
     with OpCounter() as c:
         engine.partials(tensors)
     return c
@@ -68,8 +67,8 @@ def test_a_buffer_of_views_costs_the_same_few_ops_whatever_its_number_of_tensors
 
 def test_tensors_not_of_one_aligned_buffer_cost_two_ops_each_plus_four_in_fp32_three_else():
     separate = [torch.randn(256, 4) for _ in range(6)]
-    misaligned = _views([300, 500, 700, 900, 1100, 1300])  # no common chunk of 256 elements
-    assert _counted(StatsEngine(DEFAULT), separate).ops == 2 * 6 + 4  # _foreach_norm/_max
+    misaligned = _views([300, 500, 700, 900, 1100, 1300])      # no common chunk of 256 elements
+    assert _counted(StatsEngine(DEFAULT), separate).ops == 2 * 6 + 4      # _foreach_norm/_max
     assert _counted(StatsEngine(DEFAULT), misaligned).ops == 2 * 6 + 4
     assert _counted(StatsEngine(DEFAULT), [t.to(torch.bfloat16) for t in separate]).ops == 3 * 6
 
@@ -82,7 +81,7 @@ def test_separate_fp32_tensors_through_foreach_equal_float64_truth(ops):
     tensors[2][0, 0] = math.inf
     tensors[3][5, 5] = -math.inf
     engine = StatsEngine(ops)
-    engine.capture("pad", [Tracked(f"p{i}", torch.ones(2)) for i in range(508)])  # rows run into a new chunk
+    engine.capture("pad", [Tracked(f"p{i}", torch.ones(2)) for i in range(508)])   # rows run into a new chunk
     engine.capture("x", [Tracked(f"t{i}", t) for i, t in enumerate(tensors)])
     rows = [r for r in engine.finish_step(0) if r.family == "x"]
     for t, r in zip(tensors, rows):
@@ -100,7 +99,7 @@ def test_separate_fp32_tensors_through_foreach_equal_float64_truth(ops):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_batched_rows_equal_float64_truth_in_caller_order_with_gaps_and_strangers(dtype):
     flat = _views([256 * k for k in (1, 7, 2, 40, 3, 5)], dtype, gap=256, reverse=True)
-    flat[2].view(-1)[17] = math.inf  # inf propagates into norm/max/mean
+    flat[2].view(-1)[17] = math.inf                      # inf propagates into norm/max/mean
     strangers = [torch.randn(33).to(dtype), torch.randn(256, 2).to(dtype).t()]
     tensors = [strangers[0], *flat[:3], strangers[1], *flat[3:]]
     engine = StatsEngine(DEFAULT)
@@ -131,8 +130,8 @@ def test_params_and_grads_as_views_of_flat_buffers_record_truth_through_the_moni
     pbuf, gbuf = torch.zeros(sum(sizes)), torch.zeros(sum(sizes))
     pos = 0
     for p, n in zip(params, sizes):
-        p.data = pbuf[pos : pos + p.numel()].view_as(p).copy_(p.data)
-        p.grad = gbuf[pos : pos + p.numel()].view_as(p)
+        p.data = pbuf[pos:pos + p.numel()].view_as(p).copy_(p.data)
+        p.grad = gbuf[pos:pos + p.numel()].view_as(p)
         pos += n
     opt = torch.optim.SGD(params, lr=0.1)
     names = {p: n for n, p in model.named_parameters()}
@@ -170,7 +169,7 @@ def test_a_buffer_of_views_with_nans_and_infs_costs_a_constant_number_of_ops(n):
     # sum; and one copy into the count rows (the stack and the gather are shared with the values)
     assert c.ops == 12 + 2 * 3 + 1, c.names
     assert c.syncs == 0 and c.copies == 0
-    assert c.largest <= max(4 * _chunks(tensors), 4 * 6 * 2 * n)  # counts too: a float32 per chunk
+    assert c.largest <= max(4 * _chunks(tensors), 4 * 6 * 2 * n)    # counts too: a float32 per chunk
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -179,7 +178,7 @@ def test_batched_counts_are_exact_and_nan_propagates_into_min_and_max(dtype):
     flat[0].view(-1)[[5, 700]] = math.nan
     flat[2].view(-1)[::7] = math.inf
     flat[2].view(-1)[3::11] = -math.inf
-    flat[3].view(-1)[:] = math.nan  # all NaN
+    flat[3].view(-1)[:] = math.nan                       # all NaN
     flat[4].view(-1)[::2] = 0.0
     engine = StatsEngine(COUNTS)
     engine.capture("x", [Tracked(f"t{i}", t) for i, t in enumerate(flat)])
@@ -208,7 +207,7 @@ def test_a_buffer_larger_than_the_mask_scratch_is_counted_tensor_by_tensor(monke
 def test_counts_of_a_tensor_beyond_float32_exactness_are_not_batched_and_stay_exact(monkeypatch):
     from trainmon.stats import device_rows
 
-    monkeypatch.setattr(device_rows, "_COUNT_EXACT", 1024)  # as a tensor of more than 2^24 elements
+    monkeypatch.setattr(device_rows, "_COUNT_EXACT", 1024)     # as a tensor of more than 2^24 elements
     tensors = _views([256 * 2] * 5 + [256 * 5])
     tensors[5].view(-1)[::3] = math.nan
     engine = StatsEngine(DEFAULT + ["nans"])
