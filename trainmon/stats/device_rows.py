@@ -32,6 +32,7 @@ number of ops for the whole group.
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import threading
 from collections.abc import Sequence
@@ -41,6 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from trainmon.stats import device_triton
 from trainmon.stats.table import PARTIAL
 
 __all__ = ["DeviceRows", "HostCopy", "VALUE_COLUMNS", "COUNT_COLUMNS", "gathered_partials"]
@@ -48,6 +50,7 @@ __all__ = ["DeviceRows", "HostCopy", "VALUE_COLUMNS", "COUNT_COLUMNS", "gathered
 VALUE_COLUMNS = ("sum", "sumsq", "min", "max", "m2")  # float32 on the device (sumsq held as the norm)
 COUNT_COLUMNS = ("nans", "infs", "zeros")  # int64 on the device
 _F32 = torch.float32
+log = logging.getLogger(__name__)
 _SCRATCH_MAX = 1 << 26  # elements: larger tensors count with transient masks (a scratch of 64 MiB per count at most)
 
 
@@ -148,6 +151,12 @@ class DeviceRows:
         self._scratch: dict[Any, torch.Tensor] = {}  # stream -> [counts, size] bool masks (see _count)
         self._layouts: dict[tuple, _FlatLayout | None] = {}  # flat layouts seen (see _flat_groups)
         self._batchable = set(self.values) <= {"sum", "sumsq", "min", "max"}  # not m2 (std)
+        self._triton = device_triton.TritonRows(self) if device_triton.supported(device, self.values) else None
+
+    @property
+    def path(self) -> str:
+        """What produces this device's rows, for run.json: ``device-triton`` or ``device``."""
+        return "device" if self._triton is None else "device-triton"
 
     # -- hooks ---------------------------------------------------------------------------------
     @torch.no_grad()
@@ -162,7 +171,9 @@ class DeviceRows:
             self.kinds.extend(_F32 for _ in tensors)
             rows: list[int] = [-1] * len(tensors)
             pos = start
-            for idx, layout in self._flat_groups(tensors):
+            if self._triton is not None:
+                pos = self._write_triton(tensors, rows, pos)
+            for idx, layout in self._flat_groups(tensors, rows):
                 self._batch([tensors[k] for k in idx], layout, pos)
                 for j, k in enumerate(idx):
                     rows[k] = pos + j
@@ -180,6 +191,18 @@ class DeviceRows:
                     pos += 1
         return [(self, r) for r in rows]
 
+    def _write_triton(self, tensors: Sequence[torch.Tensor], rows: list[int], pos: int) -> int:
+        """The Triton kernel's share of ``write``; if it fails (a GPU Triton cannot compile for),
+        one warning and the eager path from then on: the monitor never stops training."""
+        try:
+            return self._triton.write(tensors, rows, pos)  # type: ignore[union-attr]
+        except Exception as exc:
+            log.warning(
+                "trainmon: the Triton statistics kernel failed on %s (%s); using the eager path", self.device, exc
+            )
+            self._triton = None
+            return max([pos, *(r + 1 for r in rows)])
+
     def _foreach_group(self, tensors: Sequence[torch.Tensor], rows: list[int]) -> list[int]:
         """Indices of the not yet placed non-empty fp32 tensors when there are enough for the
         multi-tensor norms and maxima of ``_foreach`` (bf16/fp16: ``_foreach_norm`` would round
@@ -189,13 +212,14 @@ class DeviceRows:
         ks = [k for k, t in enumerate(tensors) if rows[k] < 0 and t.dtype == _F32 and t.numel()]
         return ks if len(ks) >= _MIN_BATCH else []
 
-    def _flat_groups(self, tensors: Sequence[torch.Tensor]) -> list[tuple[list[int], _FlatLayout]]:
-        """Groups of ``tensors`` that ``_batch`` can reduce together (see ``_FlatLayout.of``)."""
+    def _flat_groups(self, tensors: Sequence[torch.Tensor], rows: list[int]) -> list[tuple[list[int], _FlatLayout]]:
+        """Groups of the not yet placed ``tensors`` that ``_batch`` can reduce together (see
+        ``_FlatLayout.of``)."""
         if len(tensors) < _MIN_BATCH or not self._batchable:
             return []
         by_storage: dict[tuple[int, torch.dtype], list[int]] = {}
         for k, t in enumerate(tensors):  # plain tensors only: a subclass's storage may not be its data
-            if type(t) in _PLAIN and t.dtype in _FLAT_DTYPES and t.numel() and t.is_contiguous():
+            if rows[k] < 0 and type(t) in _PLAIN and t.dtype in _FLAT_DTYPES and t.numel() and t.is_contiguous():
                 ptr = _storage_ptr(t)
                 if ptr is not None:
                     by_storage.setdefault((ptr, t.dtype), []).append(k)
@@ -421,6 +445,8 @@ class DeviceRows:
             n, numels, kinds = len(self.numels), self.numels, self.kinds
             self.numels, self.kinds = [], []
             self._scratch = {}
+            if self._triton is not None:
+                self._triton.drop_scratch()
         if n == 0 and not extra:
             return None
         parts: list[torch.Tensor] = []
@@ -447,6 +473,8 @@ class DeviceRows:
         with self.lock:
             self.numels, self.kinds = [], []
             self._scratch = {}
+            if self._triton is not None:
+                self._triton.drop_scratch()
 
 
 def _stream_key(device: torch.device) -> Any:

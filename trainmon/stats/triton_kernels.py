@@ -1,0 +1,205 @@
+"""The Triton kernels of the device path (imported only by ``stats.device_triton``, which decides
+whether Triton is used at all; importing this module imports ``triton``).
+
+``chunk_partials``: one program per chunk of one tensor, reading the chunk once, writing one row
+of float32 partials: the sum and the sum of squares of the chunk's elements scaled by ``2**-k``
+(``k`` the chunk's running exponent, a power of two at or above its largest |x|, as LAPACK's
+``nrm2`` scales: no overflow whatever the magnitudes), ``k``, min, max (NaN if the chunk has one)
+and the requested counts (exact: a chunk has at most 2^20 elements).
+
+``tensor_rows``: one program per tensor, combining its chunks' partials (the scaled sums brought
+to the largest exponent of the tensor first) into its row of the device row buffer: the sum, the
+norm, min, max in float32, the counts in int64.
+
+Chunk descriptors (``TABLE``): an int64 pair per chunk, (element offset from the base tensor's
+first element, elements), then the first chunk of every tensor; the tensors of one launch share a
+dtype and ``base`` is any one of them.  Without a table, the launch covers one tensor of ``numel``
+elements in chunks of ``CHUNK``.  A column index of -1 leaves that partial out.
+"""
+# mypy: ignore-errors
+# (Triton's language objects are not typed for mypy; the launcher in device_triton.py is.)
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _pow2(k):
+    """2**k as float32 for integer ``k`` <= 127; 0 below 2**-126 (only ever a negligible term)."""
+    return tl.where(k < -126, 0.0, ((tl.maximum(k, -126) + 127) << 23).to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _exponent(a):
+    """The exponent ``k`` in [-126, 126] with ``a < 2**(k + 1)`` for finite ``a >= 0`` (up to
+    ``2**127 <= a``, where ``a / 2**k < 4``); Inf and NaN give 126."""
+    biased = (a.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    return tl.minimum(tl.maximum(biased, 1), 253) - 127
+
+
+@triton.jit
+def chunk_partials(
+    x_ptr,
+    desc_ptr,
+    part_ptr,
+    numel,
+    eps,
+    TABLE: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+    P: tl.constexpr,
+    C_SUM: tl.constexpr,
+    C_SQ: tl.constexpr,
+    C_EXP: tl.constexpr,
+    C_MIN: tl.constexpr,
+    C_NAN: tl.constexpr,
+    C_INF: tl.constexpr,
+    C_ZERO: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    if TABLE:
+        start = tl.load(desc_ptr + 2 * pid)
+        n = tl.load(desc_ptr + 2 * pid + 1)
+    else:
+        start = pid.to(tl.int64) * CHUNK
+        n = tl.minimum(numel - start, CHUNK)
+    k = -126  # the accumulators hold values scaled by 2**-k; k only grows
+    acc_s = tl.zeros([BLOCK], dtype=tl.float32)
+    acc_q = tl.zeros([BLOCK], dtype=tl.float32)
+    lo = tl.full([BLOCK], float("inf"), tl.float32)
+    hi = tl.full([BLOCK], float("-inf"), tl.float32)
+    nans = tl.zeros([BLOCK], dtype=tl.int32)
+    infs = tl.zeros([BLOCK], dtype=tl.int32)
+    zeros = tl.zeros([BLOCK], dtype=tl.int32)
+    for b in range(0, n, BLOCK):
+        offs = b + tl.arange(0, BLOCK)
+        inside = offs < n
+        x = tl.load(x_ptr + start + offs, mask=inside, other=0.0).to(tl.float32)
+        a = tl.abs(x)
+        isnan = x != x
+        if C_EXP >= 0:
+            top = tl.max(tl.where(isnan, 0.0, a), axis=0)  # NaN reaches the sums by itself
+            k_new = tl.maximum(k, _exponent(top))
+            acc_s = acc_s * _pow2(k - k_new)
+            acc_q = acc_q * _pow2(2 * (k - k_new))
+            k = k_new
+            xs = x * _pow2(-k)
+            acc_s += xs
+            acc_q += xs * xs
+        if C_MIN >= 0 or C_NAN >= 0:
+            nans += isnan.to(tl.int32)
+        if C_MIN >= 0:
+            lo = tl.minimum(lo, tl.where(inside & ~isnan, x, float("inf")))
+            hi = tl.maximum(hi, tl.where(inside & ~isnan, x, float("-inf")))
+        if C_INF >= 0:
+            infs += (a == float("inf")).to(tl.int32)
+        if C_ZERO >= 0:
+            zeros += (inside & (a < eps)).to(tl.int32)
+    row = part_ptr + pid.to(tl.int64) * P
+    if C_SUM >= 0:
+        tl.store(row + C_SUM, tl.sum(acc_s, axis=0))
+    if C_SQ >= 0:
+        tl.store(row + C_SQ, tl.sum(acc_q, axis=0))
+    if C_EXP >= 0:
+        tl.store(row + C_EXP, k.to(tl.float32))
+    if C_MIN >= 0:
+        has_nan = tl.sum(nans, axis=0) > 0
+        tl.store(row + C_MIN, tl.where(has_nan, float("nan"), tl.min(lo, axis=0)))
+        tl.store(row + C_MIN + 1, tl.where(has_nan, float("nan"), tl.max(hi, axis=0)))
+    if C_NAN >= 0:
+        tl.store(row + C_NAN, tl.sum(nans, axis=0).to(tl.float32))
+    if C_INF >= 0:
+        tl.store(row + C_INF, tl.sum(infs, axis=0).to(tl.float32))
+    if C_ZERO >= 0:
+        tl.store(row + C_ZERO, tl.sum(zeros, axis=0).to(tl.float32))
+
+
+@triton.jit
+def tensor_rows(
+    part_ptr,
+    first_ptr,
+    n_chunks,
+    first_tensor,
+    values_ptr,
+    values_stride,
+    counts_ptr,
+    counts_stride,
+    TABLE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    P: tl.constexpr,
+    C_SUM: tl.constexpr,
+    C_SQ: tl.constexpr,
+    C_EXP: tl.constexpr,
+    C_MIN: tl.constexpr,
+    C_NAN: tl.constexpr,
+    C_INF: tl.constexpr,
+    C_ZERO: tl.constexpr,
+    V_SUM: tl.constexpr,
+    V_SQ: tl.constexpr,
+    V_MIN: tl.constexpr,
+    K_NAN: tl.constexpr,
+    K_INF: tl.constexpr,
+    K_ZERO: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    if TABLE:
+        c0 = tl.load(first_ptr + first_tensor + pid)
+        c1 = tl.load(first_ptr + first_tensor + pid + 1)
+    else:
+        c0 = 0
+        c1 = n_chunks
+    values = values_ptr + pid.to(tl.int64) * values_stride
+    counts = counts_ptr + pid.to(tl.int64) * counts_stride
+    if C_EXP >= 0:
+        top = -126
+        for c in range(c0, c1, BLOCK):
+            idx = c + tl.arange(0, BLOCK)
+            e = tl.load(part_ptr + idx * P + C_EXP, mask=idx < c1, other=-126.0)
+            top = tl.maximum(top, tl.max(e, axis=0).to(tl.int32))
+        s = tl.zeros([BLOCK], dtype=tl.float32)
+        q = tl.zeros([BLOCK], dtype=tl.float32)
+        for c in range(c0, c1, BLOCK):
+            idx = c + tl.arange(0, BLOCK)
+            inside = idx < c1
+            shift = tl.load(part_ptr + idx * P + C_EXP, mask=inside, other=-126.0).to(tl.int32) - top
+            if C_SUM >= 0:
+                s += tl.load(part_ptr + idx * P + C_SUM, mask=inside, other=0.0) * _pow2(shift)
+            if C_SQ >= 0:
+                q += tl.load(part_ptr + idx * P + C_SQ, mask=inside, other=0.0) * _pow2(2 * shift)
+        if V_SUM >= 0:
+            tl.store(values + V_SUM, tl.sum(s, axis=0) * _pow2(top))
+        if V_SQ >= 0:
+            tl.store(values + V_SQ, tl.sqrt(tl.sum(q, axis=0)) * _pow2(top))
+    if V_MIN >= 0:
+        lo = tl.full([BLOCK], float("inf"), tl.float32)
+        hi = tl.full([BLOCK], float("-inf"), tl.float32)
+        nan = tl.zeros([BLOCK], dtype=tl.int32)
+        for c in range(c0, c1, BLOCK):
+            idx = c + tl.arange(0, BLOCK)
+            inside = idx < c1
+            a = tl.load(part_ptr + idx * P + C_MIN, mask=inside, other=float("inf"))
+            b = tl.load(part_ptr + idx * P + C_MIN + 1, mask=inside, other=float("-inf"))
+            nan += (a != a).to(tl.int32)
+            lo = tl.minimum(lo, tl.where(a != a, float("inf"), a))
+            hi = tl.maximum(hi, tl.where(b != b, float("-inf"), b))
+        has_nan = tl.sum(nan, axis=0) > 0
+        tl.store(values + V_MIN, tl.where(has_nan, float("nan"), tl.min(lo, axis=0)))
+        tl.store(values + V_MIN + 1, tl.where(has_nan, float("nan"), tl.max(hi, axis=0)))
+    if K_NAN >= 0:
+        tl.store(counts + K_NAN, _count(part_ptr, c0, c1, P, C_NAN, BLOCK))
+    if K_INF >= 0:
+        tl.store(counts + K_INF, _count(part_ptr, c0, c1, P, C_INF, BLOCK))
+    if K_ZERO >= 0:
+        tl.store(counts + K_ZERO, _count(part_ptr, c0, c1, P, C_ZERO, BLOCK))
+
+
+@triton.jit
+def _count(part_ptr, c0, c1, P: tl.constexpr, COL: tl.constexpr, BLOCK: tl.constexpr):
+    """The int64 sum of one count column over chunks ``[c0, c1)`` (each chunk's count is exact)."""
+    total = tl.zeros([BLOCK], dtype=tl.int64)
+    for c in range(c0, c1, BLOCK):
+        idx = c + tl.arange(0, BLOCK)
+        total += tl.load(part_ptr + idx * P + COL, mask=idx < c1, other=0.0).to(tl.int64)
+    return tl.sum(total, axis=0)
