@@ -153,7 +153,7 @@ class TritonRows:
         chunk = _chunk_size(n)
         chunks = -(-n // chunk)
         part = self._partials(chunks)
-        eps = self.rows._eps_in(t.dtype)
+        eps = self._eps(t.dtype)
         k = self.kernels
         _launch(
             k.chunk_partials,
@@ -174,7 +174,7 @@ class TritonRows:
     def _reduce_group(self, tensors: list[torch.Tensor], table: tuple[torch.Tensor, int, int], row: int) -> None:
         packed, chunks, chunk = table
         part = self._partials(chunks)
-        eps = self.rows._eps_in(tensors[0].dtype)
+        eps = self._eps(tensors[0].dtype)
         k = self.kernels
         _launch(
             k.chunk_partials,
@@ -222,6 +222,9 @@ class TritonRows:
             **self.row_meta,
         )
         return n
+
+    def _eps(self, dtype: torch.dtype) -> float:
+        return self.rows._eps_in(dtype) if "zeros" in self.rows.ccol else 0.0
 
     # -- buffers -------------------------------------------------------------------------------
     def _partials(self, chunks: int) -> torch.Tensor:

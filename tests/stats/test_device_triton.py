@@ -1,0 +1,129 @@
+"""The optional Triton kernel of the device path, on CPU tensors in Triton's interpreter, in a
+process of its own (tests/_support/triton_cases.py; the interpreter is process-wide): values
+against float64 truth and the eager device path for fp32/bf16/fp16, NaN/+-Inf, empty, integer and
+non-contiguous tensors (those go eager), norms beyond float32's sum of squares; two launches per
+group and no aten op of the monitor's own; the eager fallback when a launch fails; run.json."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests._support.runs import REPO, only_run_dir
+
+pytest.importorskip("triton")
+OPS = ["norm", "mean", "min", "max", "nans", "infs", "zeros"]
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("triton")
+    config = tmp / "config.json"
+    config.write_text(json.dumps({"wg_distribution": True, "ops": ["norm"]}))
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(REPO),
+        OMP_NUM_THREADS="1",
+        MONITOR_OUTPUT_DIR=str(tmp / "out"),
+        TRAINMON_DEVICE_PATH="1",
+        TRAINMON_TRITON_INTERPRET="1",
+        TRITON_INTERPRET="1",
+    )
+    env.pop("TRAINMON_RUN_ID", None)
+    env.pop("TRAINMON_TRITON", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "tests._support.triton_cases", str(config)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.splitlines()[-1])
+    result["run_json"] = json.loads((only_run_dir(tmp / "out") / "run.json").read_text())
+    return result
+
+
+def _assert_equal_truth(row, want):
+    for op in OPS:
+        got, w = row[op], want[op]
+        if op in ("nans", "infs"):
+            assert got == w, (row["name"], op, got, w)
+        elif math.isnan(w):
+            assert math.isnan(got), (row["name"], op, got)
+        else:
+            atol = want["_mean_atol"] if op == "mean" else 1e-30
+            assert got == pytest.approx(w, rel=1e-5, abs=atol), (row["name"], op, got, w)
+
+
+@pytest.mark.slow  # one interpreted process for all the cases (~8 s)
+def test_triton_rows_equal_float64_truth_and_the_eager_path_on_every_dtype(cases):
+    assert len(cases["values"]) == 9
+    for case in cases["values"]:
+        assert case["path"] == {"cpu": "device-triton"}, case["case"]
+        assert [r["name"] for r in case["triton"]] == list(case["truth"]), case["case"]
+        for row, eager in zip(case["triton"], case["eager"]):
+            _assert_equal_truth(row, case["truth"][row["name"]])
+            if row["name"] != "huge" or case["dtype"] == "torch.float16":
+                _assert_equal_truth(eager, case["truth"][row["name"]])
+
+
+@pytest.mark.slow
+def test_norms_beyond_float32_sums_of_squares_are_finite_and_exact_only_on_the_triton_path(cases):
+    for case in cases["values"]:
+        if case["dtype"] == "torch.float16" or case["case"] == "pair":
+            continue  # fp16 cannot overflow a float32 sum of squares; the pair has no huge tensor
+        row = next(r for r in case["triton"] if r["name"] == "huge")
+        eager = next(r for r in case["eager"] if r["name"] == "huge")
+        want = case["truth"]["huge"]["norm"]
+        assert 1e21 < want < 1e38 and row["norm"] == pytest.approx(want, rel=1e-5)
+        assert eager["norm"] == math.inf  # the eager path's documented limit
+
+
+@pytest.mark.slow
+def test_a_group_costs_two_launches_and_no_op_sync_or_copy_of_the_monitor(cases):
+    counts = cases["counts"]
+    for sight in ("first", "later"):
+        assert counts[sight]["launches"] == ["chunk_partials", "tensor_rows"], sight
+    assert counts["later"]["ops"] == counts["later"]["syncs"] == counts["later"]["copies"] == 0
+    assert counts["first"]["copies"] <= 1  # the group's descriptor table, at its first sight only
+    assert counts["pair"] == {"launches": ["chunk_partials", "tensor_rows"] * 2, "ops": 0, "syncs": 0, "copies": 0}
+
+
+@pytest.mark.slow
+def test_a_failing_launch_falls_back_to_the_eager_path_with_the_same_values(cases):
+    fallback = cases["fallback"]
+    assert fallback["path"] == {"cpu": "device"}
+    for row in fallback["rows"]:
+        if row["name"] == "huge":  # the eager path's float32 sum of squares overflows
+            assert row["norm"] == math.inf
+        else:
+            _assert_equal_truth(row, fallback["truth"][row["name"]])
+
+
+@pytest.mark.slow
+def test_run_json_says_device_triton(cases):
+    assert cases["run_json"]["stats_path"] == {"cpu": "device-triton"}
+
+
+def test_the_cpu_paths_do_not_import_triton():
+    code = (
+        "import sys, torch\n"
+        "from trainmon.stats.engine import StatsEngine, Tracked\n"
+        "for seam in ('0', '1'):\n"
+        "    import os; os.environ['TRAINMON_DEVICE_PATH'] = seam\n"
+        "    e = StatsEngine(['norm', 'nans'])\n"
+        "    e.capture('x', [Tracked('w', torch.ones(8))])\n"
+        "    e.finish_step(0)\n"
+        "print('triton' in sys.modules)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env.pop("TRAINMON_TRITON_INTERPRET", None)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["False"]
