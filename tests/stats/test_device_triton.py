@@ -127,3 +127,76 @@ def test_the_cpu_paths_do_not_import_triton():
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["False"]
+
+
+@pytest.mark.slow  # ~5 s: every variant the launcher asks for, compiled for two GPUs
+def test_the_kernels_compile_for_cuda_and_rocm_gpus_without_one():
+    """The interpreter runs the kernels' Python; this runs Triton's real compiler (to PTX/cubin and
+    to AMDGPU code, with the compilers the triton wheel bundles) on the argument types and
+    constexprs the launcher passes, so type errors a GPU would raise show here."""
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from trainmon.stats import device_triton, triton_kernels
+    from trainmon.stats.device_rows import DeviceRows
+    from trainmon.stats.partials import device_columns
+    from trainmon.stats.table import partials_for
+
+    backends = {"cuda": "nvidia", "hip": "amd"}  # target names -> the wheel's backend names
+    targets = [
+        t
+        for t in (GPUTarget("cuda", 90, 32), GPUTarget("hip", "gfx942", 64))
+        if backends[t.backend] in triton.backends.backends
+    ]
+    if not targets:
+        pytest.skip("this triton has no CUDA or ROCm backend")
+    for ops, dtypes in ((OPS, ("*fp32", "*bf16", "*fp16")), (["norm", "mean", "min", "max"], ("*bf16",))):
+        meta = device_triton.TritonRows(DeviceRows(torch.device("cpu"), device_columns(partials_for(ops)), 1e-8))
+        counts = "*i64" if meta.rows.counts else "*fp32"
+        for target in targets:
+            for dtype in dtypes:
+                for table in (True, False):
+                    _compile(
+                        triton,
+                        ASTSource,
+                        target,
+                        triton_kernels.chunk_partials,
+                        {
+                            "x_ptr": dtype,
+                            "desc_ptr": "*i64" if table else dtype,
+                            "part_ptr": "*fp32",
+                            "numel": "i32",
+                            "eps": "fp32",
+                        },
+                        dict(TABLE=table, CHUNK=4096, BLOCK=1024, **meta.meta),
+                    )
+            for table in (True, False):
+                _compile(
+                    triton,
+                    ASTSource,
+                    target,
+                    triton_kernels.tensor_rows,
+                    {
+                        "part_ptr": "*fp32",
+                        "first_ptr": "*i64" if table else "*fp32",
+                        "n_chunks": "i32",
+                        "first_tensor": "i32",
+                        "values_ptr": "*fp32",
+                        "values_stride": "i32",
+                        "counts_ptr": counts,
+                        "counts_stride": "i32",
+                    },
+                    dict(TABLE=table, BLOCK=256, **meta.row_meta),
+                )
+
+
+def _compile(triton, ast_source, target, kernel, signature, constexprs):
+    names = kernel.arg_names
+    signature = {**signature, **{k: "constexpr" for k in constexprs}}
+    source = ast_source(
+        fn=kernel, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()}
+    )
+    compiled = triton.compile(source, target=target)
+    assert compiled.asm, (kernel, target)

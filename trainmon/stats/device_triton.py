@@ -30,6 +30,7 @@ runs the kernels on CPU tensors in Triton's interpreter; it sets ``TRITON_INTERP
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -130,6 +131,13 @@ class TritonRows:
         for k, t in enumerate(tensors):
             if rows[k] < 0 and type(t) in _PLAIN and t.dtype in _DTYPES and t.numel() and t.is_contiguous():
                 groups.setdefault(t.dtype, []).append(k)
+        if not groups:
+            return pos
+        # Triton launches on the current device, whatever the tensors' device: make it theirs
+        with torch.cuda.device(self.rows.device) if self.rows.device.type == "cuda" else contextlib.nullcontext():
+            return self._write_groups(tensors, groups, rows, pos)
+
+    def _write_groups(self, tensors: Sequence[torch.Tensor], groups: dict, rows: list[int], pos: int) -> int:
         for idx in groups.values():
             table = self._table([tensors[k] for k in idx]) if len(idx) >= _MIN_TABLE else None
             if table is not None:
