@@ -153,6 +153,14 @@ class DeviceRows:
         self._batchable = set(self.values) <= {"sum", "sumsq", "min", "max"}  # not m2 (std)
         self._triton = device_triton.TritonRows(self) if device_triton.supported(device, self.values) else None
 
+    def stream_key(self) -> Any:
+        """The current stream of this device (scratch buffers are per stream)."""
+        return _stream_key(self.device)
+
+    def to_device(self, values: list[int]) -> torch.Tensor:
+        """``values`` as an int64 tensor on this device (pinned, asynchronous: first sights only)."""
+        return _to_device(values, self.device)
+
     @property
     def path(self) -> str:
         """What produces this device's rows, for run.json: ``device-triton`` or ``device``."""

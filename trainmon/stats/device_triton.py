@@ -238,9 +238,7 @@ class TritonRows:
     def _partials(self, chunks: int) -> torch.Tensor:
         """``[chunks * width]`` float32 scratch of the current stream: grown by doubling, dropped at
         the step end, reused by every launch (kernels on one stream run in order)."""
-        from trainmon.stats.device_rows import _stream_key
-
-        key = _stream_key(self.rows.device)
+        key = self.rows.stream_key()
         need = chunks * self.width
         buf = self._scratch.get(key)
         if buf is None or buf.numel() < need:
@@ -256,7 +254,7 @@ class TritonRows:
             return self._tables[key]
         if len(self._tables) > 256:
             self._tables.clear()
-        self._tables[key] = table = _describe(key[1], tensors[0].element_size(), self.rows.device, _to_device())
+        self._tables[key] = table = _describe(key[1], tensors[0].element_size(), self.rows.to_device)
         return table
 
 
@@ -271,18 +269,12 @@ _PARTIALS = (
 )
 
 
-def _to_device() -> Callable[[list[int], torch.device], torch.Tensor]:
-    from trainmon.stats.device_rows import _to_device as to_device
-
-    return to_device
-
-
 def _describe(
     spans: Sequence[tuple[int, int]],
     itemsize: int,
-    device: torch.device,
-    to_device: Callable[[list[int], torch.device], torch.Tensor],
+    to_device: Callable[[list[int]], torch.Tensor],
 ) -> tuple[torch.Tensor, int, int] | None:
+    """The packed descriptors of tensors at ``spans`` (address, elements), on the device."""
     base = spans[0][0]
     if any((ptr - base) % itemsize for ptr, _ in spans):
         return None
@@ -294,4 +286,4 @@ def _describe(
         for s in range(0, n, chunk):
             desc += [off + s, min(chunk, n - s)]
         first.append(len(desc) // 2)
-    return to_device(desc + first, device), len(desc) // 2, chunk
+    return to_device(desc + first), len(desc) // 2, chunk
