@@ -56,8 +56,10 @@ def tensors(dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
         "zeros": torch.randn(1000, generator=g),
         "small": torch.randn(17, generator=g) - 2,
         "huge": torch.randn(2000, generator=g) * (1e20 if dtype != torch.float16 else 1e2),
-        "transposed": torch.randn(64, 48, generator=g).t(),  # not contiguous: eager
-        "strided": torch.randn(900, generator=g)[::3],  # not contiguous: eager
+        "transposed": torch.randn(64, 48, generator=g).t(),  # dense in another order: read as its span
+        "permuted": torch.randn(5, 1, 7, 9, generator=g).permute(3, 1, 0, 2),
+        "strided": torch.randn(900, generator=g)[::3],  # not one span: eager
+        "expanded": torch.randn(30, 1, generator=g).expand(30, 4),  # elements seen twice: eager
         "empty": torch.empty(0),
     }
     out["nan"][[5, 600]] = math.nan
@@ -111,6 +113,10 @@ def counts() -> dict:
     with OpCounter() as c:
         engine.partials(group[:2])
     result["pair"] = {"launches": list(launches), "ops": c.ops, "syncs": c.syncs, "copies": c.copies}
+    for name, view in (("transposed", torch.randn(64, 48).t()), ("strided", torch.randn(900)[::3])):
+        launches.clear()
+        engine.partials([view])
+        result[name] = len(launches)
     return result
 
 

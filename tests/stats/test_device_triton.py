@@ -1,8 +1,9 @@
 """The optional Triton kernel of the device path, on CPU tensors in Triton's interpreter, in a
 process of its own (tests/_support/triton_cases.py; the interpreter is process-wide): values
-against float64 truth and the eager device path for fp32/bf16/fp16, NaN/+-Inf, empty, integer and
-non-contiguous tensors (those go eager), norms beyond float32's sum of squares; two launches per
-group and no aten op of the monitor's own; the eager fallback when a launch fails; run.json."""
+against float64 truth and the eager device path for fp32/bf16/fp16, NaN/+-Inf, transposed and
+permuted views (read as their span), strided, expanded, empty and integer tensors (eager), norms
+beyond float32's sum of squares; two launches per group and no aten op of the monitor's own; the
+eager fallback when a launch fails; run.json; the kernels compiling for CUDA and ROCm GPUs."""
 
 from __future__ import annotations
 
@@ -93,6 +94,7 @@ def test_a_group_costs_two_launches_and_no_op_sync_or_copy_of_the_monitor(cases)
     assert counts["later"]["ops"] == counts["later"]["syncs"] == counts["later"]["copies"] == 0
     assert counts["first"]["copies"] <= 1  # the group's descriptor table, at its first sight only
     assert counts["pair"] == {"launches": ["chunk_partials", "tensor_rows"] * 2, "ops": 0, "syncs": 0, "copies": 0}
+    assert (counts["transposed"], counts["strided"]) == (2, 0)  # a dense view is one span; a strided one eager
 
 
 @pytest.mark.slow

@@ -1,7 +1,7 @@
 """The optional one-pass multi-tensor Triton path of ``stats.device_rows`` (CUDA and ROCm).
 
 When ``triton`` is importable, the tensors of one ``DeviceRows.write`` call that are plain,
-contiguous, non-empty fp32/bf16/fp16 tensors are reduced by two kernel launches per dtype group
+dense (see ``_dense``), non-empty fp32/bf16/fp16 tensors are reduced by two kernel launches per dtype group
 (``stats.triton_kernels``), whatever the ops and whatever the number of tensors:
 
 1. ``chunk_partials`` reads every element once and writes one row of float32 partials per chunk
@@ -21,8 +21,9 @@ or above its largest |x|, and the rows kernel brings every chunk to the tensor's
 before adding (LAPACK's ``nrm2`` scaling, in powers of two so the scaling is exact): fp32 and bf16
 norms above 1.8e19 stay finite and exact; so does the sum.
 
-Everything else (non-contiguous views, empty, integer, bool, fp8 and fp64 tensors, tensor
-subclasses, ``std`` in ops) takes the eager device path.  ``TRAINMON_TRITON=0`` turns the kernel
+Everything else (views that do not fill one span: strided, expanded; empty, integer, bool, fp8
+and fp64 tensors, tensor subclasses, ``std`` in ops) takes the eager device path; dense views in
+another dim order (a transposed weight) are read as their span.  ``TRAINMON_TRITON=0`` turns the kernel
 off.  For tests without a GPU, ``TRAINMON_TRITON_INTERPRET=1`` (with ``TRAINMON_DEVICE_PATH=1``)
 runs the kernels on CPU tensors in Triton's interpreter; it sets ``TRITON_INTERPRET=1`` before
 ``triton`` is imported, for the whole process, so use it only in a process of its own.
@@ -91,6 +92,20 @@ def _launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None
     kernel[grid](*args, **meta)
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill one span of memory from ``data_ptr()`` on, each once: contiguous
+    up to an order of its dims (a transposed weight is; a strided or expanded view is not).  The
+    statistics do not depend on the order of the elements, so the kernel reads the span."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for size, stride in sorted(((n, s) for n, s in zip(t.shape, t.stride()) if n != 1), key=lambda d: d[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def _chunk_size(numel: int) -> int:
     chunk = CHUNK_MIN
     while chunk < _CHUNK_MAX and chunk * _MAX_CHUNKS < numel:
@@ -129,7 +144,7 @@ class TritonRows:
         ``rows`` (caller order); returns the next free row."""
         groups: dict[torch.dtype, list[int]] = {}
         for k, t in enumerate(tensors):
-            if rows[k] < 0 and type(t) in _PLAIN and t.dtype in _DTYPES and t.numel() and t.is_contiguous():
+            if rows[k] < 0 and type(t) in _PLAIN and t.dtype in _DTYPES and t.numel() and _dense(t):
                 groups.setdefault(t.dtype, []).append(k)
         if not groups:
             return pos
