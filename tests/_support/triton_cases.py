@@ -56,6 +56,7 @@ def tensors(dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
         "zeros": torch.randn(1000, generator=g),
         "small": torch.randn(17, generator=g) - 2,
         "huge": torch.randn(2000, generator=g) * (1e20 if dtype != torch.float16 else 1e2),
+        "top": torch.randn(50, generator=g) * (1e37 if dtype != torch.float16 else 1e3),  # norm near float32's max
         "transposed": torch.randn(64, 48, generator=g).t(),  # dense in another order: read as its span
         "permuted": torch.randn(5, 1, 7, 9, generator=g).permute(3, 1, 0, 2),
         "strided": torch.randn(900, generator=g)[::3],  # not one span: eager

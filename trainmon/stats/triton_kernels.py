@@ -3,9 +3,10 @@ whether Triton is used at all; importing this module imports ``triton``).
 
 ``chunk_partials``: one program per chunk of one tensor, reading the chunk once, writing one row
 of float32 partials: the sum and the sum of squares of the chunk's elements scaled by ``2**-k``
-(``k`` the chunk's running exponent, a power of two at or above its largest |x|, as LAPACK's
-``nrm2`` scales: no overflow whatever the magnitudes), ``k``, min, max (NaN if the chunk has one)
-and the requested counts (exact: a chunk has at most 2^20 elements).
+(``k`` the chunk's exponent, a power of two at or above its largest |x|, as LAPACK's ``nrm2``
+scales: no overflow whatever the magnitudes; each lane keeps its own running exponent while
+reading), ``k``, min, max (NaN if the chunk has one) and the requested counts (exact: a chunk has
+at most 2^20 elements).
 
 ``tensor_rows``: one program per tensor, combining its chunks' partials (the scaled sums brought
 to the largest exponent of the tensor first) into its row of the device row buffer: the sum, the
@@ -65,7 +66,9 @@ def chunk_partials(
     else:
         start = pid.to(tl.int64) * CHUNK
         n = tl.minimum(numel - start, CHUNK)
-    k = -126  # the accumulators hold values scaled by 2**-k; k only grows
+    # Each lane's accumulators hold its values scaled by 2**-k of that lane (k only grows): no
+    # reduction across lanes inside the loop.
+    k = tl.full([BLOCK], -126, tl.int32)
     acc_s = tl.zeros([BLOCK], dtype=tl.float32)
     acc_q = tl.zeros([BLOCK], dtype=tl.float32)
     lo = tl.full([BLOCK], float("inf"), tl.float32)
@@ -80,8 +83,7 @@ def chunk_partials(
         a = tl.abs(x)
         isnan = x != x
         if C_EXP >= 0:
-            top = tl.max(tl.where(isnan, 0.0, a), axis=0)  # NaN reaches the sums by itself
-            k_new = tl.maximum(k, _exponent(top))
+            k_new = tl.maximum(k, _exponent(a))  # NaN and Inf lanes: 126, and they reach the sums as such
             acc_s = acc_s * _pow2(k - k_new)
             acc_q = acc_q * _pow2(2 * (k - k_new))
             k = k_new
@@ -98,12 +100,13 @@ def chunk_partials(
         if C_ZERO >= 0:
             zeros += (inside & (a < eps)).to(tl.int32)
     row = part_ptr + pid.to(tl.int64) * P
-    if C_SUM >= 0:
-        tl.store(row + C_SUM, tl.sum(acc_s, axis=0))
-    if C_SQ >= 0:
-        tl.store(row + C_SQ, tl.sum(acc_q, axis=0))
-    if C_EXP >= 0:
-        tl.store(row + C_EXP, k.to(tl.float32))
+    if C_EXP >= 0:  # the lanes brought to the chunk's largest scale (exact: powers of two)
+        top = tl.max(k, axis=0)
+        if C_SUM >= 0:
+            tl.store(row + C_SUM, tl.sum(acc_s * _pow2(k - top), axis=0))
+        if C_SQ >= 0:
+            tl.store(row + C_SQ, tl.sum(acc_q * _pow2(2 * (k - top)), axis=0))
+        tl.store(row + C_EXP, top.to(tl.float32))
     if C_MIN >= 0:
         has_nan = tl.sum(nans, axis=0) > 0
         tl.store(row + C_MIN, tl.where(has_nan, float("nan"), tl.min(lo, axis=0)))
@@ -171,7 +174,8 @@ def tensor_rows(
         if V_SUM >= 0:
             tl.store(values + V_SUM, tl.sum(s, axis=0) * _pow2(top))
         if V_SQ >= 0:
-            tl.store(values + V_SQ, tl.sqrt(tl.sum(q, axis=0)) * _pow2(top))
+            # sqrt_rn: rounded as IEEE says (tl.sqrt may be the approximate one)
+            tl.store(values + V_SQ, tl.sqrt_rn(tl.sum(q, axis=0)) * _pow2(top))
     if V_MIN >= 0:
         lo = tl.full([BLOCK], float("inf"), tl.float32)
         hi = tl.full([BLOCK], float("-inf"), tl.float32)
