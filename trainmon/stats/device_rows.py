@@ -62,8 +62,7 @@ def _layout(columns: Sequence[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 
 _MIN_BATCH = 5  # tensors of one buffer worth a batched reduction (its ~12 ops vs 3 each)
-_FLAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_FLAT_DTYPES, _PLAIN = device_triton.FLOAT_DTYPES, device_triton.PLAIN_TENSORS
 _FOREACH_MAX = getattr(torch, "_foreach_max", None)  # torch >= 2.4
 _MASKS_OUT = all(hasattr(op, "out") for op in (torch.ops.aten.isnan, torch.ops.aten.isinf))
 _WIDTH_MAX = 1 << 12  # chunk width of the batched path: the largest power of two dividing every

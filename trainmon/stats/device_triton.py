@@ -44,7 +44,7 @@ import torch
 if TYPE_CHECKING:
     from trainmon.stats.device_rows import DeviceRows
 
-__all__ = ["TRITON_ENV", "INTERPRET_ENV", "TritonRows", "supported"]
+__all__ = ["TRITON_ENV", "INTERPRET_ENV", "FLOAT_DTYPES", "PLAIN_TENSORS", "TritonRows", "supported"]
 
 TRITON_ENV = "TRAINMON_TRITON"  # "0": never use the Triton kernel
 INTERPRET_ENV = "TRAINMON_TRITON_INTERPRET"  # "1": CPU tensors through Triton's interpreter (tests)
@@ -54,8 +54,11 @@ _MAX_CHUNKS = 1 << 16  # chunks grow (powers of two) beyond this many a launch: 
 _BLOCK = 1024  # elements a program reads at a time
 _ROWS_BLOCK = 256  # chunks the rows kernel combines at a time
 _MIN_TABLE = 5  # tensors of one dtype worth a descriptor table (activations come one or two at a time)
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+# What a kernel (Triton's, or the eager batched reductions of device_rows) may read as raw memory:
+# the floating dtypes the device path reduces in place, and plain tensors (a subclass's storage
+# may not be its data).
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _OFF = ("0", "false", "no", "off")
 log = logging.getLogger(__name__)
 
@@ -144,7 +147,7 @@ class TritonRows:
         ``rows`` (caller order); returns the next free row."""
         groups: dict[torch.dtype, list[int]] = {}
         for k, t in enumerate(tensors):
-            if rows[k] < 0 and type(t) in _PLAIN and t.dtype in _DTYPES and t.numel() and _dense(t):
+            if rows[k] < 0 and type(t) in PLAIN_TENSORS and t.dtype in FLOAT_DTYPES and t.numel() and _dense(t):
                 groups.setdefault(t.dtype, []).append(k)
         if not groups:
             return pos
