@@ -16,6 +16,7 @@ import sys
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from tests._support.runs import reference_stats
 from trainmon import TrainerMon
 from trainmon.stats import device_triton
 from trainmon.stats.engine import StatsEngine, Tracked
@@ -38,13 +39,11 @@ device_triton._launch = _counted_launch
 
 
 def truth(t: torch.Tensor) -> dict[str, float]:
-    x = t.detach().double().reshape(-1)
-    if not x.numel():
-        return {"norm": 0.0, "mean": math.nan, "min": math.nan, "max": math.nan, "nans": 0, "infs": 0,
-                "zeros": math.nan, "_mean_atol": 0.0}  # fmt: skip
-    return {"norm": x.norm().item(), "mean": x.mean().item(), "min": x.min().item(), "max": x.max().item(),
-            "nans": int(x.isnan().sum()), "infs": int(x.isinf().sum()), "zeros": (x.abs() < 1e-8).double().mean().item(),
-            "_mean_atol": 1e-6 * x.abs().mean().item()}  # fmt: skip
+    """``reference_stats`` (float64), with what an empty tensor records."""
+    if t.numel():
+        return reference_stats(t)
+    return {"norm": 0.0, "mean": math.nan, "min": math.nan, "max": math.nan, "nans": 0, "infs": 0,
+            "zeros": math.nan, "_mean_atol": 0.0}  # fmt: skip
 
 
 def tensors(dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:

@@ -198,7 +198,7 @@ def test_the_kernels_compile_for_cuda_and_rocm_gpus_without_one():
 
 def _compile(triton, ast_source, target, kernel, signature, constexprs):
     names = kernel.arg_names
-    signature = {**signature, **{k: "constexpr" for k in constexprs}}
+    signature = {**signature, **dict.fromkeys(constexprs, "constexpr")}
     source = ast_source(
         fn=kernel, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()}
     )
