@@ -99,6 +99,15 @@ def value_cases() -> list[dict]:
     return out
 
 
+def negative_offsets() -> dict:
+    """Views of one buffer, the first at the highest address: every other offset is negative."""
+    buf = torch.randn(8000, generator=torch.Generator().manual_seed(9)).bfloat16()
+    named = {
+        f"v{k}": buf[o : o + n] for k, (o, n) in enumerate(((7000, 999), (5000, 1500), (20, 3), (0, 17), (900, 4000)))
+    }
+    return {"triton": rows(StatsEngine(OPS), named), "truth": {k: truth(t) for k, t in named.items()}}
+
+
 def counts() -> dict:
     g = torch.Generator().manual_seed(7)
     group = [torch.randn(n, generator=g) for n in (300, 2000, 256, 5000, 77, 1024)]
@@ -150,7 +159,12 @@ def monitored_run(config: str) -> None:
 
 def main() -> None:
     assert os.environ.get("TRAINMON_DEVICE_PATH") == "1" and os.environ.get(device_triton.INTERPRET_ENV) == "1"
-    result = {"values": value_cases(), "counts": counts(), "fallback": fallback()}
+    result = {
+        "values": value_cases(),
+        "negative_offsets": negative_offsets(),
+        "counts": counts(),
+        "fallback": fallback(),
+    }
     monitored_run(sys.argv[1])
     print(json.dumps(result))
 

@@ -76,6 +76,14 @@ def test_triton_rows_equal_float64_truth_and_the_eager_path_on_every_dtype(cases
 
 
 @pytest.mark.slow
+def test_offsets_below_the_first_tensor_of_a_group_are_read_right(cases):
+    case = cases["negative_offsets"]
+    assert len(case["triton"]) == 5
+    for row in case["triton"]:
+        _assert_equal_truth(row, case["truth"][row["name"]])
+
+
+@pytest.mark.slow
 def test_norms_beyond_float32_sums_of_squares_are_finite_and_exact_only_on_the_triton_path(cases):
     for case in cases["values"]:
         if case["dtype"] == "torch.float16" or case["case"] == "pair":
