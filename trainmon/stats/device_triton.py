@@ -122,22 +122,20 @@ class TritonRows:
     def __init__(self, rows: DeviceRows):
         self.rows = rows
         self.kernels: Any = _kernels()  # not None: ``supported`` said so
-        partial = ["sum", "sumsq"] if "sum" in rows.vcol else ["sumsq"] if "sumsq" in rows.vcol else []
-        partial += ["exp"] if partial else []
-        partial += ["min", "max"] if "min" in rows.vcol else []
-        partial += list(rows.counts)
-        self.width = max(len(partial), 1)  # float32 partials per chunk
-        col = {c: j for j, c in enumerate(partial)}
-        self.meta = {
-            "P": self.width,
-            **{f"C_{k}": col.get(c, -1) for k, c in _PARTIALS},
-        }
+        k: Any = self.kernels
+        wanted = {"sum": k.WANT_SUM, "sumsq": k.WANT_SQ, "min": k.WANT_MIN, "nans": k.WANT_NAN, "infs": k.WANT_INF,
+                  "zeros": k.WANT_ZERO}  # fmt: skip
+        want = sum(bit.value for c, bit in wanted.items() if c in rows.vcol or c in rows.ccol)
+        self.width = k.P.value  # float32 partials per chunk (fixed columns)
+        self.meta = {"WANT": want}
         self.row_meta = {
-            **self.meta,
+            "WANT": want,
             "V_SUM": rows.vcol.get("sum", -1),
             "V_SQ": rows.vcol.get("sumsq", -1),
             "V_MIN": rows.vcol.get("min", -1),
-            **{f"K_{k}": rows.ccol.get(c, -1) for k, c in _PARTIALS[-3:]},
+            "K_NAN": rows.ccol.get("nans", -1),
+            "K_INF": rows.ccol.get("infs", -1),
+            "K_ZERO": rows.ccol.get("zeros", -1),
         }
         self._tables: dict[tuple, tuple[torch.Tensor, int, int] | None] = {}
         self._scratch: dict[Any, torch.Tensor] = {}
@@ -274,17 +272,6 @@ class TritonRows:
             self._tables.clear()
         self._tables[key] = table = _describe(key[1], tensors[0].element_size(), self.rows.to_device)
         return table
-
-
-_PARTIALS = (
-    ("SUM", "sum"),
-    ("SQ", "sumsq"),
-    ("EXP", "exp"),
-    ("MIN", "min"),
-    ("NAN", "nans"),
-    ("INF", "infs"),
-    ("ZERO", "zeros"),
-)
 
 
 def _describe(

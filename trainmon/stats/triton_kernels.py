@@ -15,7 +15,9 @@ norm, min, max in float32, the counts in int64.
 Chunk descriptors (``TABLE``): an int64 pair per chunk, (element offset from the base tensor's
 first element, elements), then the first chunk of every tensor; the tensors of one launch share a
 dtype and ``base`` is any one of them.  Without a table, the launch covers one tensor of ``numel``
-elements in chunks of ``CHUNK``.  A column index of -1 leaves that partial out.
+elements in chunks of ``CHUNK``.  ``WANT`` is a bit set of the partials to compute (``WANT_*``
+below, written first in ``WANT_* & WANT``: the interpreter's constexpr has no reflected ``&``);
+a chunk's row of partials is always ``P`` floats at the fixed columns ``COL_*``.
 """
 # mypy: ignore-errors
 # (Triton's language objects are not typed for mypy; the launcher in device_triton.py is.)
@@ -24,6 +26,22 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+# The bits of WANT and the columns of a chunk's partials (constexpr: globals a kernel may read).
+WANT_SUM = tl.constexpr(1)
+WANT_SQ = tl.constexpr(2)
+WANT_MIN = tl.constexpr(4)
+WANT_NAN = tl.constexpr(8)
+WANT_INF = tl.constexpr(16)
+WANT_ZERO = tl.constexpr(32)
+COL_SUM = tl.constexpr(0)
+COL_SQ = tl.constexpr(1)
+COL_EXP = tl.constexpr(2)  # the power of two the chunk's sums are scaled by
+COL_MIN = tl.constexpr(3)  # and max at COL_MIN + 1
+COL_NAN = tl.constexpr(5)
+COL_INF = tl.constexpr(6)
+COL_ZERO = tl.constexpr(7)
+P = tl.constexpr(8)
 
 
 @triton.jit
@@ -50,14 +68,7 @@ def chunk_partials(
     TABLE: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
-    P: tl.constexpr,
-    C_SUM: tl.constexpr,
-    C_SQ: tl.constexpr,
-    C_EXP: tl.constexpr,
-    C_MIN: tl.constexpr,
-    C_NAN: tl.constexpr,
-    C_INF: tl.constexpr,
-    C_ZERO: tl.constexpr,
+    WANT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if TABLE:
@@ -82,7 +93,7 @@ def chunk_partials(
         x = tl.load(x_ptr + start + offs, mask=inside, other=0.0).to(tl.float32)
         a = tl.abs(x)
         isnan = x != x
-        if C_EXP >= 0:
+        if (WANT_SUM | WANT_SQ) & WANT:
             k_new = tl.maximum(k, _exponent(a))  # NaN and Inf lanes: 126, and they reach the sums as such
             acc_s = acc_s * _pow2(k - k_new)
             acc_q = acc_q * _pow2(2 * (k - k_new))
@@ -90,33 +101,33 @@ def chunk_partials(
             xs = x * _pow2(-k)
             acc_s += xs
             acc_q += xs * xs
-        if C_MIN >= 0 or C_NAN >= 0:
+        if (WANT_MIN | WANT_NAN) & WANT:
             nans += isnan.to(tl.int32)
-        if C_MIN >= 0:
+        if WANT_MIN & WANT:
             lo = tl.minimum(lo, tl.where(inside & ~isnan, x, float("inf")))
             hi = tl.maximum(hi, tl.where(inside & ~isnan, x, float("-inf")))
-        if C_INF >= 0:
+        if WANT_INF & WANT:
             infs += (a == float("inf")).to(tl.int32)
-        if C_ZERO >= 0:
+        if WANT_ZERO & WANT:
             zeros += (inside & (a < eps)).to(tl.int32)
     row = part_ptr + pid.to(tl.int64) * P
-    if C_EXP >= 0:  # the lanes brought to the chunk's largest scale (exact: powers of two)
+    if (WANT_SUM | WANT_SQ) & WANT:  # the lanes brought to the chunk's largest scale (exact: powers of two)
         top = tl.max(k, axis=0)
-        if C_SUM >= 0:
-            tl.store(row + C_SUM, tl.sum(acc_s * _pow2(k - top), axis=0))
-        if C_SQ >= 0:
-            tl.store(row + C_SQ, tl.sum(acc_q * _pow2(2 * (k - top)), axis=0))
-        tl.store(row + C_EXP, top.to(tl.float32))
-    if C_MIN >= 0:
+        if WANT_SUM & WANT:
+            tl.store(row + COL_SUM, tl.sum(acc_s * _pow2(k - top), axis=0))
+        if WANT_SQ & WANT:
+            tl.store(row + COL_SQ, tl.sum(acc_q * _pow2(2 * (k - top)), axis=0))
+        tl.store(row + COL_EXP, top.to(tl.float32))
+    if WANT_MIN & WANT:
         has_nan = tl.sum(nans, axis=0) > 0
-        tl.store(row + C_MIN, tl.where(has_nan, float("nan"), tl.min(lo, axis=0)))
-        tl.store(row + C_MIN + 1, tl.where(has_nan, float("nan"), tl.max(hi, axis=0)))
-    if C_NAN >= 0:
-        tl.store(row + C_NAN, tl.sum(nans, axis=0).to(tl.float32))
-    if C_INF >= 0:
-        tl.store(row + C_INF, tl.sum(infs, axis=0).to(tl.float32))
-    if C_ZERO >= 0:
-        tl.store(row + C_ZERO, tl.sum(zeros, axis=0).to(tl.float32))
+        tl.store(row + COL_MIN, tl.where(has_nan, float("nan"), tl.min(lo, axis=0)))
+        tl.store(row + COL_MIN + 1, tl.where(has_nan, float("nan"), tl.max(hi, axis=0)))
+    if WANT_NAN & WANT:
+        tl.store(row + COL_NAN, tl.sum(nans, axis=0).to(tl.float32))
+    if WANT_INF & WANT:
+        tl.store(row + COL_INF, tl.sum(infs, axis=0).to(tl.float32))
+    if WANT_ZERO & WANT:
+        tl.store(row + COL_ZERO, tl.sum(zeros, axis=0).to(tl.float32))
 
 
 @triton.jit
@@ -131,14 +142,7 @@ def tensor_rows(
     counts_stride,
     TABLE: tl.constexpr,
     BLOCK: tl.constexpr,
-    P: tl.constexpr,
-    C_SUM: tl.constexpr,
-    C_SQ: tl.constexpr,
-    C_EXP: tl.constexpr,
-    C_MIN: tl.constexpr,
-    C_NAN: tl.constexpr,
-    C_INF: tl.constexpr,
-    C_ZERO: tl.constexpr,
+    WANT: tl.constexpr,
     V_SUM: tl.constexpr,
     V_SQ: tl.constexpr,
     V_MIN: tl.constexpr,
@@ -155,22 +159,22 @@ def tensor_rows(
         c1 = n_chunks
     values = values_ptr + pid.to(tl.int64) * values_stride
     counts = counts_ptr + pid.to(tl.int64) * counts_stride
-    if C_EXP >= 0:
+    if (WANT_SUM | WANT_SQ) & WANT:
         top = -126
         for c in range(c0, c1, BLOCK):
             idx = c + tl.arange(0, BLOCK)
-            e = tl.load(part_ptr + idx * P + C_EXP, mask=idx < c1, other=-126.0)
+            e = tl.load(part_ptr + idx * P + COL_EXP, mask=idx < c1, other=-126.0)
             top = tl.maximum(top, tl.max(e, axis=0).to(tl.int32))
         s = tl.zeros([BLOCK], dtype=tl.float32)
         q = tl.zeros([BLOCK], dtype=tl.float32)
         for c in range(c0, c1, BLOCK):
             idx = c + tl.arange(0, BLOCK)
             inside = idx < c1
-            shift = tl.load(part_ptr + idx * P + C_EXP, mask=inside, other=-126.0).to(tl.int32) - top
-            if C_SUM >= 0:
-                s += tl.load(part_ptr + idx * P + C_SUM, mask=inside, other=0.0) * _pow2(shift)
-            if C_SQ >= 0:
-                q += tl.load(part_ptr + idx * P + C_SQ, mask=inside, other=0.0) * _pow2(2 * shift)
+            shift = tl.load(part_ptr + idx * P + COL_EXP, mask=inside, other=-126.0).to(tl.int32) - top
+            if WANT_SUM & WANT:
+                s += tl.load(part_ptr + idx * P + COL_SUM, mask=inside, other=0.0) * _pow2(shift)
+            if WANT_SQ & WANT:
+                q += tl.load(part_ptr + idx * P + COL_SQ, mask=inside, other=0.0) * _pow2(2 * shift)
         if V_SUM >= 0:
             tl.store(values + V_SUM, tl.sum(s, axis=0) * _pow2(top))
         if V_SQ >= 0:
@@ -183,8 +187,8 @@ def tensor_rows(
         for c in range(c0, c1, BLOCK):
             idx = c + tl.arange(0, BLOCK)
             inside = idx < c1
-            a = tl.load(part_ptr + idx * P + C_MIN, mask=inside, other=float("inf"))
-            b = tl.load(part_ptr + idx * P + C_MIN + 1, mask=inside, other=float("-inf"))
+            a = tl.load(part_ptr + idx * P + COL_MIN, mask=inside, other=float("inf"))
+            b = tl.load(part_ptr + idx * P + COL_MIN + 1, mask=inside, other=float("-inf"))
             nan += (a != a).to(tl.int32)
             lo = tl.minimum(lo, tl.where(a != a, float("inf"), a))
             hi = tl.maximum(hi, tl.where(b != b, float("-inf"), b))
@@ -192,15 +196,15 @@ def tensor_rows(
         tl.store(values + V_MIN, tl.where(has_nan, float("nan"), tl.min(lo, axis=0)))
         tl.store(values + V_MIN + 1, tl.where(has_nan, float("nan"), tl.max(hi, axis=0)))
     if K_NAN >= 0:
-        tl.store(counts + K_NAN, _count(part_ptr, c0, c1, P, C_NAN, BLOCK))
+        tl.store(counts + K_NAN, _count(part_ptr, c0, c1, COL_NAN, BLOCK))
     if K_INF >= 0:
-        tl.store(counts + K_INF, _count(part_ptr, c0, c1, P, C_INF, BLOCK))
+        tl.store(counts + K_INF, _count(part_ptr, c0, c1, COL_INF, BLOCK))
     if K_ZERO >= 0:
-        tl.store(counts + K_ZERO, _count(part_ptr, c0, c1, P, C_ZERO, BLOCK))
+        tl.store(counts + K_ZERO, _count(part_ptr, c0, c1, COL_ZERO, BLOCK))
 
 
 @triton.jit
-def _count(part_ptr, c0, c1, P: tl.constexpr, COL: tl.constexpr, BLOCK: tl.constexpr):
+def _count(part_ptr, c0, c1, COL: tl.constexpr, BLOCK: tl.constexpr):
     """The int64 sum of one count column over chunks ``[c0, c1)`` (each chunk's count is exact)."""
     total = tl.zeros([BLOCK], dtype=tl.int64)
     for c in range(c0, c1, BLOCK):
