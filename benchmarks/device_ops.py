@@ -2,6 +2,10 @@
 
     PYTHONPATH=. python benchmarks/device_ops.py              # default ops, then + nans, infs
     PYTHONPATH=. python benchmarks/device_ops.py --layers 4 --ops norm,mean,min,max,nans
+    PYTHONPATH=. python benchmarks/device_ops.py --triton --kinds wg,xy,flat   # the Triton kernel
+
+``--triton`` runs the Triton kernel on the CPU tensors in Triton's interpreter (slow: each program
+is Python) and adds its launches per row; its aten ops are then the eager leftovers only.
 
 ``TRAINMON_DEVICE_PATH=1`` sends CPU tensors down the CUDA/NPU code path; a ``TorchDispatchMode``
 (``trainmon.testing.op_counter``) counts every non-view aten op (a proxy for a kernel launch), host
@@ -25,6 +29,9 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+
+if "--triton" in sys.argv:  # before anything imports triton (torch may): the interpreter is chosen at its import
+    os.environ.update(TRAINMON_TRITON_INTERPRET="1", TRITON_INTERPRET="1")
 
 import torch
 import torch.nn as nn
@@ -132,6 +139,23 @@ def _run(args, kind: str | None, ops: list[str], root: Path, flat: bool = False)
     return {"fwd_bwd": fwd_bwd, "step": step_ops, "rows": rows}
 
 
+def _count_launches() -> list[int]:
+    """Count the Triton kernel's launches; the interpreter's own aten ops are not the monitor's."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from trainmon.stats import device_triton
+
+    count, launch = [0], device_triton._launch
+
+    def counted(kernel, grid, *args, **meta):
+        count[0] += 1
+        with _disable_current_modes():
+            launch(kernel, grid, *args, **meta)
+
+    device_triton._launch = counted
+    return count
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=4)
@@ -142,7 +166,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--ops", action="append", help="comma-separated ops (repeatable); default: "
                     "norm,mean,min,max and norm,mean,min,max,nans,infs")
+    ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated kinds (default: all)")
+    ap.add_argument("--triton", action="store_true", help="the Triton kernel, in Triton's interpreter")
     args = ap.parse_args(argv)
+    launches = _count_launches() if args.triton else [0]
     os.environ["TRAINMON_DEVICE_PATH"] = "1"   # the seam: read by every StatsEngine built from here on
     torch.set_num_threads(1)
     op_sets = [o.split(",") for o in args.ops] if args.ops else [
@@ -165,13 +192,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"Llama-shaped: {args.layers} layers, dim {args.dim}, seq {args.seq}, grad_acc_steps 2, {args.steps} steps; "
           f"seam on (CPU tensors on the device path); torch {torch.__version__}")
     print(f"{'ops':<34} {'kind':<6} {'rows/step':>9} {'ops/step':>9} {'ops/row':>8} {'syncs fwd/bwd':>13} "
-          f"{'H2D fwd/bwd':>11} {'D2H/step':>8} {'largest B':>9}")
+          f"{'H2D fwd/bwd':>11} {'D2H/step':>8} {'largest B':>9} {'launches/row':>12}")
     with tempfile.TemporaryDirectory() as tmp:
         base0 = base = _run(args, None, [], Path(tmp))
         flat_base = _run(args, None, [], Path(tmp), flat=True)
         for ops in op_sets:
-            for kind in KINDS:
-                largest[0] = copies[0] = 0
+            for kind in args.kinds.split(","):
+                largest[0] = copies[0] = launches[0] = 0
                 r = _run(args, kind, ops, Path(tmp))
                 base = flat_base if kind == "flat" else base0
                 extra = (r["fwd_bwd"].ops + r["step"].ops) - (base["fwd_bwd"].ops + base["step"].ops)
@@ -180,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows = r["rows"] / args.steps
                 print(f"{','.join(ops):<34} {kind:<6} {rows:>9.0f} {extra / args.steps:>9.0f} "
                       f"{extra / max(r['rows'], 1):>8.2f} {syncs:>13} {h2d:>11} {copies[0] / args.steps:>8.1f} "
-                      f"{largest[0]:>9}")
+                      f"{largest[0]:>9} {launches[0] / max(r['rows'], 1):>12.2f}")
     return 0
 
 

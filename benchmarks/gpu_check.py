@@ -1,6 +1,6 @@
 """One short check of the accelerator statistics path on a real CUDA GPU (not runnable without one).
 
-    PYTHONPATH=. python benchmarks/gpu_check.py            # ~1 minute on one GPU
+    PYTHONPATH=. python benchmarks/gpu_check.py            # ~1 minute on one GPU (2 with triton)
 
 What it checks, each printed as PASS/FAIL with its figure (exit status 1 on any FAIL):
 
@@ -13,7 +13,13 @@ What it checks, each printed as PASS/FAIL with its figure (exit status 1 on any 
    snapshot is off here);
 5. step time monitored / unmonitored (medians);
 6. a ZeRO-3-like two-stream read: a grad copied into a buffer on a side stream, read after
-   ``wait_stream`` (the DeepSpeed wrapper's handshake), equals the grad.
+   ``wait_stream`` (the DeepSpeed wrapper's handshake), equals the grad;
+7. when ``triton`` is importable: the Triton kernel (``stats.device_triton``) against float64 and
+   against the eager device path (``TRAINMON_TRITON=0``) for the same cases plus a group of views
+   of one buffer, separate tensors and norms beyond 1.8e19 (finite only on the Triton path);
+   exactly 2 CUDA kernels per dtype group and per tensor of a small call (``torch.profiler``);
+   ``stats_path`` ``{"cuda": "device-triton"}``; checks 1, 2, 4 and 5 are then run once with the
+   kernel and once without it (``TRAINMON_TRITON=0``), to say which is faster.
 
 Nothing here has been run by the authors yet (no GPU was available): run it whenever one is.
 """
@@ -99,7 +105,7 @@ def kernels_per_micro_batch(model) -> int:
     return sum(e.count for e in prof.key_averages() if e.device_type.name == "CUDA")
 
 
-def check_training(root: Path) -> None:
+def check_training(root: Path, label: str = "") -> None:
     base_model, base_opt, _ = make(False, root, "base")
     train(base_model, base_opt, 2)
     torch.cuda.reset_peak_memory_stats()
@@ -109,12 +115,13 @@ def check_training(root: Path) -> None:
     del base_model, base_opt
     torch.cuda.empty_cache()
 
-    model, opt, mon = make(True, root, "gpu-check")
+    tag = "gpu-check" + label.replace(" ", "-")
+    model, opt, mon = make(True, root, tag)
     try:
         train(model, opt, 1, sync_error=True)
-        report("no host sync in forward/backward", True, "set_sync_debug_mode('error') raised nothing")
+        report("no host sync in forward/backward" + label, True, "set_sync_debug_mode('error') raised nothing")
     except RuntimeError as exc:
-        report("no host sync in forward/backward", False, str(exc).splitlines()[0])
+        report("no host sync in forward/backward" + label, False, str(exc).splitlines()[0])
     train(model, opt, 1)
     torch.cuda.reset_peak_memory_stats()
     times = train(model, opt, 5)
@@ -123,49 +130,125 @@ def check_training(root: Path) -> None:
     mon.close()
     import pandas as pd
 
-    frames = [pd.read_csv(p) for p in (root / "out" / "gpu-check").rglob("actv*_*.csv")]
+    frames = [pd.read_csv(p) for p in (root / "out" / tag).rglob("actv*_*.csv")]
     first = pd.concat(frames) if frames else pd.DataFrame({"step": []})
     first = first[first["step"] == first["step"].min()] if len(first) else first
     per_mb_rows = max(len(first) / 2, 1)  # actv + actv_grad rows of one micro-batch (2 per step)
     extra = kernels - base_kernels
-    report("kernels per micro-batch", extra / per_mb_rows <= 4,
+    report("kernels per micro-batch" + label, extra / per_mb_rows <= 4,
            f"+{extra} kernels ({base_kernels} without the monitor), {extra / per_mb_rows:.2f} per activation row")
-    report("peak memory delta", peak - base_peak < 64 << 20, f"{(peak - base_peak) / 2**20:.1f} MiB")
+    report("peak memory delta" + label, peak - base_peak < 64 << 20, f"{(peak - base_peak) / 2**20:.1f} MiB")
     ratio = statistics.median(times) / statistics.median(base_times)
-    report("step time ratio", ratio < 1.25, f"{ratio:.3f}x ({statistics.median(base_times) * 1e3:.1f} ms unmonitored)")
+    base_ms = statistics.median(base_times) * 1e3
+    report("step time ratio" + label, ratio < 1.25, f"{ratio:.3f}x ({base_ms:.1f} ms unmonitored)")
+
+
+def value_cases(g: torch.Generator, dtype: torch.dtype) -> list[torch.Tensor]:
+    base = torch.randn(513, 257, device="cuda", generator=g) * 3 + 0.5
+    special = torch.randn(10_000, device="cuda", generator=g)
+    special[[1, 99]] = math.nan
+    special[5], special[6] = math.inf, -math.inf
+    return [base.to(dtype), base.to(dtype).t(), base.to(dtype)[::3, 1::2], special.to(dtype),
+            torch.empty(0, device="cuda", dtype=dtype)]
+
+
+def compare(engine: StatsEngine, tensors: list[torch.Tensor], skip_norm: set[int] = frozenset()) -> tuple[bool, float]:
+    """(all rows equal float64 truth, worst relative error): rtol 1e-5, counts exact."""
+    engine.capture("x", [Tracked(f"t{i}", t) for i, t in enumerate(tensors)])
+    ok, worst = True, 0.0
+    for i, (t, row) in enumerate(zip(tensors, engine.finish_step(0))):
+        x = t.double().reshape(-1)
+        if x.numel() == 0:
+            ok &= row.stats["norm"] == 0.0 and math.isnan(row.stats["mean"])
+            continue
+        want = {"norm": x.norm().item(), "mean": x.mean().item(), "min": x.min().item(), "max": x.max().item(),
+                "std": x.std().item(), "nans": int(x.isnan().sum()), "infs": int(x.isinf().sum())}
+        for op, w in want.items():
+            if op not in row.stats or (op == "norm" and i in skip_norm):
+                continue
+            got = row.stats[op]
+            if op in ("nans", "infs"):
+                ok &= got == w
+            elif math.isnan(w):
+                ok &= math.isnan(got)
+            else:
+                err = abs(got - w) / max(abs(w), 1e-6 * x.abs().mean().item(), 1e-30)
+                worst = max(worst, err)
+                ok &= err <= 1e-5
+    return ok, worst
 
 
 def check_values() -> None:
     g = torch.Generator(device="cuda").manual_seed(3)
-    worst = 0.0
-    ok = True
+    results = [compare(StatsEngine(list(STAT_NAMES)), value_cases(g, dtype))
+               for dtype in (torch.float32, torch.bfloat16, torch.float16)]
+    report("values vs float64 on the GPU (eager device path)", all(ok for ok, _ in results),
+           f"worst relative error {max(w for _, w in results):.2e}")
+
+
+def triton_cases(g: torch.Generator, dtype: torch.dtype) -> tuple[list[torch.Tensor], int]:
+    """The value cases, separate tensors, views of one buffer, and (fp32/bf16) a tensor whose norm
+    overflows a float32 sum of squares; returns (tensors, index of the huge one or -1)."""
+    flat = torch.randn(1 << 20, device="cuda", generator=g).to(dtype)
+    spans = ((0, 4096), (4096, 70_000), (80_000, 300_001), (400_000, 17), (500_000, 1 << 19))
+    views = [flat[o:o + n] for o, n in spans]
+    separate = [torch.randn(n, device="cuda", generator=g).to(dtype) for n in (1, 1000, 65_537, 3 << 20, 5)]
+    tensors = value_cases(g, dtype) + views + separate
+    if dtype == torch.float16:
+        return tensors, -1
+    tensors.append((torch.randn(100_000, device="cuda", generator=g) * 1e20).to(dtype))   # norm ~3e22
+    return tensors, len(tensors) - 1
+
+
+def check_triton() -> bool:
+    """Check 7; False when Triton is not usable here (then nothing is reported)."""
+    from trainmon.stats import device_triton
+
+    ops = ["norm", "mean", "min", "max", "nans", "infs"]
+    if not device_triton.supported(torch.device("cuda"), ["sum", "sumsq", "min", "max"]):
+        print("SKIP  Triton kernel: triton is not importable (or TRAINMON_TRITON=0)")
+        return False
+    g = torch.Generator(device="cuda").manual_seed(5)
+    ok_all, worst_all, eager_inf = True, 0.0, True
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        base = torch.randn(513, 257, device="cuda", generator=g) * 3 + 0.5
-        special = torch.randn(10_000, device="cuda", generator=g)
-        special[[1, 99]] = math.nan
-        special[5], special[6] = math.inf, -math.inf
-        tensors = [base.to(dtype), base.to(dtype).t(), base.to(dtype)[::3, 1::2], special.to(dtype),
-                   torch.empty(0, device="cuda", dtype=dtype)]
-        engine = StatsEngine(list(STAT_NAMES))
-        engine.capture("x", [Tracked(f"t{i}", t) for i, t in enumerate(tensors)])
-        for t, row in zip(tensors, engine.finish_step(0)):
-            x = t.double().reshape(-1)
-            if x.numel() == 0:
-                ok &= row.stats["norm"] == 0.0 and math.isnan(row.stats["mean"])
-                continue
-            want = {"norm": x.norm().item(), "mean": x.mean().item(), "min": x.min().item(), "max": x.max().item(),
-                    "std": x.std().item(), "nans": int(x.isnan().sum()), "infs": int(x.isinf().sum())}
-            for op, w in want.items():
-                got = row.stats[op]
-                if op in ("nans", "infs"):
-                    ok &= got == w
-                elif math.isnan(w):
-                    ok &= math.isnan(got)
-                else:
-                    err = abs(got - w) / max(abs(w), 1e-6 * x.abs().mean().item(), 1e-30)
-                    worst = max(worst, err)
-                    ok &= err <= 1e-5
-    report("values vs float64 on the GPU", ok, f"worst relative error {worst:.2e}")
+        tensors, huge = triton_cases(g, dtype)
+        engine = StatsEngine(ops)
+        ok, worst = compare(engine, tensors)
+        ok_all &= ok and engine.stats_paths == {"cuda": "device-triton"}
+        worst_all = max(worst_all, worst)
+        os.environ["TRAINMON_TRITON"] = "0"
+        try:
+            eager = StatsEngine(ops)
+            ok, worst = compare(eager, tensors, skip_norm={huge})
+            ok_all &= ok and eager.stats_paths == {"cuda": "device"}
+            if huge >= 0:
+                eager.capture("x", [Tracked("huge", tensors[huge])])
+                eager_inf &= eager.finish_step(0)[0].stats["norm"] == math.inf
+        finally:
+            del os.environ["TRAINMON_TRITON"]
+    report("Triton kernel values vs float64 (and the eager path)", ok_all,
+           f"worst relative error {worst_all:.2e}; norms ~3e22 finite (eager: inf as documented: {eager_inf})")
+    report("Triton kernels per call", *_triton_kernel_counts(ops))
+    return True
+
+
+def _triton_kernel_counts(ops: list[str]) -> tuple[bool, str]:
+    from torch.profiler import ProfilerActivity, profile
+
+    g = torch.Generator(device="cuda").manual_seed(6)
+    group = [torch.randn(n, device="cuda", generator=g) for n in (4096, 70_000, 1 << 20, 17, 300_001, 9)]
+    single = [torch.randn(1 << 22, device="cuda", generator=g).bfloat16()]
+    engine = StatsEngine(ops)
+    got = []
+    for tensors in (group, single):
+        engine.partials(tensors)  # first sight: the group's descriptor table, the scratch
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            engine.partials(tensors)
+            torch.cuda.synchronize()
+        got.append(sum(e.count for e in prof.key_averages() if e.device_type.name == "CUDA"))
+    engine.discard()
+    return got == [2, 2], f"{got[0]} kernels for a group of 6 fp32 tensors, {got[1]} for one bf16 tensor (want 2 and 2)"
 
 
 def check_two_streams() -> None:
@@ -191,8 +274,13 @@ def main() -> int:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     check_values()
     check_two_streams()
+    triton = check_triton()
     with tempfile.TemporaryDirectory() as tmp:
-        check_training(Path(tmp))
+        check_training(Path(tmp), " (Triton kernel)" if triton else "")
+        if triton:  # the same without the kernel: which of the two is faster here
+            os.environ["TRAINMON_TRITON"] = "0"
+            check_training(Path(tmp), " (eager, TRAINMON_TRITON=0)")
+            del os.environ["TRAINMON_TRITON"]
     return 0 if all(ok for _, ok, _ in results) else 1
 
 

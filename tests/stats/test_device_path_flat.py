@@ -34,6 +34,12 @@ def _views(sizes, dtype=torch.float32, gap=0, seed=0, reverse=False):
     return out[::-1] if reverse else out
 
 
+def _chunks(views, width=256):
+    """The 256-element chunks spanned by ``views`` (of one buffer), gaps between them included."""
+    starts = [v.storage_offset() for v in views]
+    return (max(s + v.numel() for s, v in zip(starts, views)) - min(starts)) // width
+
+
 def _counted(engine, tensors):
     engine.partials(tensors)        # the first sight of a layout builds it (two small index tensors)
     with OpCounter() as c:
@@ -55,7 +61,8 @@ def test_a_buffer_of_views_costs_the_same_few_ops_whatever_its_number_of_tensors
     # sum, norm, aminmax over [chunks, width]; square, 4 segment reductions, root, stack, gather, copy
     assert c.ops == 12, c.names
     assert c.syncs == 0 and c.copies == 0
-    assert c.largest <= 1024 * n
+    # one float32 per 256-element chunk; else the [segments, partials] results (n tensors, n gaps)
+    assert c.largest <= max(4 * _chunks(tensors), 4 * 4 * 2 * n)
 
 
 def test_tensors_not_of_one_aligned_buffer_cost_two_ops_each_plus_four_in_fp32_three_else():
@@ -158,10 +165,11 @@ COUNTS = DEFAULT + ["nans", "infs", "zeros"]
 def test_a_buffer_of_views_with_nans_and_infs_costs_a_constant_number_of_ops(n):
     tensors = _views([256 * (1 + k % 5) for k in range(n)], gap=256, reverse=True)
     c = _counted(StatsEngine(DEFAULT + ["nans", "infs"]), tensors)
-    # the 12 above, plus: two masks into the scratch, per-chunk sum, cumsum, gather at the segment
-    # ends, diff (cat + sub), gather in caller order, copy
-    assert c.ops == 12 + 9, c.names
+    # the 12 above, plus per count: a mask into the scratch, a per-chunk float32 sum, a segment
+    # sum; and one copy into the count rows (the stack and the gather are shared with the values)
+    assert c.ops == 12 + 2 * 3 + 1, c.names
     assert c.syncs == 0 and c.copies == 0
+    assert c.largest <= max(4 * _chunks(tensors), 4 * 6 * 2 * n)    # counts too: a float32 per chunk
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -194,6 +202,18 @@ def test_a_buffer_larger_than_the_mask_scratch_is_counted_tensor_by_tensor(monke
     tensors = _views([256 * 2] * 6)
     # each tensor: sum, amin, two masks, one count sum; the group: _foreach_norm/_max + 2 stacks
     assert _counted(StatsEngine(DEFAULT + ["nans", "infs"]), tensors).ops == 5 * 6 + 4
+
+
+def test_counts_of_a_tensor_beyond_float32_exactness_are_not_batched_and_stay_exact(monkeypatch):
+    from trainmon.stats import device_rows
+
+    monkeypatch.setattr(device_rows, "_COUNT_EXACT", 1024)     # as a tensor of more than 2^24 elements
+    tensors = _views([256 * 2] * 5 + [256 * 5])
+    tensors[5].view(-1)[::3] = math.nan
+    engine = StatsEngine(DEFAULT + ["nans"])
+    assert "segment_reduce" not in _counted(engine, tensors).names
+    engine.capture("x", [Tracked(f"t{i}", t) for i, t in enumerate(tensors)])
+    assert [r.stats["nans"] for r in engine.finish_step(0)] == [0] * 5 + [427]
 
 
 def test_without_foreach_max_or_mask_out_variants_the_values_stay_exact(monkeypatch):

@@ -25,12 +25,14 @@ asynchronous device allocation, not a sync.
 Five or more tensors of one call that are views of one contiguous buffer (Megatron's grad
 buffers, DDP buckets as views, DeepSpeed's flat partitions) are reduced together (``_batch``):
 per-chunk partials over a ``[chunks, width]`` view of the buffer, combined per tensor by
-``segment_reduce`` (counts: a cumulative sum), a constant number of ops for the whole group.
+``segment_reduce`` (counts too, in float32: exact up to 2^24 elements a tensor), a constant
+number of ops for the whole group.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import threading
 from collections.abc import Sequence
@@ -40,6 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from trainmon.stats import device_triton
 from trainmon.stats.table import PARTIAL
 
 __all__ = ["DeviceRows", "HostCopy", "VALUE_COLUMNS", "COUNT_COLUMNS", "gathered_partials"]
@@ -47,6 +50,7 @@ __all__ = ["DeviceRows", "HostCopy", "VALUE_COLUMNS", "COUNT_COLUMNS", "gathered
 VALUE_COLUMNS = ("sum", "sumsq", "min", "max", "m2")  # float32 on the device (sumsq held as the norm)
 COUNT_COLUMNS = ("nans", "infs", "zeros")  # int64 on the device
 _F32 = torch.float32
+log = logging.getLogger(__name__)
 _SCRATCH_MAX = 1 << 26  # elements: larger tensors count with transient masks (a scratch of 64 MiB per count at most)
 
 
@@ -58,12 +62,12 @@ def _layout(columns: Sequence[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 
 _MIN_BATCH = 5  # tensors of one buffer worth a batched reduction (its ~12 ops vs 3 each)
-_FLAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_FLAT_DTYPES, _PLAIN = device_triton.FLOAT_DTYPES, device_triton.PLAIN_TENSORS
 _FOREACH_MAX = getattr(torch, "_foreach_max", None)  # torch >= 2.4
 _MASKS_OUT = all(hasattr(op, "out") for op in (torch.ops.aten.isnan, torch.ops.aten.isinf))
 _WIDTH_MAX = 1 << 12  # chunk width of the batched path: the largest power of two dividing every
 _WIDTH_MIN = 256  # boundary, at most this; below _WIDTH_MIN the tensors are reduced one by one
+_COUNT_EXACT = 1 << 24  # batched counts are summed in fp32: exact for tensors up to this many elements
 
 
 @dataclass(frozen=True)
@@ -79,7 +83,7 @@ class _FlatLayout:
     chunks: int
     lengths: torch.Tensor
     select: torch.Tensor | None
-    ends: torch.Tensor  # the last chunk of every segment (counts: differences of a cumsum)
+    largest: int  # elements of the largest tensor (counts are summed in fp32: exact to 2^24)
 
     @staticmethod
     def of(key: tuple[tuple[int, int], ...], device: torch.device) -> _FlatLayout | None:
@@ -102,15 +106,8 @@ class _FlatLayout:
             lengths.append(n // width)
             end = off + n
         select = None if seg_of == list(range(len(lengths))) else _to_device(seg_of, device)
-        ends = list(itertools.accumulate(lengths))
-        return _FlatLayout(
-            start,
-            width,
-            (end - start) // width,
-            _to_device(lengths, device),
-            select,
-            _to_device([e - 1 for e in ends], device),
-        )
+        largest = max(n for _, n in key)
+        return _FlatLayout(start, width, (end - start) // width, _to_device(lengths, device), select, largest)
 
 
 def _storage_ptr(t: torch.Tensor) -> int | None:
@@ -153,7 +150,20 @@ class DeviceRows:
         self._scratch: dict[Any, torch.Tensor] = {}  # stream -> [counts, size] bool masks (see _count)
         self._layouts: dict[tuple, _FlatLayout | None] = {}  # flat layouts seen (see _flat_groups)
         self._batchable = set(self.values) <= {"sum", "sumsq", "min", "max"}  # not m2 (std)
-        self._zero_counts: torch.Tensor | None = None  # [counts, 1] int64 zeros (see _batch_counts)
+        self._triton = device_triton.TritonRows(self) if device_triton.supported(device, self.values) else None
+
+    def stream_key(self) -> Any:
+        """The current stream of this device (scratch buffers are per stream)."""
+        return _stream_key(self.device)
+
+    def to_device(self, values: list[int]) -> torch.Tensor:
+        """``values`` as an int64 tensor on this device (pinned, asynchronous: first sights only)."""
+        return _to_device(values, self.device)
+
+    @property
+    def path(self) -> str:
+        """What produces this device's rows, for run.json: ``device-triton`` or ``device``."""
+        return "device" if self._triton is None else "device-triton"
 
     # -- hooks ---------------------------------------------------------------------------------
     @torch.no_grad()
@@ -168,7 +178,9 @@ class DeviceRows:
             self.kinds.extend(_F32 for _ in tensors)
             rows: list[int] = [-1] * len(tensors)
             pos = start
-            for idx, layout in self._flat_groups(tensors):
+            if self._triton is not None:
+                pos = self._write_triton(tensors, rows, pos)
+            for idx, layout in self._flat_groups(tensors, rows):
                 self._batch([tensors[k] for k in idx], layout, pos)
                 for j, k in enumerate(idx):
                     rows[k] = pos + j
@@ -186,6 +198,18 @@ class DeviceRows:
                     pos += 1
         return [(self, r) for r in rows]
 
+    def _write_triton(self, tensors: Sequence[torch.Tensor], rows: list[int], pos: int) -> int:
+        """The Triton kernel's share of ``write``; if it fails (a GPU Triton cannot compile for),
+        one warning and the eager path from then on: the monitor never stops training."""
+        try:
+            return self._triton.write(tensors, rows, pos)  # type: ignore[union-attr]
+        except Exception as exc:
+            log.warning(
+                "trainmon: the Triton statistics kernel failed on %s (%s); using the eager path", self.device, exc
+            )
+            self._triton = None
+            return max([pos, *(r + 1 for r in rows)])
+
     def _foreach_group(self, tensors: Sequence[torch.Tensor], rows: list[int]) -> list[int]:
         """Indices of the not yet placed non-empty fp32 tensors when there are enough for the
         multi-tensor norms and maxima of ``_foreach`` (bf16/fp16: ``_foreach_norm`` would round
@@ -195,13 +219,14 @@ class DeviceRows:
         ks = [k for k, t in enumerate(tensors) if rows[k] < 0 and t.dtype == _F32 and t.numel()]
         return ks if len(ks) >= _MIN_BATCH else []
 
-    def _flat_groups(self, tensors: Sequence[torch.Tensor]) -> list[tuple[list[int], _FlatLayout]]:
-        """Groups of ``tensors`` that ``_batch`` can reduce together (see ``_FlatLayout.of``)."""
+    def _flat_groups(self, tensors: Sequence[torch.Tensor], rows: list[int]) -> list[tuple[list[int], _FlatLayout]]:
+        """Groups of the not yet placed ``tensors`` that ``_batch`` can reduce together (see
+        ``_FlatLayout.of``)."""
         if len(tensors) < _MIN_BATCH or not self._batchable:
             return []
         by_storage: dict[tuple[int, torch.dtype], list[int]] = {}
         for k, t in enumerate(tensors):  # plain tensors only: a subclass's storage may not be its data
-            if type(t) in _PLAIN and t.dtype in _FLAT_DTYPES and t.numel() and t.is_contiguous():
+            if rows[k] < 0 and type(t) in _PLAIN and t.dtype in _FLAT_DTYPES and t.numel() and t.is_contiguous():
                 ptr = _storage_ptr(t)
                 if ptr is not None:
                     by_storage.setdefault((ptr, t.dtype), []).append(k)
@@ -216,7 +241,10 @@ class DeviceRows:
                         self._layouts.clear()
                     layout = self._layouts[key] = _FlatLayout.of(key, self.device)
                 fits = not self.counts or (
-                    _MASKS_OUT and layout is not None and layout.chunks * layout.width <= _SCRATCH_MAX
+                    _MASKS_OUT
+                    and layout is not None
+                    and layout.chunks * layout.width <= _SCRATCH_MAX
+                    and layout.largest <= _COUNT_EXACT
                 )
                 if layout is not None and fits:
                     groups.append((idx, layout))
@@ -225,10 +253,11 @@ class DeviceRows:
     def _batch(self, tensors: list[torch.Tensor], layout: _FlatLayout, row: int) -> None:
         """One group of views of one buffer into rows ``row..``: per-chunk partials over a
         ``[chunks, C]`` view of the buffer (``sum``, ``linalg_vector_norm``, ``aminmax`` along
-        dim 1, each reading the buffer once), combined per tensor by ``segment_reduce`` (chunk
-        norms squared and summed, then the root: the row holds the norm), gathered into caller
-        order and copied into the rows.  min/max go to the fp32 values (bf16/fp16 are exact
-        there)."""
+        dim 1, each reading the buffer once; each count a mask into the scratch summed per chunk),
+        combined per tensor by ``segment_reduce`` (chunk norms squared and summed, then the root:
+        the row holds the norm), gathered into caller order and copied into the rows.  min/max go
+        to the fp32 values (bf16/fp16 are exact there).  Every per-chunk partial is one float32
+        per chunk: the largest temporary, 1/``width`` of the span's elements times 4 bytes."""
         flat = tensors[0].as_strided((layout.chunks, layout.width), (layout.width, 1), layout.start)
         lengths, cols = layout.lengths, []
         for c in self.values:
@@ -243,21 +272,20 @@ class DeviceRows:
                     torch.segment_reduce(lo, "min", lengths=lengths),
                     torch.segment_reduce(hi, "max", lengths=lengths),
                 ]
+        cols += self._batch_counts(flat, layout)
         for k, t in enumerate(tensors):
             self.numels[row + k] = t.numel()
-        picked = None
-        if cols:
-            seg = torch.stack(cols, dim=1) if len(cols) > 1 else cols[0].to(_F32).unsqueeze(1)
-            picked = seg if layout.select is None else seg.index_select(0, layout.select)
-        counts = self._batch_counts(flat, layout) if self.counts else None
+        seg = torch.stack(cols, dim=1) if len(cols) > 1 else cols[0].unsqueeze(1)
+        picked = seg if layout.select is None else seg.index_select(0, layout.select)
+        nv = len(self.values)
         done = 0
         while done < len(tensors):  # rows may continue into the next chunk of the row buffer
             chunk, r = self._chunk(row + done)
             n = min(len(tensors) - done, self.capacity - r)
-            if picked is not None:
-                chunk.values[r : r + n, : len(self.values)].copy_(picked[done : done + n])
-            if counts is not None:
-                chunk.counts[r : r + n].copy_(counts[done : done + n])  # type: ignore[index]
+            if nv:
+                chunk.values[r : r + n, :nv].copy_(picked[done : done + n, :nv])
+            if chunk.counts is not None:
+                chunk.counts[r : r + n].copy_(picked[done : done + n, nv:])
             done += n
 
     def _foreach(self, group: list[torch.Tensor], row: int) -> None:
@@ -293,21 +321,19 @@ class DeviceRows:
                 torch.stack(maxes[done : done + n], out=chunk.values[r : r + n, vc["max"]])
             done += n
 
-    def _batch_counts(self, flat: torch.Tensor, layout: _FlatLayout) -> torch.Tensor:
-        """``[tensors, counts]`` int64 counts of a group, exact: one mask per count over the whole
-        span into the scratch, summed per chunk (int64), then per segment as differences of a
-        cumulative sum at the segments' last chunks (``segment_reduce`` has no integer sums, and
-        fp32 sums of counts would stop being exact at 2^24)."""
+    def _batch_counts(self, flat: torch.Tensor, layout: _FlatLayout) -> list[torch.Tensor]:
+        """Per count, ``[segments]`` float32 counts of a group: a mask over the whole span into
+        the scratch, summed per chunk, then per segment by ``segment_reduce``.  Exact: float32
+        holds every count of a tensor of up to 2^24 elements (``_COUNT_EXACT``; larger tensors
+        are not batched).  One count at a time, so no partial is larger than one float per
+        chunk (three ops per count)."""
         m, w = layout.chunks, layout.width
-        masks = self._masks(m * w)
+        masks = self._masks(m * w) if self.counts else None
+        out = []
         for k, col in enumerate(self.counts):
-            self._mask(flat, col, masks[k, : m * w].view(m, w))
-        cum = torch.sum(masks[:, : m * w].view(len(self.counts), m, w), dim=2).cumsum_(1)
-        if self._zero_counts is None:
-            self._zero_counts = torch.zeros((len(self.counts), 1), dtype=torch.int64, device=self.device)
-        seg = torch.diff(cum.index_select(1, layout.ends), dim=1, prepend=self._zero_counts)
-        picked = seg if layout.select is None else seg.index_select(1, layout.select)
-        return picked.t()
+            mask = self._mask(flat, col, masks[k, : m * w].view(m, w))  # type: ignore[index]
+            out.append(torch.segment_reduce(torch.sum(mask, dim=1, dtype=_F32), "sum", lengths=layout.lengths))
+        return out
 
     def _chunk(self, row: int) -> tuple[_Chunk, int]:
         c, r = divmod(row, self.capacity)
@@ -426,6 +452,8 @@ class DeviceRows:
             n, numels, kinds = len(self.numels), self.numels, self.kinds
             self.numels, self.kinds = [], []
             self._scratch = {}
+            if self._triton is not None:
+                self._triton.drop_scratch()
         if n == 0 and not extra:
             return None
         parts: list[torch.Tensor] = []
@@ -452,6 +480,8 @@ class DeviceRows:
         with self.lock:
             self.numels, self.kinds = [], []
             self._scratch = {}
+            if self._triton is not None:
+                self._triton.drop_scratch()
 
 
 def _stream_key(device: torch.device) -> Any:

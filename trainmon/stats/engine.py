@@ -106,7 +106,7 @@ class StatsEngine:
         self._fused_cols: tuple[int, ...] | bool | None = False
         self.seam = device_path_forced()
         self._devices: dict[torch.device, DeviceRows] = {}
-        self.stats_paths: dict[str, str] = {}  # device type -> "cpu-fused" | "cpu-eager" | "device"
+        self.stats_paths: dict[str, str] = {}  # device type -> "cpu-fused" | "cpu-eager" | "device[-triton]"
         self._warned_capture = False
 
     def capture(
@@ -176,7 +176,7 @@ class StatsEngine:
         rows = self._devices.get(device)
         if rows is None:
             rows = self._devices[device] = DeviceRows(device, self.columns, self.eps)
-            self.stats_paths[device.type] = "device"
+            self.stats_paths[device.type] = rows.path
         return rows
 
     def _fused(self) -> tuple[int, ...] | None:
@@ -278,6 +278,8 @@ class StatsEngine:
         rows merged) when the rows are first built, which for a threaded sink is on its writer
         thread."""
         pending, self._pending = self._pending, []
+        for dev, rows in self._devices.items():  # the Triton kernel may have been turned off since
+            self.stats_paths[dev.type] = rows.path
         self._merge_sharded(pending)
         extras = _device_extras(pending, self.seam)
         copies = {dev: rows.snapshot(extras.get(dev, ())) for dev, rows in self._devices.items()}

@@ -1,0 +1,294 @@
+"""The optional one-pass multi-tensor Triton path of ``stats.device_rows`` (CUDA and ROCm).
+
+When ``triton`` is importable, the tensors of one ``DeviceRows.write`` call that are plain,
+dense (see ``_dense``), non-empty fp32/bf16/fp16 tensors are reduced by two kernel launches per dtype group
+(``stats.triton_kernels``), whatever the ops and whatever the number of tensors:
+
+1. ``chunk_partials`` reads every element once and writes one row of float32 partials per chunk
+   (sum, sum of squares, min, max, the requested counts) into a reused per-stream scratch;
+2. ``tensor_rows`` combines each tensor's chunks into its row of the device row buffer, in place.
+
+The tensors of a group are described to the kernel like apex's ``multi_tensor_l2norm`` table,
+flattened: an int64 pair per chunk (element offset from the group's first tensor, elements), then
+the first chunk of every tensor.  Triton kernels take no arrays of pointers, so the offsets are
+relative to one base tensor of the same dtype.  A group of five or more tensors (weight families)
+builds its table at the first sight of its addresses (one small pinned asynchronous host->device
+copy, cached per addresses, as the flat layouts are); fewer tensors (activations) take two
+launches each and no table.
+
+The sum of squares is overflow-safe: each chunk accumulates values scaled by a power of two at
+or above its largest |x|, and the rows kernel brings every chunk to the tensor's largest scale
+before adding (LAPACK's ``nrm2`` scaling, in powers of two so the scaling is exact): fp32 and bf16
+norms above 1.8e19 stay finite and exact; so does the sum.
+
+Everything else (views that do not fill one span: strided, expanded; empty, integer, bool, fp8
+and fp64 tensors, tensor subclasses, ``std`` in ops) takes the eager device path; dense views in
+another dim order (a transposed weight) are read as their span.  ``TRAINMON_TRITON=0`` turns the kernel
+off.  For tests without a GPU, ``TRAINMON_TRITON_INTERPRET=1`` (with ``TRAINMON_DEVICE_PATH=1``)
+runs the kernels on CPU tensors in Triton's interpreter; it sets ``TRITON_INTERPRET=1`` before
+``triton`` is imported, for the whole process, so use it only in a process of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from trainmon.stats.device_rows import DeviceRows
+
+__all__ = ["TRITON_ENV", "INTERPRET_ENV", "FLOAT_DTYPES", "PLAIN_TENSORS", "TritonRows", "supported"]
+
+TRITON_ENV = "TRAINMON_TRITON"  # "0": never use the Triton kernel
+INTERPRET_ENV = "TRAINMON_TRITON_INTERPRET"  # "1": CPU tensors through Triton's interpreter (tests)
+CHUNK_MIN = 4096  # elements a chunk at least (tests lower it to cover many chunks with small tensors)
+_CHUNK_MAX = 1 << 20  # chunk counts stay exact in the float32 partials
+_MAX_CHUNKS = 1 << 16  # chunks grow (powers of two) beyond this many a launch: the scratch stays small
+_BLOCK = 1024  # elements a program reads at a time
+_ROWS_BLOCK = 256  # chunks the rows kernel combines at a time
+_MIN_TABLE = 5  # tensors of one dtype worth a descriptor table (activations come one or two at a time)
+# What a kernel (Triton's, or the eager batched reductions of device_rows) may read as raw memory:
+# the floating dtypes the device path reduces in place, and plain tensors (a subclass's storage
+# may not be its data).
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_OFF = ("0", "false", "no", "off")
+log = logging.getLogger(__name__)
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+@functools.cache
+def _kernels() -> ModuleType | None:
+    """``stats.triton_kernels``, or None when Triton cannot be imported (never required)."""
+    if _flag(INTERPRET_ENV):
+        os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated, at their import
+    try:
+        from trainmon.stats import triton_kernels
+    except Exception as exc:  # ImportError, or a broken install raising anything at import
+        log.debug("trainmon: Triton is not usable (%s); the eager device path is used", exc)
+        return None
+    return triton_kernels
+
+
+def supported(device: torch.device, values: Sequence[str]) -> bool:
+    """Whether ``device``'s rows are reduced by the Triton kernel: CUDA/ROCm tensors (or CPU ones
+    under ``TRAINMON_TRITON_INTERPRET=1``), Triton importable, not turned off, no ``std``."""
+    if os.environ.get(TRITON_ENV, "").strip().lower() in _OFF or not set(values) <= {"sum", "sumsq", "min", "max"}:
+        return False
+    if device.type != "cuda" and not (device.type == "cpu" and _flag(INTERPRET_ENV)):
+        return False
+    return _kernels() is not None
+
+
+def _launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
+    """One kernel launch (a function of its own so tests can count and wrap launches)."""
+    kernel[grid](*args, **meta)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill one span of memory from ``data_ptr()`` on, each once: contiguous
+    up to an order of its dims (a transposed weight is; a strided or expanded view is not).  The
+    statistics do not depend on the order of the elements, so the kernel reads the span."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for size, stride in sorted(((n, s) for n, s in zip(t.shape, t.stride()) if n != 1), key=lambda d: d[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _chunk_size(numel: int) -> int:
+    chunk = CHUNK_MIN
+    while chunk < _CHUNK_MAX and chunk * _MAX_CHUNKS < numel:
+        chunk *= 2
+    return chunk
+
+
+class TritonRows:
+    """The Triton reductions of one ``DeviceRows`` (its columns, tables and scratch)."""
+
+    def __init__(self, rows: DeviceRows):
+        self.rows = rows
+        self.kernels: Any = _kernels()  # not None: ``supported`` said so
+        k: Any = self.kernels
+        wanted = {"sum": k.WANT_SUM, "sumsq": k.WANT_SQ, "min": k.WANT_MIN, "nans": k.WANT_NAN, "infs": k.WANT_INF,
+                  "zeros": k.WANT_ZERO}  # fmt: skip
+        want = sum(bit.value for c, bit in wanted.items() if c in rows.vcol or c in rows.ccol)
+        self.width = k.P.value  # float32 partials per chunk (fixed columns)
+        self.meta = {"WANT": want}
+        self.row_meta = {
+            "WANT": want,
+            "V_SUM": rows.vcol.get("sum", -1),
+            "V_SQ": rows.vcol.get("sumsq", -1),
+            "V_MIN": rows.vcol.get("min", -1),
+            "K_NAN": rows.ccol.get("nans", -1),
+            "K_INF": rows.ccol.get("infs", -1),
+            "K_ZERO": rows.ccol.get("zeros", -1),
+        }
+        self._tables: dict[tuple, tuple[torch.Tensor, int, int] | None] = {}
+        self._scratch: dict[Any, torch.Tensor] = {}
+
+    def write(self, tensors: Sequence[torch.Tensor], rows: list[int], pos: int) -> int:
+        """Reduce the eligible tensors of ``tensors`` into rows from ``pos`` on; marks them in
+        ``rows`` (caller order); returns the next free row."""
+        groups: dict[torch.dtype, list[int]] = {}
+        for k, t in enumerate(tensors):
+            if rows[k] < 0 and type(t) in PLAIN_TENSORS and t.dtype in FLOAT_DTYPES and t.numel() and _dense(t):
+                groups.setdefault(t.dtype, []).append(k)
+        if not groups:
+            return pos
+        # Triton launches on the current device, whatever the tensors' device: make it theirs
+        with torch.cuda.device(self.rows.device) if self.rows.device.type == "cuda" else contextlib.nullcontext():
+            return self._write_groups(tensors, groups, rows, pos)
+
+    def _write_groups(self, tensors: Sequence[torch.Tensor], groups: dict, rows: list[int], pos: int) -> int:
+        for idx in groups.values():
+            table = self._table([tensors[k] for k in idx]) if len(idx) >= _MIN_TABLE else None
+            if table is not None:
+                self._reduce_group([tensors[k] for k in idx], table, pos)
+                for j, k in enumerate(idx):
+                    rows[k] = pos + j
+                pos += len(idx)
+                continue
+            for k in idx:
+                self._reduce_one(tensors[k], pos)
+                rows[k] = pos
+                pos += 1
+        return pos
+
+    def drop_scratch(self) -> None:
+        self._scratch = {}
+
+    # -- launches ------------------------------------------------------------------------------
+    def _reduce_one(self, t: torch.Tensor, row: int) -> None:
+        n = t.numel()
+        chunk = _chunk_size(n)
+        chunks = -(-n // chunk)
+        part = self._partials(chunks)
+        eps = self._eps(t.dtype)
+        k = self.kernels
+        _launch(
+            k.chunk_partials,
+            (chunks,),
+            t,
+            t,
+            part,
+            n,
+            eps,
+            TABLE=False,
+            CHUNK=chunk,
+            BLOCK=min(_BLOCK, chunk),
+            **self.meta,
+        )
+        self._rows_launch(part, part, chunks, 0, 1, row, table=False)
+        self.rows.numels[row] = n
+
+    def _reduce_group(self, tensors: list[torch.Tensor], table: tuple[torch.Tensor, int, int], row: int) -> None:
+        packed, chunks, chunk = table
+        part = self._partials(chunks)
+        eps = self._eps(tensors[0].dtype)
+        k = self.kernels
+        _launch(
+            k.chunk_partials,
+            (chunks,),
+            tensors[0],
+            packed,
+            part,
+            0,
+            eps,
+            TABLE=True,
+            CHUNK=chunk,
+            BLOCK=min(_BLOCK, chunk),
+            **self.meta,
+        )
+        first = packed[2 * chunks :]
+        done = 0
+        while done < len(tensors):  # one rows launch per chunk of the row buffer it writes into
+            n = self._rows_launch(part, first, chunks, done, len(tensors) - done, row + done, table=True)
+            done += n
+        for j, t in enumerate(tensors):
+            self.rows.numels[row + j] = t.numel()
+
+    def _rows_launch(
+        self, part: torch.Tensor, first: torch.Tensor, chunks: int, first_tensor: int, n: int, row: int, *, table: bool
+    ) -> int:
+        """Combine the chunks of ``n`` tensors (from ``first_tensor`` on) into rows ``row..``, as
+        many as fit in that row's chunk of the row buffer; returns how many."""
+        chunk, r = self.rows._chunk(row)
+        n = min(n, self.rows.capacity - r)
+        values = chunk.values[r:]
+        counts = chunk.counts[r:] if chunk.counts is not None else values
+        _launch(
+            self.kernels.tensor_rows,
+            (n,),
+            part,
+            first,
+            chunks,
+            first_tensor,
+            values,
+            values.stride(0),
+            counts,
+            counts.stride(0),
+            TABLE=table,
+            BLOCK=_ROWS_BLOCK,
+            **self.row_meta,
+        )
+        return n
+
+    def _eps(self, dtype: torch.dtype) -> float:
+        return self.rows._eps_in(dtype) if "zeros" in self.rows.ccol else 0.0
+
+    # -- buffers -------------------------------------------------------------------------------
+    def _partials(self, chunks: int) -> torch.Tensor:
+        """``[chunks * width]`` float32 scratch of the current stream: grown by doubling, dropped at
+        the step end, reused by every launch (kernels on one stream run in order)."""
+        key = self.rows.stream_key()
+        need = chunks * self.width
+        buf = self._scratch.get(key)
+        if buf is None or buf.numel() < need:
+            size = max(1024, 1 << (need - 1).bit_length(), 2 * buf.numel() if buf is not None else 0)
+            buf = self._scratch[key] = torch.empty(size, dtype=torch.float32, device=self.rows.device)
+        return buf
+
+    def _table(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, int, int] | None:
+        """(packed int64 descriptors, chunks, chunk size) of a group, cached by its addresses;
+        None when an address is not a whole number of elements from the first tensor's."""
+        key = (tensors[0].dtype, tuple((t.data_ptr(), t.numel()) for t in tensors))
+        if key in self._tables:
+            return self._tables[key]
+        if len(self._tables) > 256:
+            self._tables.clear()
+        self._tables[key] = table = _describe(key[1], tensors[0].element_size(), self.rows.to_device)
+        return table
+
+
+def _describe(
+    spans: Sequence[tuple[int, int]],
+    itemsize: int,
+    to_device: Callable[[list[int]], torch.Tensor],
+) -> tuple[torch.Tensor, int, int] | None:
+    """The packed descriptors of tensors at ``spans`` (address, elements), on the device."""
+    base = spans[0][0]
+    if any((ptr - base) % itemsize for ptr, _ in spans):
+        return None
+    chunk = _chunk_size(sum(n for _, n in spans))
+    desc: list[int] = []
+    first = [0]
+    for ptr, n in spans:
+        off = (ptr - base) // itemsize
+        for s in range(0, n, chunk):
+            desc += [off + s, min(chunk, n - s)]
+        first.append(len(desc) // 2)
+    return to_device(desc + first), len(desc) // 2, chunk
