@@ -174,7 +174,8 @@ class _Family:
         con.executemany("INSERT INTO ranks_of VALUES (?, ?)", list(self.rank_of.items()))
         num = ",\n".join(f"{self._num(s)} AS {_q(s)}" for s in self.present)
         micro = self._int("micro_step") if self.micro else "-1"
-        carried = [f"COALESCE(CAST({_q(c)} AS VARCHAR), '') AS {_q(c)}" if c in cols else f"'' AS {_q(c)}" for c in texts]
+        carried = [f"COALESCE(CAST({_q(c)} AS VARCHAR), '')" if c in cols else "''" for c in texts]
+        carried = [f"{sql} AS {_q(c)}" for sql, c in zip(carried, texts)]
         carried += [f"{self._num(c)} AS {_q(c)}" if c in cols else f"NULL::DOUBLE AS {_q(c)}" for c in numbers]
         con.execute(f"""
             CREATE OR REPLACE TEMP VIEW raw AS
