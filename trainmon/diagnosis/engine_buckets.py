@@ -26,6 +26,7 @@ import tempfile
 from collections.abc import Iterable, Iterator, Mapping
 
 import numpy as np
+import pandas as pd
 
 from trainmon.diagnosis import engine
 from trainmon.diagnosis.engine import POSITION, RunFiles, _Family, _q
@@ -56,6 +57,11 @@ class Engine:
         shutil.rmtree(self.spill_dir, ignore_errors=True)
 
 
+# Text columns stored as integer codes (few distinct values, many rows): the staged rows are fixed
+# width, which DuckDB sorts and hands over fast; Python turns codes back into shared strings.
+_CODED = ("name", "shape", "dtype")
+
+
 class StagedRun:
     """The rows of one run's families (``files``) in the table ``<prefix>_rows``."""
 
@@ -66,22 +72,34 @@ class StagedRun:
         self.families = list(self.family_stats)
         self.stat_columns = list(dict.fromkeys(s for stats in self.family_stats.values() for s in stats))
         stats = "".join(f", {_q(s)} DOUBLE" for s in self.stat_columns)
+        for col in _CODED:
+            con.execute(f"CREATE OR REPLACE TEMP TABLE {prefix}_{col}s(text VARCHAR, code INTEGER)")
         con.execute(f"""CREATE OR REPLACE TEMP TABLE {prefix}_staged (fam SMALLINT, rank INTEGER, vpp_stage BIGINT,
-            name VARCHAR, step BIGINT, micro_step BIGINT, occurrence BIGINT, position BIGINT, shape VARCHAR,
-            dtype VARCHAR, {_q(GROUP)} DOUBLE{stats})""")
+            name INTEGER, step BIGINT, micro_step BIGINT, occurrence BIGINT, position BIGINT, shape INTEGER,
+            dtype INTEGER, {_q(GROUP)} DOUBLE{stats})""")
         for i, family in enumerate(self.families):
             self._stage(i, family, progress)
+        self.texts = {
+            col: [t for (t,) in con.execute(f"SELECT text FROM {prefix}_{col}s ORDER BY code").fetchall()]
+            for col in _CODED
+        }
 
     def _stage(self, fam_id: int, family: str, progress) -> None:
         stats = self.family_stats[family]
         fam = _Family(self.con, family, self.files.files[family], stats, texts=("shape",), numbers=("group",))
         fam.ordered_view()
         fam.check_cells()
+        p = self.prefix
+        for col in _CODED:  # codes for the texts this family adds
+            known = self.con.execute(f"SELECT count(*) FROM {p}_{col}s").fetchone()[0]
+            self.con.execute(f"""INSERT INTO {p}_{col}s SELECT text, {known} + row_number() OVER () - 1 FROM (
+                SELECT DISTINCT COALESCE({col}, '') AS text FROM o EXCEPT SELECT text FROM {p}_{col}s)""")
         present = "".join(f", {_q(s)}" for s in fam.present)
-        self.con.execute(f"""INSERT INTO {self.prefix}_staged BY NAME
-            SELECT {fam_id}::SMALLINT AS fam, rank, vpp_stage, COALESCE(name, '') AS name, step, micro_step,
-                   occurrence, {POSITION} AS position, shape, dtype, "group" AS {_q(GROUP)}{present}
-            FROM o""")
+        self.con.execute(f"""INSERT INTO {p}_staged BY NAME
+            SELECT {fam_id}::SMALLINT AS fam, rank, vpp_stage, n.code AS name, step, micro_step, occurrence,
+                   {POSITION} AS position, s.code AS shape, d.code AS dtype, "group" AS {_q(GROUP)}{present}
+            FROM o JOIN {p}_names n ON n.text = COALESCE(o.name, '') JOIN {p}_shapes s ON s.text = o.shape
+                   JOIN {p}_dtypes d ON d.text = o.dtype""")
         if progress is not None:
             n = self.con.execute("SELECT count(*) FROM o").fetchone()[0]
             progress.update(files=len(self.files.files[family]), rows=n)
@@ -92,7 +110,8 @@ class StagedRun:
     def name_rows(self) -> dict[tuple[str, str], int]:
         """(family, name) -> its number of rows."""
         found = self.con.execute(f"SELECT fam, name, count(*) FROM {self.prefix}_staged GROUP BY fam, name").fetchall()
-        return {(self.families[f], name): int(n) for f, name, n in found}
+        names = self.texts["name"]
+        return {(self.families[f], names[code]): int(n) for f, code, n in found}
 
     def names(self) -> dict[str, list[str]]:
         """family -> its distinct names."""
@@ -112,28 +131,32 @@ class StagedRun:
     def partition(self, bucket_of: Mapping[tuple[str, str], int]) -> None:
         """Keep the rows whose (family, name) has a bucket, stored in bucket order."""
         ids = {f: i for i, f in enumerate(self.families)}
-        self.con.execute(f"CREATE OR REPLACE TEMP TABLE {self.prefix}_bk(fam SMALLINT, name VARCHAR, bucket INTEGER)")
+        code = {name: i for i, name in enumerate(self.texts["name"])}
+        p = self.prefix
+        self.con.execute(f"CREATE OR REPLACE TEMP TABLE {p}_bk(fam SMALLINT, name INTEGER, bucket INTEGER)")
         self.con.executemany(
-            f"INSERT INTO {self.prefix}_bk VALUES (?, ?, ?)",
-            [(ids[f], name, k) for (f, name), k in bucket_of.items() if f in ids],
+            f"INSERT INTO {p}_bk VALUES (?, ?, ?)",
+            [(ids[f], code[name], k) for (f, name), k in bucket_of.items() if f in ids],
         )
-        self.con.execute(f"""CREATE OR REPLACE TEMP TABLE {self.prefix}_rows AS
-            SELECT s.*, b.bucket FROM {self.prefix}_staged s JOIN {self.prefix}_bk b USING (fam, name)
-            ORDER BY b.bucket""")
-        self.con.execute(f"DROP TABLE {self.prefix}_staged")
+        self.con.execute(f"""CREATE OR REPLACE TEMP TABLE {p}_rows AS
+            SELECT s.*, b.bucket FROM {p}_staged s JOIN {p}_bk b USING (fam, name) ORDER BY b.bucket""")
+        self.con.execute(f"DROP TABLE {p}_staged")
 
     def bucket(self, k: int, *, all_families: bool = False) -> RunTable:
         """Bucket ``k`` as a run table (``load_run``'s columns); ``family_stats`` holds the families
         with rows in it, or every staged family with ``all_families``."""
         frame = self.con.execute(f"SELECT * EXCLUDE (bucket) FROM {self.prefix}_rows WHERE bucket = ?", [k]).fetchdf()
         fam = frame.pop("fam").to_numpy(dtype=np.int64)
+        numels = numel_column(pd.Series(self.texts["shape"], dtype=object)).to_numpy(dtype=float)
+        frame["numel"] = numels[frame["shape"].to_numpy(dtype=np.int64)]
+        for col in _CODED:
+            frame[col] = np.asarray(self.texts[col], dtype=object)[frame[col].to_numpy(dtype=np.int64)]
         frame["rank"] = frame["rank"].astype(np.int64)
         frame["family"] = np.asarray(self.families, dtype=object)[fam]
         phases = [phase_of(f) for f in self.families]
         frame["phase"] = np.asarray(phases, dtype=object)[fam]
         frame["flow"] = np.asarray([PHASES.index(p) for p in phases], dtype=np.int64)[fam]
         frame["family_order"] = fam  # families are staged in flow order (``run_files``)
-        frame["numel"] = numel_column(frame["shape"])
         frame = frame.sort_values(list(FLOW_KEYS), kind="mergesort", ignore_index=True)
         present = set(self.families) if all_families else {self.families[i] for i in np.unique(fam)}
         return RunTable(
