@@ -312,7 +312,8 @@ _LARGEST = (["rel_diff", *FLOW_KEYS], [False] + [True] * len(FLOW_KEYS))
 
 def _largest(frames: list[pd.DataFrame], top: int) -> pd.DataFrame:
     rows = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]
-    return rows.sort_values(_LARGEST[0], ascending=_LARGEST[1], kind="mergesort").head(top)
+    # A copy: a slice would keep all of the sorted rows alive (one slice per family and bucket).
+    return rows.sort_values(_LARGEST[0], ascending=_LARGEST[1], kind="mergesort").head(top).copy()
 
 
 @dataclass
@@ -368,7 +369,8 @@ def compare_slice(
         hit = merged[merged["diverged"]]
         out.diverged_rows += len(hit)
         if not hit.empty:
-            out.firsts.append(hit.sort_values(list(FLOW_KEYS), kind="mergesort").groupby("rank", sort=False).head(1))
+            first = hit.sort_values(list(FLOW_KEYS), kind="mergesort").groupby("rank", sort=False).head(1)
+            out.firsts.append(first.copy())
     for family in target.family_stats:
         if family not in base.family_stats and family not in NOT_SCALAR:
             out.only_in_target += len(target.family(family))

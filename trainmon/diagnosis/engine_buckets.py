@@ -150,11 +150,11 @@ class StagedRun:
         numels = numel_column(pd.Series(self.texts["shape"], dtype=object)).to_numpy(dtype=float)
         frame["numel"] = numels[frame["shape"].to_numpy(dtype=np.int64)]
         for col in _CODED:
-            frame[col] = np.asarray(self.texts[col], dtype=object)[frame[col].to_numpy(dtype=np.int64)]
+            frame[col] = _texts(self.texts[col], frame[col].to_numpy(dtype=np.int64))
         frame["rank"] = frame["rank"].astype(np.int64)
-        frame["family"] = np.asarray(self.families, dtype=object)[fam]
+        frame["family"] = _texts(self.families, fam)
+        frame["phase"] = _texts([phase_of(f) for f in self.families], fam)
         phases = [phase_of(f) for f in self.families]
-        frame["phase"] = np.asarray(phases, dtype=object)[fam]
         frame["flow"] = np.asarray([PHASES.index(p) for p in phases], dtype=np.int64)[fam]
         frame["family_order"] = fam  # families are staged in flow order (``run_files``)
         frame = frame.sort_values(list(FLOW_KEYS), kind="mergesort", ignore_index=True)
@@ -166,6 +166,12 @@ class StagedRun:
             families_on_disk=self.files.families_on_disk,
             ranks_on_disk=self.files.ranks_on_disk,
         )
+
+
+def _texts(texts: list[str], codes: np.ndarray) -> pd.Series:
+    # Python strings shared by every row (object dtype): converting each bucket's strings into a
+    # new Arrow string column would cost time and memory that the Arrow pool keeps.
+    return pd.Series(np.asarray(texts, dtype=object)[codes], dtype=object)
 
 
 def pack_buckets(rows_of_key: Mapping[str, int], rows_per_bucket: int = 0) -> dict[str, int]:
