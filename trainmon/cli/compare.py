@@ -14,6 +14,7 @@ from trainmon.diagnosis.compare import compare_runs
 from trainmon.diagnosis.engine_buckets import engine_compare
 from trainmon.diagnosis.reader import RunDirError, RunTable, load_run
 from trainmon.diagnosis.report import dump_json, parse_name_list, table
+from trainmon.families import NOT_SCALAR
 
 HELP = "compare two runs: the first module/step/rank that differs beyond tolerance"
 
@@ -66,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
     target: RunTable | engine.RunFiles
     if use_engine(args.engine, args.base, args.target):
         base, target = _run_files(args.base, kinds, ranks), _run_files(args.target, kinds, ranks)
-        files = sum(len(v) for run in (base, target) for v in run.files.values())
+        # Packed sign bits (``trainmon similarity``) are never compared, nor read.
+        files = sum(len(v) for run in (base, target) for f, v in run.files.items() if f not in NOT_SCALAR)
         progress = Progress("compare", files, quiet=args.json)
         try:
             with engine_errors(f"{base.path} / {target.path}"):
