@@ -1,13 +1,17 @@
 """Analysis commands at scale: wall time, rows/s and peak RSS on synthetic runs of growing size.
 
     PYTHONPATH=. python benchmarks/analysis_scale.py --sizes 1m,10m --formats csv,parquet \\
-        --engines duckdb,memory --root /tmp/trainmon-scale
+        --engines duckdb,memory --commands anomalies,ranks,compare --root /tmp/trainmon-scale
 
 Each run is a consistent data-parallel run (``trainmon.testing.synthetic_run``: replicated
 families equal on every rank) with a planted NaN and a planted spike, written once per size and
 format under ``--root`` (reused when present).  Each command runs in its own process
 (``python -m trainmon ... --json``); its peak RSS is that child's ``ru_maxrss``.  The first
-finding is checked against the planted fault, so a fast wrong answer cannot pass.  Sizes:
+finding is checked against the planted fault, so a fast wrong answer cannot pass: ``anomalies``
+must find the spike first and the NaN, ``ranks`` exactly the NaN on its one rank, ``compare``
+(the run against a copy whose ``param_updated`` drifts from step ``steps // 4``: written beside
+it, ``<size>-<format>-drift``) the drift's first step and its every row.  rows/s counts the rows
+a command reads (both runs for ``compare``).  Sizes:
 
 =====  =====================================  ===========
 size   ranks x steps x params x families      rows
@@ -17,9 +21,11 @@ size   ranks x steps x params x families      rows
 100m   16 x 2,500 x 420 x 6                   100,800,000
 =====  =====================================  ===========
 """
+
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -38,12 +44,16 @@ SIZES = {
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _run_dir(root: Path, size: str, fmt: str) -> Path:
-    path = root / f"{size}-{fmt}" / "run"
+def _drifted(synth: SyntheticRun) -> SyntheticRun:
+    return dataclasses.replace(synth, drift_step=synth.steps // 4)
+
+
+def _run_dir(root: Path, size: str, fmt: str, synth: SyntheticRun) -> Path:
+    path = root / (f"{size}-{fmt}" + ("-drift" if synth.drift_step is not None else "")) / "run"
     done = path.parent / "complete"
     if not done.exists():
         t0 = time.perf_counter()
-        SIZES[size].write(path, fmt)
+        synth.write(path, fmt)
         done.write_text(f"{time.perf_counter() - t0:.1f}")
     return path
 
@@ -52,45 +62,94 @@ def _du(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def _one(run: Path, synth: SyntheticRun, engine: str) -> dict:
+def _planted(command: str, doc: dict, synth: SyntheticRun) -> bool:
+    """Whether the command's first findings are the planted faults."""
+    if command == "anomalies":
+        first = doc["anomalies"][0]
+        nan = [a for a in doc["anomalies"] if a["rule"] == "nonfinite"]
+        return (
+            (first["step"], first["kind"], first["rule"]) == (synth.spike_step, "grad_reduced", "spike")
+            and bool(nan)
+            and (nan[0]["step"], nan[0]["rank"]) == (synth.nan_step, synth.nan_rank)
+        )
+    if command == "ranks":
+        first = doc["issues"][0]
+        want = (synth.nan_step, "grad_unreduced", synth.nan_rank, "nonfinite_some_ranks")
+        return doc["count"] == 1 and (first["step"], first["kind"], first["rank"], first["check"]) == want
+    first, drift = doc["first_divergence"], _drifted(synth)
+    want = (drift.drift_step, "param_updated", synth.names()[synth.spike_param], 0)
+    return (first["step"], first["kind"], first["name"], first["rank"]) == want and doc["diverged_rows"] == (
+        synth.steps - drift.drift_step
+    ) * synth.ranks
+
+
+def _one(command: str, runs: list[Path], synth: SyntheticRun, engine: str) -> dict:
     # A fresh interpreter per measurement keeps ru_maxrss per command (RUSAGE_CHILDREN is a max).
-    code = ("import resource, subprocess, sys; p = subprocess.run(sys.argv[1:], capture_output=True, text=True); "
-            "sys.stdout.write(p.stdout); sys.stderr.write(p.stderr); "
-            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); sys.exit(p.returncode)")
+    code = (
+        "import resource, subprocess, sys; p = subprocess.run(sys.argv[1:], capture_output=True, text=True); "
+        "sys.stdout.write(p.stdout); sys.stderr.write(p.stderr); "
+        "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); sys.exit(p.returncode)"
+    )
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", code, sys.executable, "-m", "trainmon", "anomalies", str(run),
-                           "--json", "--engine", engine], capture_output=True, text=True, env=env)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            code,
+            sys.executable,
+            "-m",
+            "trainmon",
+            command,
+            *map(str, runs),
+            "--json",
+            "--engine",
+            engine,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
-        raise SystemExit(f"anomalies {run} --engine {engine} failed: {proc.stderr.strip()[-500:]}")
+        raise SystemExit(f"{command} {runs[0]} --engine {engine} failed: {proc.stderr.strip()[-500:]}")
     doc = json.loads(proc.stdout)
-    first = doc["anomalies"][0]
-    ok = (first["step"], first["kind"], first["rule"]) == (synth.spike_step, "grad_reduced", "spike")
-    nan = [a for a in doc["anomalies"] if a["rule"] == "nonfinite"]
-    ok &= bool(nan) and (nan[0]["step"], nan[0]["rank"]) == (synth.nan_step, synth.nan_rank)
-    return {"wall_s": wall, "peak_rss_mb": int(proc.stderr.strip().splitlines()[-1]) / 1024,
-            "findings": doc["count"], "first_is_planted": ok}
+    findings = doc.get("count", doc.get("diverged_rows"))
+    return {
+        "wall_s": wall,
+        "peak_rss_mb": int(proc.stderr.strip().splitlines()[-1]) / 1024,
+        "findings": findings,
+        "first_is_planted": _planted(command, doc, synth),
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="1m", help=f"comma list of {', '.join(SIZES)}")
     ap.add_argument("--formats", default="csv,parquet")
-    ap.add_argument("--engines", default="duckdb,memory", help="anomalies --engine values to measure")
+    ap.add_argument("--engines", default="duckdb,memory", help="--engine values to measure")
+    ap.add_argument("--commands", default="anomalies", help="comma list of anomalies, ranks, compare")
     ap.add_argument("--root", type=Path, default=Path("/tmp/trainmon-scale"))
     args = ap.parse_args()
-    print("size  rows        format   MB on disk  engine  wall s  rows/s      peak RSS MB  findings  first ok")
+    print(
+        "command    size  rows        format   MB on disk  engine  wall s  rows/s      peak RSS MB  findings  first ok"
+    )
     for size in args.sizes.split(","):
         synth = SIZES[size]
         for fmt in args.formats.split(","):
-            run = _run_dir(args.root, size, fmt)
+            run = _run_dir(args.root, size, fmt, synth)
             mb = _du(run) / 2**20
-            for engine in args.engines.split(","):
-                r = _one(run, synth, engine)
-                print(f"{size:<5} {synth.rows:<11,} {fmt:<8} {mb:>10.0f}  {engine:<7} {r['wall_s']:>6.1f}  "
-                      f"{synth.rows / r['wall_s']:>10,.0f}  {r['peak_rss_mb']:>11.0f}  {r['findings']:>8}  "
-                      f"{r['first_is_planted']}", flush=True)
+            for command in args.commands.split(","):
+                runs = [run, _run_dir(args.root, size, fmt, _drifted(synth))] if command == "compare" else [run]
+                rows = synth.rows * len(runs)
+                for engine in args.engines.split(","):
+                    r = _one(command, runs, synth, engine)
+                    print(
+                        f"{command:<10} {size:<5} {synth.rows:<11,} {fmt:<8} {mb:>10.0f}  {engine:<7} "
+                        f"{r['wall_s']:>6.1f}  {rows / r['wall_s']:>10,.0f}  {r['peak_rss_mb']:>11.0f}  "
+                        f"{r['findings']:>8}  {r['first_is_planted']}",
+                        flush=True,
+                    )
 
 
 if __name__ == "__main__":

@@ -24,3 +24,13 @@ def edge_rows(rank_dir: Path) -> None:
     sink.write(StepRows.of([StatRow("grad_reduced", "NA", 3, {"norm": 1.0, "nans": 0, "max": 2.0},
                                     (2, 3), "torch.float32")]), step=3)  # another header: a .1 file
     sink.close()
+
+
+def as_parquet(run: Path, tmp: Path) -> Path:
+    """``run`` converted to Parquet with ``trainmon convert`` under ``tmp`` (once)."""
+    from trainmon.cli import main
+
+    out = tmp / (run.name + "-pq")
+    if not out.exists():
+        assert main(["convert", str(run), "--to", "parquet", "-o", str(out), "--json"]) == 0
+    return out

@@ -15,8 +15,8 @@ import pytest
 pytest.importorskip("duckdb")
 pytest.importorskip("pyarrow")
 
-from tests._support.simulate import SIM_RUNS, named_run, simulate
-from tests._support.edge_rows import edge_rows as _edge_rows
+from tests._support.simulate import SIM_RUNS, named_run
+from tests._support.edge_rows import as_parquet as _as_parquet
 from trainmon.cli import main
 from trainmon.diagnosis import engine
 from trainmon.diagnosis.reader import load_run
@@ -34,18 +34,6 @@ RULE_SETS = {
 def _found(anomalies) -> list[dict]:
     """Comparable form of findings (NaN values compare equal), with position and occurrence."""
     return [a.to_json(position=True) for a in anomalies]
-
-
-def _as_parquet(run: Path, tmp: Path) -> Path:
-    out = tmp / (run.name + "-pq")
-    if not out.exists():
-        assert main(["convert", str(run), "--to", "parquet", "-o", str(out), "--json"]) == 0
-    return out
-
-
-@pytest.fixture(scope="module")
-def pq_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("engine_pq")
 
 
 def _assert_same_findings(name: str, rules: str, pq_dir: Path) -> list:
@@ -66,16 +54,6 @@ def test_engine_finds_the_planted_nan_first_like_the_in_memory_scan(pq_dir, caps
 @pytest.mark.parametrize("name", [n for n in SIM_RUNS if n not in ("base", "lr", "act")])
 def test_engine_finds_what_the_in_memory_scan_finds_on_every_fault_run_csv_and_parquet(name, rules, pq_dir):
     _assert_same_findings(name, rules, pq_dir)
-
-
-@pytest.fixture(scope="module")
-def edge_run(tmp_path_factory) -> Path:
-    """Micro-steps, a NaN, repeated names in a step (comm calls), header variants, quoted names."""
-    from tests._support.simulate import nan_input
-
-    run = simulate(tmp_path_factory.mktemp("edge") / "run", steps=9, micro=2, fault=nan_input)
-    _edge_rows(run / "rank0")
-    return run
 
 
 @pytest.mark.parametrize("rules", list(RULE_SETS))
@@ -123,16 +101,17 @@ def test_missing_stat_columns_and_empty_cells_read_as_nan_like_the_in_memory_rea
 BOUNDED = """
 import resource, sys
 from trainmon.cli import main
-code = main(["anomalies", sys.argv[1], "--json", "--engine", sys.argv[2]])
+code = main([*sys.argv[2:], "--json", "--engine", sys.argv[1]])
 print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024, file=sys.stderr)
 sys.exit(code)
 """
 
 
-def _peak_mb(run: Path, choice: str) -> tuple[int, dict]:
-    proc = subprocess.run([sys.executable, "-c", BOUNDED, str(run), choice], capture_output=True, text=True,
+def peak_mb(argv: list[str], choice: str, **env: str) -> tuple[int, dict]:
+    """Peak RSS (MB) and JSON output of ``trainmon ARGV --json --engine CHOICE`` in a fresh process."""
+    proc = subprocess.run([sys.executable, "-c", BOUNDED, choice, *argv], capture_output=True, text=True,
                           env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin",
-                               "TRAINMON_ENGINE_MEMORY": "128MB"}, timeout=600)
+                               "TRAINMON_ENGINE_MEMORY": "128MB", **env}, timeout=600)
     assert proc.returncode == 0, proc.stderr
     return int(proc.stderr.strip().splitlines()[-1]), json.loads(proc.stdout)
 
@@ -144,8 +123,8 @@ def test_engine_memory_stays_bounded_where_the_in_memory_scan_needs_much_more(tm
     synth = SyntheticRun(ranks=4, steps=200, params=500, steps_per_file=25)   # 2,400,000 rows
     run = synth.write(tmp_path / "run", "parquet")
     limit_mb = 1000  # measured: engine 260-800 MB (a 128 MB engine cap + the interpreter), in-memory ~1.5 GB
-    engine_mb, engine_doc = _peak_mb(run, "duckdb")
-    memory_mb, memory_doc = _peak_mb(run, "memory")
+    engine_mb, engine_doc = peak_mb(["anomalies", str(run)], "duckdb")
+    memory_mb, memory_doc = peak_mb(["anomalies", str(run)], "memory")
     assert engine_doc == memory_doc
     first = engine_doc["anomalies"][0]
     assert (first["step"], first["kind"], first["rule"]) == (synth.spike_step, "grad_reduced", "spike")

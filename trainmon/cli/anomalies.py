@@ -7,6 +7,8 @@ from collections import Counter
 from typing import cast
 
 from trainmon.cli import CommandError
+from trainmon.cli._engine import add_engine_argument, engine_errors
+from trainmon.cli._engine import use_engine as use_engine_for
 from trainmon.cli._options import check_recorded, non_negative, rank_list
 from trainmon.cli._progress import Progress
 from trainmon.diagnosis import engine
@@ -14,14 +16,11 @@ from trainmon.diagnosis.reader import RunDirError, RunTable, load_run
 from trainmon.diagnosis.report import dump_json, parse_name_list, table
 from trainmon.diagnosis.rules import Anomaly, Rules, SpikeRule
 from trainmon.diagnosis.scan import merge_runtime, scan
-from trainmon.output import runs
-from trainmon.output.cells import BadCellError
 from trainmon.output.runs import escalations
 
 HELP = "list NaN/Inf and spikes of a run, earliest first in training-flow order"
 _RULES = ("nonfinite", "spike", "threshold")
 _TEXT_LIMIT = 30
-_ENGINES = ("auto", "duckdb", "memory")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,14 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-runtime", action="store_true", help="ignore the anomalies.jsonl files alerts wrote during the run"
     )
-    parser.add_argument(
-        "--engine",
-        choices=_ENGINES,
-        default="auto",
-        help="duckdb: scan the files in an embedded engine, bounded memory; memory: read the "
-        "whole run into pandas, every cell validated; auto (default): duckdb when installed and the "
-        "run's family files hold 256 MiB or more, else memory",
-    )
+    add_engine_argument(parser, "scan the files")
     parser.add_argument(
         "--limit",
         type=int,
@@ -104,37 +96,11 @@ def _check_names(wanted, have, what: str, path) -> None:
     check_recorded(wanted, have, what, path)
 
 
-# ``--engine auto`` scans runs at least this large (bytes of family files) in DuckDB; smaller ones
-# in memory, where every cell is validated as it is read (damaged files: one line naming file,
-# line and column).
-AUTO_ENGINE_BYTES = 256 * 2**20
-
-
-def _use_engine(choice: str, run_dir: str) -> bool:
-    if choice == "duckdb" and not engine.available():
-        raise CommandError("--engine duckdb needs duckdb: pip install trainmon[engine]")
-    if choice != "auto":
-        return choice == "duckdb"
-    return engine.available() and _family_bytes(run_dir) >= AUTO_ENGINE_BYTES
-
-
-def _family_bytes(run_dir: str) -> int:
-    from pathlib import Path
-
-    total = 0
-    for rank_dir in Path(run_dir).glob("**/rank*"):
-        for files in runs.family_files(rank_dir).values() if rank_dir.is_dir() else ():
-            total += sum(f.path.stat().st_size for f in files)
-            if total >= AUTO_ENGINE_BYTES:
-                return total
-    return total
-
-
 def find(args: argparse.Namespace) -> tuple[engine.RunFiles | RunTable, list[Anomaly]]:
     rules = _rules(args)
     non_negative(args.limit, "--limit")
     kinds, ranks = parse_name_list(args.kinds), rank_list(args.ranks)
-    use_engine = _use_engine(getattr(args, "engine", "auto"), args.run_dir)
+    use_engine = use_engine_for(getattr(args, "engine", "auto"), args.run_dir)
     run: engine.RunFiles | RunTable
     try:
         run = (
@@ -170,16 +136,8 @@ def _load_run(path, kinds, ranks, *, quiet: bool) -> RunTable:
 def _engine_scan(files: engine.RunFiles, rules: Rules, *, quiet: bool) -> list[Anomaly]:
     progress = Progress("anomalies", sum(len(v) for v in files.files.values()), quiet=quiet)
     try:
-        return engine.engine_scan(files, rules, progress=progress)
-    except BadCellError as exc:
-        raise CommandError(str(exc)) from None
-    except Exception as exc:
-        if type(exc).__module__.split(".")[0] not in ("duckdb", "_duckdb"):
-            raise
-        raise CommandError(
-            f"{files.path}: damaged family file: {str(exc).splitlines()[0]} "
-            "(--engine memory names the file, line and column)"
-        ) from None
+        with engine_errors(files.path):
+            return engine.engine_scan(files, rules, progress=progress)
     finally:
         progress.done()
 

@@ -6,11 +6,15 @@ import argparse
 from pathlib import Path
 
 from trainmon.cli import CommandError
+from trainmon.cli._engine import add_engine_argument, engine_errors, use_engine
 from trainmon.cli._options import check_recorded, non_negative, rank_list
 from trainmon.cli._progress import Progress
+from trainmon.diagnosis import engine
 from trainmon.diagnosis.compare import compare_runs
-from trainmon.diagnosis.reader import RunDirError, load_run
+from trainmon.diagnosis.engine_buckets import engine_compare
+from trainmon.diagnosis.reader import RunDirError, RunTable, load_run
 from trainmon.diagnosis.report import dump_json, parse_name_list, table
+from trainmon.families import NOT_SCALAR
 
 HELP = "compare two runs: the first module/step/rank that differs beyond tolerance"
 
@@ -26,6 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kinds", default=None, help="comma list of families (default: all common)")
     parser.add_argument("--ranks", default=None, help="comma list of ranks (default: all)")
     parser.add_argument("--top", type=int, default=5, help="largest differences listed per family (default 5)")
+    add_engine_argument(parser, "align the files")
     parser.add_argument("--json", action="store_true", help="machine-readable output (fields: docs/diagnosis.md)")
 
 
@@ -42,13 +47,41 @@ def _load(path: str, kinds, ranks, quiet: bool = False):
     return run
 
 
+def _run_files(path: str, kinds, ranks) -> engine.RunFiles:
+    try:
+        files = engine.run_files(path, families=kinds, ranks=ranks)
+    except RunDirError as exc:
+        raise CommandError(str(exc)) from None
+    check_recorded(kinds, files.families_on_disk, "family", files.path)
+    check_recorded(ranks, files.ranks_on_disk, "rank", files.path)
+    return files
+
+
 def run(args: argparse.Namespace) -> int:
     if not args.rtol >= 0 or not args.atol >= 0:
         raise CommandError("--rtol and --atol must be >= 0")
     non_negative(args.top, "--top")
     kinds, ranks = parse_name_list(args.kinds), rank_list(args.ranks)
-    base, target = _load(args.base, kinds, ranks, args.json), _load(args.target, kinds, ranks, args.json)
-    result = compare_runs(base, target, rtol=args.rtol, atol=args.atol, ops=parse_name_list(args.ops), top=args.top)
+    options = {"rtol": args.rtol, "atol": args.atol, "ops": parse_name_list(args.ops), "top": args.top}
+    base: RunTable | engine.RunFiles
+    target: RunTable | engine.RunFiles
+    if use_engine(args.engine, args.base, args.target):
+        base, target = _run_files(args.base, kinds, ranks), _run_files(args.target, kinds, ranks)
+        # Packed sign bits (``trainmon similarity``) are never compared, nor read.
+        files = sum(len(v) for run in (base, target) for f, v in run.files.items() if f not in NOT_SCALAR)
+        progress = Progress("compare", files, quiet=args.json)
+        try:
+            with engine_errors(f"{base.path} / {target.path}"):
+                result = engine_compare(base, target, progress=progress, **options)
+        finally:
+            progress.done()
+    else:
+        base_table, target_table = (
+            _load(args.base, kinds, ranks, args.json),
+            _load(args.target, kinds, ranks, args.json),
+        )
+        result = compare_runs(base_table, target_table, **options)
+        base, target = base_table, target_table
     if args.json:
         dump_json({"base": str(base.path), "target": str(target.path), **result.to_json()})
         return 0

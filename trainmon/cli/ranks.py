@@ -6,10 +6,13 @@ import argparse
 from collections import Counter
 
 from trainmon.cli import CommandError
+from trainmon.cli._engine import add_engine_argument, engine_errors, use_engine
 from trainmon.cli._options import check_recorded, non_negative, rank_list
 from trainmon.cli._progress import Progress
+from trainmon.diagnosis import engine
+from trainmon.diagnosis.engine_buckets import engine_ranks
 from trainmon.diagnosis.ranks import CHECKS, check_ranks
-from trainmon.diagnosis.reader import RunDirError, load_run
+from trainmon.diagnosis.reader import RunDirError, RunTable, load_run
 from trainmon.diagnosis.report import dump_json, parse_name_list, table
 
 HELP = "check cross-rank consistency (reduced grads, averaging, partial NaN, outlier ranks)"
@@ -41,12 +44,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ranks", default=None, help="comma list of ranks forming one data-parallel group (default: all)"
     )
+    add_engine_argument(parser, "check the files")
     parser.add_argument(
         "--limit",
         type=int,
         default=None,
         help=f"show at most N issues (text default {_TEXT_LIMIT}, JSON default all; 0 = all)",
     )
+
+
+def _load(path: str, ranks, *, quiet: bool) -> RunTable:
+    progress = Progress("reading", 0, quiet=quiet)
+    try:
+        run_table = load_run(path, ranks=ranks, progress=progress)
+    except RunDirError as exc:
+        raise CommandError(str(exc)) from None
+    finally:
+        progress.done()
+    check_recorded(ranks, run_table.ranks_on_disk, "rank", run_table.path)
+    return run_table
+
+
+def _run_files(path: str, ranks) -> engine.RunFiles:
+    try:
+        files = engine.run_files(path, ranks=ranks)
+    except RunDirError as exc:
+        raise CommandError(str(exc)) from None
+    check_recorded(ranks, files.ranks_on_disk, "rank", files.path)
+    return files
 
 
 def run(args: argparse.Namespace) -> int:
@@ -58,17 +83,19 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError("--outlier-factor must be > 1")
     non_negative(args.limit, "--limit")
     ranks = rank_list(args.ranks)
-    progress = Progress("reading", 0, quiet=args.json)
-    try:
-        run_table = load_run(args.run_dir, ranks=ranks, progress=progress)
-    except RunDirError as exc:
-        raise CommandError(str(exc)) from None
-    finally:
-        progress.done()
-    check_recorded(ranks, run_table.ranks_on_disk, "rank", run_table.path)
-    issues = check_ranks(
-        run_table, rtol=args.rtol, outlier_factor=args.outlier_factor, reduce=args.reduce, checks=checks
-    )
+    options = {"rtol": args.rtol, "outlier_factor": args.outlier_factor, "reduce": args.reduce, "checks": checks}
+    run_table: RunTable | engine.RunFiles
+    if use_engine(args.engine, args.run_dir):
+        run_table = _run_files(args.run_dir, ranks)
+        progress = Progress("ranks", sum(len(v) for v in run_table.files.values()), quiet=args.json)
+        try:
+            with engine_errors(run_table.path):
+                issues = engine_ranks(run_table, progress=progress, **options)
+        finally:
+            progress.done()
+    else:
+        run_table = _load(args.run_dir, ranks, quiet=args.json)
+        issues = check_ranks(run_table, **options)
     limit = args.limit if args.limit is not None else (0 if args.json else _TEXT_LIMIT)
     shown = issues if limit == 0 else issues[:limit]
     by_check = dict(Counter(i.check for i in issues))

@@ -35,7 +35,7 @@ step hyperparams come first, then per micro-batch the input, forward and loss).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -48,7 +48,20 @@ from trainmon.diagnosis.reader import EXTRA_PREFIX, RunTable
 from trainmon.diagnosis.rules import json_number
 from trainmon.families import NOT_SCALAR, Family, Phase
 
-__all__ = ["Difference", "Comparison", "StageResult", "STAGES", "stage_of", "compare_runs", "rel_diff"]
+__all__ = [
+    "Difference",
+    "Comparison",
+    "StageResult",
+    "STAGES",
+    "stage_of",
+    "compare_runs",
+    "rel_diff",
+    "FamilyPlan",
+    "plan_families",
+    "SliceResult",
+    "compare_slice",
+    "finish_comparison",
+]
 
 STAGES: tuple[str, ...] = (
     "metadata",
@@ -202,25 +215,57 @@ def rel_diff(base: np.ndarray, target: np.ndarray, scale: np.ndarray | float = 0
     return np.where(finite, out, np.where(same_special, 0.0, np.inf))
 
 
-def _rename_target(base: pd.DataFrame, target: pd.DataFrame) -> tuple[pd.DataFrame, int]:
-    mapping = match_names(base["name"].unique(), target["name"].unique())
-    renamed = sum(1 for t, b in mapping.items() if t != b)
-    target = target[target["name"].isin(mapping.keys())].copy()
-    target["target_name"] = target["name"]
-    target["name"] = target["name"].map(mapping)
-    return target, renamed
+@dataclass(frozen=True)
+class FamilyPlan:
+    """How one family of the two runs is compared, decided on the whole runs (not on a slice)."""
+
+    ops: tuple[str, ...]
+    names: dict[str, str]  # target name -> base name (``names.match_names`` of the families' names)
+    grouped: bool  # base rows carry an optimizer param group (``extra:group``)
+
+    @property
+    def renamed(self) -> int:
+        return sum(1 for t, b in self.names.items() if t != b)
+
+
+def plan_families(
+    base_stats: dict[str, tuple[str, ...]],
+    target_stats: dict[str, tuple[str, ...]],
+    ops: Sequence[str] | None,
+    names_of: Callable[[str], tuple[Iterable[str], Iterable[str]]],
+    grouped_of: Callable[[str], bool],
+) -> dict[str, FamilyPlan]:
+    """The families both runs hold with common stats, in base order; ``names_of(family)`` gives the
+    family's names in base and in target, ``grouped_of(family)`` whether base rows have a group."""
+    plans = {}
+    for family, stats in base_stats.items():
+        if family in NOT_SCALAR or family not in target_stats:
+            continue
+        common = tuple(o for o in stats if o in target_stats[family] and (ops is None or o in ops))
+        if common:
+            base_names, target_names = names_of(family)
+            plans[family] = FamilyPlan(common, match_names(base_names, target_names), grouped_of(family))
+    return plans
+
+
+def _grouped(frame: pd.DataFrame) -> bool:
+    col = EXTRA_PREFIX + "group"
+    return col in frame.columns and bool(frame[col].notna().any())
 
 
 def _family_diffs(
-    family: str, base: pd.DataFrame, target: pd.DataFrame, ops: Sequence[str], rtol: float, atol: float
-) -> tuple[pd.DataFrame, int, int, int]:
-    target, renamed = _rename_target(base, target)
-    extras = [c for c in (EXTRA_PREFIX + "group",) if c in base.columns and base[c].notna().any()]
+    family: str, base: pd.DataFrame, target: pd.DataFrame, plan: FamilyPlan, rtol: float, atol: float
+) -> tuple[pd.DataFrame, int, int]:
+    ops = list(plan.ops)
+    target = target[target["name"].isin(plan.names.keys())].copy()
+    target["target_name"] = target["name"]
+    target["name"] = target["name"].map(plan.names)
+    extras = [EXTRA_PREFIX + "group"] if plan.grouped else []
     keep_b = [*_ALIGN, *(c for c in FLOW_KEYS if c not in _ALIGN), "phase", "numel", *extras, *ops]
     merged = base[keep_b].merge(target[[*_ALIGN, "target_name", *ops]], on=_ALIGN, how="inner", suffixes=("", "@t"))
     only_b, only_t = len(base) - len(merged), len(target) - len(merged)
     if merged.empty:
-        return merged, only_b, only_t, renamed
+        return merged, only_b, only_t
     rms = merged["norm"] / np.sqrt(merged["numel"]) if "norm" in ops else pd.Series(0.0, index=merged.index)
     rms = rms.replace([np.inf, -np.inf], np.nan).fillna(0.0).to_numpy()
     b = np.column_stack([merged[op].to_numpy(float) for op in ops])
@@ -240,7 +285,7 @@ def _family_diffs(
     merged["diverged"] = over.any(axis=1)
     merged["kind"] = family
     merged["group"] = merged[extras[0]].fillna(-1).astype(int) if extras else -2
-    return merged, only_b, only_t, renamed
+    return merged, only_b, only_t
 
 
 def _difference(r) -> Difference:
@@ -261,6 +306,77 @@ def _difference(r) -> Difference:
     )
 
 
+# Largest differences first; equal ones in training-flow order (the order of the aligned rows).
+_LARGEST = (["rel_diff", *FLOW_KEYS], [False] + [True] * len(FLOW_KEYS))
+
+
+def _largest(frames: list[pd.DataFrame], top: int) -> pd.DataFrame:
+    rows = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]
+    # A copy: a slice would keep all of the sorted rows alive (one slice per family and bucket).
+    return rows.sort_values(_LARGEST[0], ascending=_LARGEST[1], kind="mergesort").head(top).copy()
+
+
+@dataclass
+class SliceResult:
+    """What the rows of some tensors contribute to a comparison; slices of disjoint tensors add up."""
+
+    aligned_rows: int = 0
+    diverged_rows: int = 0
+    only_in_base: int = 0
+    only_in_target: int = 0
+    aligned: dict[tuple[str, int], int] = field(default_factory=dict)  # (stage, rank) -> rows
+    largest: dict[str, list[pd.DataFrame]] = field(default_factory=dict)  # family -> its top rows
+    firsts: list[pd.DataFrame] = field(default_factory=list)  # per family and rank: first diverged row
+
+    def add(self, other: SliceResult) -> None:
+        self.aligned_rows += other.aligned_rows
+        self.diverged_rows += other.diverged_rows
+        self.only_in_base += other.only_in_base
+        self.only_in_target += other.only_in_target
+        for key, n in other.aligned.items():
+            self.aligned[key] = self.aligned.get(key, 0) + n
+        for family, frames in other.largest.items():
+            self.largest.setdefault(family, []).extend(frames)
+        self.firsts += other.firsts
+
+
+def compare_slice(
+    base: RunTable, target: RunTable, plans: dict[str, FamilyPlan], *, rtol: float, atol: float, top: int
+) -> SliceResult:
+    """Compare the rows of two tables (whole runs, or the rows of one set of tensor names in both;
+    the tables' ``family_stats`` are the whole runs')."""
+    out = SliceResult()
+    for family in base.family_stats:
+        if family in NOT_SCALAR:  # packed sign bits: ``trainmon similarity`` compares those
+            continue
+        if family not in target.family_stats:
+            out.only_in_base += len(base.family(family))
+            continue
+        if family not in plans:
+            continue
+        merged, only_b, only_t = _family_diffs(
+            family, base.family(family), target.family(family), plans[family], rtol, atol
+        )
+        out.only_in_base += only_b
+        out.only_in_target += only_t
+        out.aligned_rows += len(merged)
+        if merged.empty:
+            continue
+        for rank, n in merged.groupby("rank").size().items():
+            key = (stage_of(family), int(rank))
+            out.aligned[key] = out.aligned.get(key, 0) + int(n)
+        out.largest[family] = [_largest([merged], top)]
+        hit = merged[merged["diverged"]]
+        out.diverged_rows += len(hit)
+        if not hit.empty:
+            first = hit.sort_values(list(FLOW_KEYS), kind="mergesort").groupby("rank", sort=False).head(1)
+            out.firsts.append(first.copy())
+    for family in target.family_stats:
+        if family not in base.family_stats and family not in NOT_SCALAR:
+            out.only_in_target += len(target.family(family))
+    return out
+
+
 def compare_runs(
     base: RunTable,
     target: RunTable,
@@ -271,49 +387,36 @@ def compare_runs(
     top: int = 5,
 ) -> Comparison:
     """Align two runs and find the first divergence in training-flow order (stages: module doc)."""
+    plans = plan_families(
+        base.family_stats,
+        target.family_stats,
+        ops,
+        lambda f: (base.family(f)["name"].unique(), target.family(f)["name"].unique()),
+        lambda f: _grouped(base.family(f)),
+    )
+    part = compare_slice(base, target, plans, rtol=rtol, atol=atol, top=top)
+    return finish_comparison(part, plans, base.path, target.path, rtol=rtol, atol=atol, top=top)
+
+
+def finish_comparison(
+    part: SliceResult, plans: dict[str, FamilyPlan], base_path, target_path, *, rtol: float, atol: float, top: int
+) -> Comparison:
+    """The comparison of the runs whose slices added up to ``part``."""
     result = Comparison(rtol=rtol, atol=atol)
-    diverged, families = [], []
-    aligned: dict[tuple[str, int], int] = {}
-    for family, base_stats in base.family_stats.items():
-        if family in NOT_SCALAR:  # packed sign bits: ``trainmon similarity`` compares those
-            continue
-        target_stats = target.family_stats.get(family)
-        if target_stats is None:
-            result.only_in_base += len(base.family(family))
-            continue
-        common = [o for o in base_stats if o in target_stats and (ops is None or o in ops)]
-        if not common:
-            continue
-        merged, only_b, only_t, renamed = _family_diffs(
-            family, base.family(family), target.family(family), common, rtol, atol
-        )
-        families.append(family)
-        result.only_in_base += only_b
-        result.only_in_target += only_t
-        result.renamed += renamed
-        result.aligned_rows += len(merged)
-        if merged.empty:
-            continue
-        for rank, n in merged.groupby("rank").size().items():
-            key = (stage_of(family), int(rank))
-            aligned[key] = aligned.get(key, 0) + int(n)
-        largest = merged.sort_values("rel_diff", ascending=False, kind="mergesort").head(top)
+    result.aligned_rows, result.diverged_rows = part.aligned_rows, part.diverged_rows
+    result.only_in_base, result.only_in_target = part.only_in_base, part.only_in_target
+    result.renamed = sum(plan.renamed for plan in plans.values())
+    result.families = tuple(plans)
+    for family in (f for f in plans if f in part.largest):
+        largest = _largest(part.largest[family], top)
         result.largest_by_family[family] = [_difference(r) for r in largest.itertuples(index=False) if r.rel_diff > 0]
-        hit = merged[merged["diverged"]]
-        result.diverged_rows += len(hit)
-        if not hit.empty:
-            diverged.append(hit.sort_values(list(FLOW_KEYS), kind="mergesort").groupby("rank", sort=False).head(1))
-    for family in target.family_stats:
-        if family not in base.family_stats and family not in NOT_SCALAR:
-            result.only_in_target += len(target.family(family))
-    result.families = tuple(families)
     firsts: dict[tuple[str, int], Difference] = {}
-    if diverged:
-        first = pd.concat(diverged, ignore_index=True).sort_values(list(FLOW_KEYS), kind="mergesort")
+    if part.firsts:
+        first = pd.concat(part.firsts, ignore_index=True).sort_values(list(FLOW_KEYS), kind="mergesort")
         result.first_divergence = _difference(next(first.itertuples(index=False)))
         for r in first.itertuples(index=False):
             firsts.setdefault((stage_of(r.kind), int(r.rank)), _difference(r))
-    result.stages = _static_stages(base, target, rtol, atol) + _step_stages(aligned, firsts)
+    result.stages = _static_stages(base_path, target_path, rtol, atol) + _step_stages(part.aligned, firsts)
     result.static_divergence = next(
         (r.first for r in result.stages if r.stage in STAGES[:2] and r.match is False), None
     )
@@ -334,8 +437,8 @@ def _step_stages(aligned: dict[tuple[str, int], int], firsts: dict[tuple[str, in
     return out
 
 
-def _static_stages(base: RunTable, target: RunTable, rtol: float, atol: float) -> list[StageResult]:
-    b_paths, t_paths = meta_ranks(base.path), meta_ranks(target.path)
+def _static_stages(base_path, target_path, rtol: float, atol: float) -> list[StageResult]:
+    b_paths, t_paths = meta_ranks(base_path), meta_ranks(target_path)
     out: list[StageResult] = []
     for rank in sorted(set(b_paths) | set(t_paths)):
         b, b_why = read_model_meta(b_paths[rank]) if rank in b_paths else (None, "")

@@ -131,6 +131,9 @@ def run_files(
 
 # ----------------------------------------------------------------------------- SQL
 
+# A row's ``position`` (index in its rank's (step, micro_step), file order), as the reader numbers it.
+POSITION = "row_number() OVER (PARTITION BY rank, step, micro_step ORDER BY g) - 1"
+
 
 def _q(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
@@ -143,7 +146,18 @@ def _lit(text: str) -> str:
 class _Family:
     """The SQL of one family: a view ``t`` of its rows with rank, row order and numeric stats."""
 
-    def __init__(self, con, family: str, files: list[tuple[int, FamilyFile]], stats: Sequence[str]):
+    def __init__(
+        self,
+        con,
+        family: str,
+        files: list[tuple[int, FamilyFile]],
+        stats: Sequence[str],
+        *,
+        texts: Sequence[str] = (),
+        numbers: Sequence[str] = (),
+    ):
+        """``texts`` / ``numbers``: more columns ``t`` carries, as text ('' where a file lacks one)
+        and as float64 (NULL where absent), e.g. ``shape`` and an ``extra`` column."""
         self.con, self.family, self.stats = con, family, tuple(stats)
         self.parquet = files[0][1].ext == "parquet"
         self.rank_of = {str(f.path): rank for rank, f in files}
@@ -160,6 +174,9 @@ class _Family:
         con.executemany("INSERT INTO ranks_of VALUES (?, ?)", list(self.rank_of.items()))
         num = ",\n".join(f"{self._num(s)} AS {_q(s)}" for s in self.present)
         micro = self._int("micro_step") if self.micro else "-1"
+        carried = [f"COALESCE(CAST({_q(c)} AS VARCHAR), '')" if c in cols else "''" for c in texts]
+        carried = [f"{sql} AS {_q(c)}" for sql, c in zip(carried, texts)]
+        carried += [f"{self._num(c)} AS {_q(c)}" if c in cols else f"NULL::DOUBLE AS {_q(c)}" for c in numbers]
         con.execute(f"""
             CREATE OR REPLACE TEMP VIEW raw AS
             SELECT row_number() OVER () AS g, * FROM ({source})""")
@@ -169,7 +186,7 @@ class _Family:
                    COALESCE({micro}, -1) AS micro_step,
                    COALESCE({self._int("vpp_stage") if "vpp_stage" in cols else "NULL"}, 0) AS vpp_stage,
                    CAST(name AS VARCHAR) AS name,
-                   COALESCE(CAST(dtype AS VARCHAR), '') AS dtype{"," if num else ""}
+                   COALESCE(CAST(dtype AS VARCHAR), '') AS dtype{"".join(", " + c for c in carried)}{"," if num else ""}
                    {num}
             FROM raw JOIN ranks_of r USING (filename)""")
 
@@ -314,9 +331,8 @@ class _Family:
         self.con.execute("CREATE OR REPLACE TEMP TABLE hit(rank INTEGER, step BIGINT, micro_step BIGINT)")
         self.con.executemany("INSERT INTO hit VALUES (?, ?, ?)", list({(r[3], r[1], r[7]) for r in rows}))
         wanted = {r[0] for r in rows}
-        found = self.con.execute("""
-            SELECT g, row_number() OVER (PARTITION BY rank, step, micro_step ORDER BY g) - 1
-            FROM o SEMI JOIN hit USING (rank, step, micro_step)""").fetchall()
+        found = self.con.execute(f"""
+            SELECT g, {POSITION} FROM o SEMI JOIN hit USING (rank, step, micro_step)""").fetchall()
         return {g: p for g, p in found if g in wanted}
 
 

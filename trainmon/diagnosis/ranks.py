@@ -39,7 +39,7 @@ from trainmon.diagnosis.rules import COUNT_OPS, SpikeRule, json_number
 from trainmon.diagnosis.scan import _baselines, nonfinite
 from trainmon.families import FAMILIES
 
-__all__ = ["RankIssue", "CHECKS", "check_ranks", "REPLICATED"]
+__all__ = ["RankIssue", "CHECKS", "check_ranks", "issue_order", "REPLICATED"]
 
 CHECKS: tuple[str, ...] = (
     "post_reduce_mismatch",
@@ -390,16 +390,26 @@ def check_ranks(
     reduce: str = "mean",
     checks: Sequence[str] = CHECKS,
     rule: SpikeRule = SpikeRule(),
+    ranks: Sequence[int] | None = None,
 ) -> list[RankIssue]:
-    """Every cross-rank inconsistency of the table, in training-flow order."""
-    ranks = list(table.ranks)
+    """Every cross-rank inconsistency of the table, in training-flow order.
+
+    ``ranks``: the run's ranks when ``table`` holds only some of its tensors (a bucket of names:
+    ``engine_buckets``), default the table's own.  Every check is per tensor, so the issues of a
+    run are those of its buckets, merged with :func:`issue_order`."""
+    ranks = list(table.ranks if ranks is None else ranks)
     if len(ranks) < 2:
         return []
     with warnings.catch_warnings():
         # Groups a rank did not record are all-NaN slices: expected, and handled as absent.
         warnings.simplefilter("ignore", RuntimeWarning)
         issues = _all_checks(table, ranks, rtol, outlier_factor, reduce, checks, rule)
-    return sorted(issues, key=RankIssue.sort_key)
+    return sorted(issues, key=issue_order)
+
+
+def issue_order(issue: RankIssue) -> tuple:
+    """Training-flow order; issues equal in it (two tensors at one position) by tensor name."""
+    return (*issue.sort_key(), issue.vpp_stage, issue.name)
 
 
 def _all_checks(

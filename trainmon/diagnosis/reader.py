@@ -49,6 +49,7 @@ __all__ = [
     "read_stats_family",
     "load_run",
     "EXTRA_PREFIX",
+    "numel_column",
 ]
 
 log = logging.getLogger(__name__)
@@ -167,9 +168,14 @@ def _annotate(frame: pd.DataFrame, rank: int, family: str, order: int) -> pd.Dat
     same = ["step", "micro_step", "vpp_stage", "name"]
     # Names repeat within a step only for comm calls: skip the costly string grouping otherwise.
     frame["occurrence"] = frame.groupby(same, sort=False).cumcount() if frame.duplicated(same).any() else 0
-    # Few distinct shapes, many rows: parse each shape once.
-    frame["numel"] = frame["shape"].map({s: _numel(s) for s in frame["shape"].unique()})
+    frame["numel"] = numel_column(frame["shape"])
     return frame
+
+
+def numel_column(shapes: pd.Series) -> pd.Series:
+    """The run table's ``numel`` of each ``shape`` text (NaN where unreadable)."""
+    # Few distinct shapes, many rows: parse each shape once.
+    return shapes.map({s: _numel(s) for s in shapes.unique()})
 
 
 def load_run(

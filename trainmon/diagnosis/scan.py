@@ -90,18 +90,17 @@ def nonfinite(table: RunTable) -> pd.DataFrame:
         sub = sub[_tensor_rows(sub, stats)]
         if sub.empty or not stats:
             continue
-        ops = pd.Series([None] * len(sub), index=sub.index, dtype=object)
-        values = pd.Series(np.nan, index=sub.index)
         ordered = [c for c in COUNT_OPS if c in stats] + [c for c in stats if c not in COUNT_OPS]
-        for op in ordered:
-            v = sub[op].astype(float)
-            bad = (v > 0) if op in COUNT_OPS else ~np.isfinite(v)
-            take = bad & ops.isna()
-            ops[take] = op
-            values[take] = v[take]
-        hit = ops.notna()
+        values = sub[ordered].to_numpy(dtype=float)
+        with np.errstate(invalid="ignore"):
+            bad = np.column_stack(
+                [values[:, i] > 0 if op in COUNT_OPS else ~np.isfinite(values[:, i]) for i, op in enumerate(ordered)]
+            )
+        hit = bad.any(axis=1)
         if hit.any():
-            found.append(_result(sub[hit], family, ops[hit], values[hit], "nonfinite"))
+            first = bad[hit].argmax(axis=1)  # the first op in ``ordered`` that is bad
+            op = pd.Series(np.asarray(ordered, dtype=object)[first], dtype=object)
+            found.append(_result(sub[hit], family, op, values[hit][np.arange(len(first)), first], "nonfinite"))
     return _concat(found)
 
 

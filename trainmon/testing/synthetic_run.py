@@ -7,7 +7,12 @@ moments) are the same on every rank; ``grad_unreduced`` differs per rank.  Plant
 the first findings are known:
 
 * a NaN in ``grad_unreduced`` of param ``nan_param`` on rank ``nan_rank`` at step ``nan_step``;
-* a x1e4 spike in ``grad_reduced`` (every rank) of param ``spike_param`` at step ``spike_step``.
+* a x1e4 spike in ``grad_reduced`` (every rank) of param ``spike_param`` at step ``spike_step``;
+* with ``drift_step`` set (a second run to ``compare`` with the first): ``param_updated`` of param
+  ``spike_param`` 1% larger (``norm``) from that step on, on every rank.
+
+``grad_reduced``'s mean is the average of the ranks' ``grad_unreduced`` means (of the finite ones:
+the planted NaN stays on its rank), so ``ranks`` finds only the planted NaN.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ class SyntheticRun:
     steps_per_file: int = 10
     families: tuple[str, ...] = FAMILIES
     seed: int = 0
+    drift_step: int | None = None
 
     @property
     def rows(self) -> int:
@@ -73,6 +79,9 @@ class SyntheticRun:
             "infs": np.zeros(n, dtype=np.int64),
         }
         if family == "grad_reduced":
+            if "grad_unreduced" in self.families:  # the reduce averages the ranks' grads: their means' mean
+                pre = np.stack([self._block("grad_unreduced", r, steps)["mean"] for r in range(self.ranks)])
+                out["mean"] = np.nanmean(pre, axis=0)
             hit = (np.repeat(steps, self.params) == self.spike_step) & (p == self.spike_param)
             out["norm"] = np.where(hit, out["norm"] * 1e4, out["norm"])
         if family == "grad_unreduced" and rank == self.nan_rank:
@@ -80,6 +89,9 @@ class SyntheticRun:
             for op in ("norm", "mean", "min", "max"):
                 out[op] = np.where(hit, np.nan, out[op])
             out["nans"] = np.where(hit, 3, out["nans"])
+        if family == "param_updated" and self.drift_step is not None:
+            hit = (np.repeat(steps, self.params) >= self.drift_step) & (p == self.spike_param)
+            out["norm"] = np.where(hit, out["norm"] * 1.01, out["norm"])
         return out
 
     def frames(self):

@@ -1,0 +1,24 @@
+"""Runs the engine tests share: Parquet copies and a run with every edge the readers know."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def pq_dir(tmp_path_factory) -> Path:
+    """Where ``edge_rows.as_parquet`` puts the Parquet copies of runs (once per test session)."""
+    return tmp_path_factory.mktemp("engine_pq")
+
+
+@pytest.fixture(scope="session")
+def edge_run(tmp_path_factory) -> Path:
+    """Micro-steps, a NaN, repeated names in a step (comm calls), header variants, quoted names."""
+    from tests._support.edge_rows import edge_rows
+    from tests._support.simulate import nan_input, simulate
+
+    run = simulate(tmp_path_factory.mktemp("edge") / "run", steps=9, micro=2, fault=nan_input)
+    edge_rows(run / "rank0")
+    return run

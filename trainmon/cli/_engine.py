@@ -1,0 +1,72 @@
+"""``--engine auto|duckdb|memory``: one choice for the commands that can run in the embedded engine.
+
+``anomalies``, ``ranks`` and ``compare`` read a run either into pandas (``memory``) or through
+DuckDB (``duckdb``: ``diagnosis.engine`` / ``diagnosis.engine_buckets``, bounded memory).  The
+same rule picks for all three, and engine errors become one line (exit code 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+from trainmon.cli import CommandError
+from trainmon.diagnosis import engine
+from trainmon.output import runs
+from trainmon.output.cells import BadCellError
+
+__all__ = ["ENGINES", "AUTO_ENGINE_BYTES", "add_engine_argument", "use_engine", "engine_errors"]
+
+ENGINES = ("auto", "duckdb", "memory")
+# ``--engine auto`` reads runs at least this large (bytes of family files) in DuckDB; smaller ones
+# in memory, where every cell is validated as it is read (damaged files: one line naming file,
+# line and column).
+AUTO_ENGINE_BYTES = 256 * 2**20
+
+
+def add_engine_argument(parser: argparse.ArgumentParser, work: str) -> None:
+    parser.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="auto",
+        help=f"duckdb: {work} in an embedded engine, bounded memory; memory: read the "
+        "whole run into pandas, every cell validated; auto (default): duckdb when installed and the "
+        "run's family files hold 256 MiB or more, else memory",
+    )
+
+
+def use_engine(choice: str, *run_dirs: str) -> bool:
+    """Whether ``--engine choice`` runs in DuckDB for these runs (auto: their files together)."""
+    if choice == "duckdb" and not engine.available():
+        raise CommandError("--engine duckdb needs duckdb: pip install trainmon[engine]")
+    if choice != "auto":
+        return choice == "duckdb"
+    return engine.available() and _family_bytes(run_dirs) >= AUTO_ENGINE_BYTES
+
+
+def _family_bytes(run_dirs) -> int:
+    total = 0
+    for run_dir in run_dirs:
+        for rank_dir in Path(run_dir).glob("**/rank*"):
+            for files in runs.family_files(rank_dir).values() if rank_dir.is_dir() else ():
+                total += sum(f.path.stat().st_size for f in files)
+                if total >= AUTO_ENGINE_BYTES:
+                    return total
+    return total
+
+
+@contextlib.contextmanager
+def engine_errors(path: object) -> Iterator[None]:
+    """A bad stat cell or a file DuckDB cannot read: one line (``CommandError``), no traceback."""
+    try:
+        yield
+    except BadCellError as exc:
+        raise CommandError(str(exc)) from None
+    except Exception as exc:
+        if type(exc).__module__.split(".")[0] not in ("duckdb", "_duckdb"):
+            raise
+        raise CommandError(
+            f"{path}: damaged family file: {str(exc).splitlines()[0]} (--engine memory names the file, line and column)"
+        ) from None

@@ -1,0 +1,276 @@
+"""A run's rows inside DuckDB, handed to Python one bucket of tensor names at a time.
+
+``ranks`` and ``compare`` look at rows across ranks (per family, name, step) and along each
+(rank, name) series over steps, never across names.  So they can run on all rows of a set of
+names at a time, with their pandas logic unchanged:
+
+1. **stage**: every family's files are read by DuckDB once (``engine._Family``: CSV as text with
+   the bad-cell check, Parquet natively), with the ordering columns the in-memory reader computes
+   (``position`` in the rank's (step, micro_step), ``occurrence`` of a repeated name, both from the
+   files' row order), into one table; DuckDB spills it beyond its memory cap;
+2. **partition**: the caller gives each (family, name) a bucket (all families of a name in one
+   bucket, so a bucket holds ``ROWS_PER_BUCKET`` rows or one name), the table is rewritten in
+   bucket order, so a bucket's rows are one contiguous range;
+3. **bucket(k)**: a :class:`~trainmon.diagnosis.reader.RunTable` of those rows with the columns and
+   dtypes the checks read from ``load_run``'s table, sorted by ``FLOW_KEYS`` (unique per row, so
+   the order is the in-memory one whatever order DuckDB returns).
+
+Python then holds one bucket at a time: its memory is bounded by the bucket size, not the run.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Iterator, Mapping
+
+import numpy as np
+import pandas as pd
+
+from trainmon.diagnosis import engine
+from trainmon.diagnosis.engine import POSITION, RunFiles, _Family, _q
+from trainmon.diagnosis.flow import FLOW_KEYS, PHASES, phase_of
+from trainmon.diagnosis.reader import EXTRA_PREFIX, RunTable, numel_column
+
+__all__ = ["ROWS_PER_BUCKET", "Engine", "StagedRun", "pack_buckets", "engine_ranks", "engine_compare"]
+
+# Rows handed to Python at once (all families, ranks and steps of a set of names).
+ROWS_PER_BUCKET = int(os.environ.get("TRAINMON_ENGINE_BUCKET_ROWS", "250000"))
+# The ``extra`` column compare reads (a hyperparams row's optimizer param group).
+GROUP = EXTRA_PREFIX + "group"
+
+
+class Engine:
+    """One DuckDB connection with its spill directory; ``with Engine() as con:``."""
+
+    def __init__(self, threads: int | None = None):
+        self.threads = threads
+
+    def __enter__(self):
+        self.spill_dir = tempfile.mkdtemp(prefix="trainmon-engine-")
+        self.con = engine._connect(self.threads, self.spill_dir)
+        return self.con
+
+    def __exit__(self, *exc) -> None:
+        self.con.close()
+        shutil.rmtree(self.spill_dir, ignore_errors=True)
+
+
+# Text columns stored as integer codes (few distinct values, many rows): the staged rows are fixed
+# width, which DuckDB sorts and hands over fast; Python turns codes back into shared strings.
+_CODED = ("name", "shape", "dtype")
+
+
+class StagedRun:
+    """The rows of one run's families (``files``) in the table ``<prefix>_rows``."""
+
+    def __init__(self, con, files: RunFiles, prefix: str, *, families: Iterable[str] | None = None, progress=None):
+        self.con, self.files, self.prefix = con, files, prefix
+        chosen = set(files.family_stats if families is None else families)
+        self.family_stats = {f: s for f, s in files.family_stats.items() if f in chosen}
+        self.families = list(self.family_stats)
+        self.stat_columns = list(dict.fromkeys(s for stats in self.family_stats.values() for s in stats))
+        stats = "".join(f", {_q(s)} DOUBLE" for s in self.stat_columns)
+        for col in _CODED:
+            con.execute(f"CREATE OR REPLACE TEMP TABLE {prefix}_{col}s(text VARCHAR, code INTEGER)")
+        con.execute(f"""CREATE OR REPLACE TEMP TABLE {prefix}_staged (fam SMALLINT, rank INTEGER, vpp_stage BIGINT,
+            name INTEGER, step BIGINT, micro_step BIGINT, occurrence BIGINT, position BIGINT, shape INTEGER,
+            dtype INTEGER, {_q(GROUP)} DOUBLE{stats})""")
+        for i, family in enumerate(self.families):
+            self._stage(i, family, progress)
+        self.texts = {
+            col: [t for (t,) in con.execute(f"SELECT text FROM {prefix}_{col}s ORDER BY code").fetchall()]
+            for col in _CODED
+        }
+
+    def _stage(self, fam_id: int, family: str, progress) -> None:
+        stats = self.family_stats[family]
+        fam = _Family(self.con, family, self.files.files[family], stats, texts=("shape",), numbers=("group",))
+        fam.ordered_view()
+        fam.check_cells()
+        p = self.prefix
+        for col in _CODED:  # codes for the texts this family adds
+            known = self.con.execute(f"SELECT count(*) FROM {p}_{col}s").fetchone()[0]
+            self.con.execute(f"""INSERT INTO {p}_{col}s SELECT text, {known} + row_number() OVER () - 1 FROM (
+                SELECT DISTINCT COALESCE({col}, '') AS text FROM o EXCEPT SELECT text FROM {p}_{col}s)""")
+        present = "".join(f", {_q(s)}" for s in fam.present)
+        self.con.execute(f"""INSERT INTO {p}_staged BY NAME
+            SELECT {fam_id}::SMALLINT AS fam, rank, vpp_stage, n.code AS name, step, micro_step, occurrence,
+                   {POSITION} AS position, s.code AS shape, d.code AS dtype, "group" AS {_q(GROUP)}{present}
+            FROM o JOIN {p}_names n ON n.text = COALESCE(o.name, '') JOIN {p}_shapes s ON s.text = o.shape
+                   JOIN {p}_dtypes d ON d.text = o.dtype""")
+        if progress is not None:
+            n = self.con.execute("SELECT count(*) FROM o").fetchone()[0]
+            progress.update(files=len(self.files.files[family]), rows=n)
+        self.con.execute("DROP VIEW o")
+        self.con.execute("DROP TABLE IF EXISTS o1")
+        self.con.execute("DROP TABLE o0")
+
+    def name_rows(self) -> dict[tuple[str, str], int]:
+        """(family, name) -> its number of rows."""
+        found = self.con.execute(f"SELECT fam, name, count(*) FROM {self.prefix}_staged GROUP BY fam, name").fetchall()
+        names = self.texts["name"]
+        return {(self.families[f], names[code]): int(n) for f, code, n in found}
+
+    def names(self) -> dict[str, list[str]]:
+        """family -> its distinct names."""
+        out: dict[str, list[str]] = {f: [] for f in self.families}
+        for family, name in self.name_rows():
+            out[family].append(name)
+        return out
+
+    def grouped(self, family: str) -> bool:
+        """Whether some row of ``family`` has an optimizer param group (an ``extra:group`` value)."""
+        hit = self.con.execute(
+            f"SELECT 1 FROM {self.prefix}_staged WHERE fam = ? AND {_q(GROUP)} IS NOT NULL LIMIT 1",
+            [self.families.index(family)],
+        ).fetchone()
+        return hit is not None
+
+    def partition(self, bucket_of: Mapping[tuple[str, str], int]) -> None:
+        """Keep the rows whose (family, name) has a bucket, stored in bucket order."""
+        ids = {f: i for i, f in enumerate(self.families)}
+        code = {name: i for i, name in enumerate(self.texts["name"])}
+        p = self.prefix
+        self.con.execute(f"CREATE OR REPLACE TEMP TABLE {p}_bk(fam SMALLINT, name INTEGER, bucket INTEGER)")
+        self.con.executemany(
+            f"INSERT INTO {p}_bk VALUES (?, ?, ?)",
+            [(ids[f], code[name], k) for (f, name), k in bucket_of.items() if f in ids],
+        )
+        self.con.execute(f"""CREATE OR REPLACE TEMP TABLE {p}_rows AS
+            SELECT s.*, b.bucket FROM {p}_staged s JOIN {p}_bk b USING (fam, name) ORDER BY b.bucket""")
+        self.con.execute(f"DROP TABLE {p}_staged")
+
+    def bucket(self, k: int, *, all_families: bool = False) -> RunTable:
+        """Bucket ``k`` as a run table (``load_run``'s columns); ``family_stats`` holds the families
+        with rows in it, or every staged family with ``all_families``."""
+        frame = self.con.execute(f"SELECT * EXCLUDE (bucket) FROM {self.prefix}_rows WHERE bucket = ?", [k]).fetchdf()
+        fam = frame.pop("fam").to_numpy(dtype=np.int64)
+        numels = numel_column(pd.Series(self.texts["shape"], dtype=object)).to_numpy(dtype=float)
+        frame["numel"] = numels[frame["shape"].to_numpy(dtype=np.int64)]
+        for col in _CODED:
+            frame[col] = _texts(self.texts[col], frame[col].to_numpy(dtype=np.int64))
+        frame["rank"] = frame["rank"].astype(np.int64)
+        frame["family"] = _texts(self.families, fam)
+        frame["phase"] = _texts([phase_of(f) for f in self.families], fam)
+        phases = [phase_of(f) for f in self.families]
+        frame["flow"] = np.asarray([PHASES.index(p) for p in phases], dtype=np.int64)[fam]
+        frame["family_order"] = fam  # families are staged in flow order (``run_files``)
+        frame = frame.sort_values(list(FLOW_KEYS), kind="mergesort", ignore_index=True)
+        present = set(self.families) if all_families else {self.families[i] for i in np.unique(fam)}
+        return RunTable(
+            path=self.files.path,
+            frame=frame,
+            family_stats={f: s for f, s in self.family_stats.items() if f in present},
+            families_on_disk=self.files.families_on_disk,
+            ranks_on_disk=self.files.ranks_on_disk,
+        )
+
+
+def _texts(texts: list[str], codes: np.ndarray) -> pd.Series:
+    # Python strings shared by every row (object dtype): converting each bucket's strings into a
+    # new Arrow string column would cost time and memory that the Arrow pool keeps.
+    return pd.Series(np.asarray(texts, dtype=object)[codes], dtype=object)
+
+
+def pack_buckets(rows_of_key: Mapping[str, int], rows_per_bucket: int = 0) -> dict[str, int]:
+    """key -> bucket: keys in sorted order, a new bucket once one would pass ``rows_per_bucket``
+    (a key bigger than that gets a bucket of its own)."""
+    limit = rows_per_bucket or ROWS_PER_BUCKET
+    out: dict[str, int] = {}
+    bucket, filled = 0, 0
+    for key in sorted(rows_of_key):
+        n = rows_of_key[key]
+        if filled and filled + n > limit:
+            bucket, filled = bucket + 1, 0
+        out[key] = bucket
+        filled += n
+    return out
+
+
+def _rows_by_key(counts: Mapping[tuple[str, str], int], key_of: Mapping[tuple[str, str], str | None]) -> dict[str, int]:
+    """Rows per bucket key, from rows per (family, name) and each one's key (None: left out)."""
+    out: dict[str, int] = {}
+    for pair, n in counts.items():
+        key = key_of[pair]
+        if key is not None:
+            out[key] = out.get(key, 0) + n
+    return out
+
+
+def buckets(bucket_of: Mapping[str, int]) -> Iterator[int]:
+    """The bucket numbers in use, in order."""
+    yield from sorted(set(bucket_of.values()))
+
+
+# ----------------------------------------------------------------------------- the commands
+
+
+def engine_ranks(files: RunFiles, *, rows_per_bucket: int = 0, threads: int | None = None, progress=None, **checks):
+    """``ranks.check_ranks`` of the run's files, one bucket of names at a time (same issues, same order)."""
+    from trainmon.diagnosis.ranks import check_ranks, issue_order
+
+    issues = []
+    with Engine(threads) as con:
+        run = StagedRun(con, files, "r", progress=progress)
+        counts = run.name_rows()
+        bucket_of = pack_buckets(_rows_by_key(counts, {key: key[1] for key in counts}), rows_per_bucket)
+        run.partition({key: bucket_of[key[1]] for key in counts})
+        for k in buckets(bucket_of):
+            issues += check_ranks(run.bucket(k), ranks=files.ranks, **checks)
+    return sorted(issues, key=issue_order)
+
+
+def engine_compare(
+    base: RunFiles,
+    target: RunFiles,
+    *,
+    rtol: float = 1e-3,
+    atol: float = 0.0,
+    ops=None,
+    top: int = 5,
+    rows_per_bucket: int = 0,
+    threads: int | None = None,
+    progress=None,
+):
+    """``compare.compare_runs`` of two runs' files, one bucket of names at a time.
+
+    The name matching (wrapper prefixes) is decided on the families' whole name sets first; a
+    target row goes to the bucket of the base name it matches, so aligned rows meet in one bucket.
+    """
+    from trainmon.diagnosis.compare import SliceResult, compare_slice, finish_comparison, plan_families
+    from trainmon.families import NOT_SCALAR
+
+    with Engine(threads) as con:
+        scalar = [f for f in base.family_stats if f not in NOT_SCALAR]
+        b = StagedRun(con, base, "b", families=scalar, progress=progress)
+        t = StagedRun(
+            con, target, "t", families=[f for f in target.family_stats if f not in NOT_SCALAR], progress=progress
+        )
+        b_names, t_names = b.names(), t.names()
+        plans = plan_families(
+            b.family_stats,
+            t.family_stats,
+            ops,
+            lambda f: (b_names[f], t_names[f]),
+            b.grouped,
+        )
+        b_counts, t_counts = b.name_rows(), t.name_rows()
+        # Target rows keyed by the base name they align with; unmatched ones of a compared family
+        # are left out, as compare_runs leaves them out.
+        t_key = {(f, name): (plans[f].names.get(name) if f in plans else name) for f, name in t_counts}
+        rows_of_key = _rows_by_key(b_counts, {key: key[1] for key in b_counts})
+        for key, n in _rows_by_key(t_counts, t_key).items():
+            rows_of_key[key] = rows_of_key.get(key, 0) + n
+        bucket_of = pack_buckets(rows_of_key, rows_per_bucket)
+        b.partition({key: bucket_of[key[1]] for key in b_counts})
+        t.partition({key: bucket_of[k] for key, k in t_key.items() if k is not None})
+        total = SliceResult()
+        for k in buckets(bucket_of):
+            total.add(
+                compare_slice(
+                    b.bucket(k, all_families=True), t.bucket(k, all_families=True), plans, rtol=rtol, atol=atol, top=top
+                )
+            )
+    return finish_comparison(total, plans, base.path, target.path, rtol=rtol, atol=atol, top=top)
