@@ -46,3 +46,17 @@ def test_demo_trains_and_writes_real_output(tmp_path):
     assert families == {"grad_unreduced", "grad_reduced", "param_origin", "param_updated", "exp_avg",
                         "exp_avg_sq", "update_ratio", "actv", "actv_grad", "loss"}
     assert "next: trainmon anomalies" in out.stdout
+
+
+def test_a_reader_that_leaves_early_gets_no_error_line(tmp_path):
+    """``trainmon compare A B | head -1``: the command stops quietly (status 141), as other tools."""
+    from trainmon.testing.synthetic_run import SyntheticRun
+
+    run = SyntheticRun(ranks=2, steps=4, params=6, steps_per_file=2).write(tmp_path / "run", "csv")
+    reader, writer = os.pipe()
+    os.close(reader)  # the reader is gone before the command writes its first line
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-m", "trainmon", "compare", str(run), str(run)], stdout=writer,
+                          stderr=subprocess.PIPE, text=True, env=env, timeout=120)
+    os.close(writer)
+    assert (proc.returncode, proc.stderr) == (141, "")

@@ -48,10 +48,21 @@ def main(argv: list[str] | None = None) -> int:
     except (CommandError, TrainmonError) as exc:  # bad input, or a damaged run: one line, exit 2
         print(f"trainmon {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader left (`trainmon anomalies RUN | head`): quiet, as other tools
+        _stdout_to_devnull()
+        return 141  # 128 + SIGPIPE, the status a shell shows for a tool its pipe's reader left
     except OSError as exc:  # an unreadable folder or file: named, not a traceback
         where = f"{exc.filename}: " if exc.filename else ""
         print(f"trainmon {args.command}: error: {where}{exc.strerror or exc}", file=sys.stderr)
         return 2
+
+
+def _stdout_to_devnull() -> None:
+    """Point stdout at /dev/null, so that the interpreter's last flush at exit does not fail again."""
+    import os
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
 
 
 def _warnings_to_stderr() -> None:
