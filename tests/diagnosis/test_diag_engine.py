@@ -88,6 +88,19 @@ def test_non_numeric_stat_text_is_an_error_naming_file_line_and_column(tmp_path,
     assert f"{bad}:3: column 'norm' holds 'np.float64(1.5)', not a number" in err
 
 
+@pytest.mark.parametrize("cell", ["nan", "-nan", "NaN", "", " 2.5 ", "inf", "-Infinity", "1e400", "4.9e-324", "+3"])
+def test_hand_written_number_spellings_read_as_the_in_memory_reader_reads_them(tmp_path, cell):
+    """A user's own CSV: the engine's typed read gives every cell the in-memory reader's value."""
+    rank = tmp_path / "run" / "rank0"
+    rank.mkdir(parents=True)
+    rows = "".join(f"0,w,{s},{1.0 + s * 0.01},0,\"[2]\",torch.float32\n" for s in range(8))
+    odd = f'0,w,8,{cell},0,"[2]",torch.float32\n'
+    (rank / "grad_reduced_0-8.csv").write_text("vpp_stage,name,step,norm,nans,shape,dtype\n" + rows + odd)
+    rules = Rules(spike=SpikeRule(factor=1.5, floor=0.0, warmup=1, window=2), threshold=2.0)
+    want = _found(scan(load_run(tmp_path / "run"), rules))
+    assert _found(engine.engine_scan(engine.run_files(tmp_path / "run"), rules)) == want
+
+
 def test_missing_stat_columns_and_empty_cells_read_as_nan_like_the_in_memory_reader(tmp_path):
     rank = tmp_path / "run" / "rank0"
     rank.mkdir(parents=True)

@@ -4,7 +4,7 @@
 (rank, name) series over steps, never across names.  So they can run on all rows of a set of
 names at a time, with their pandas logic unchanged:
 
-1. **stage**: every family's files are read by DuckDB once (``engine._Family``: CSV as text with
+1. **stage**: every family's files are read by DuckDB once (``engine._Family``: CSV typed, with
    the bad-cell check, Parquet natively), with the ordering columns the in-memory reader computes
    (``position`` in the rank's (step, micro_step), ``occurrence`` of a repeated name, both from the
    files' row order), into one table; DuckDB spills it beyond its memory cap;
