@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -270,7 +271,8 @@ class DeepSpeedIntegration(Integration):
             g = tp.param.grad  # still whole: partitioned only after the reduce-scatter
         else:
             view = super().local_grad(tp)
-            return view if view is None or not self.fp16 else View(view.tensor, scale=self._loss_scale())
+            # keep the view's shard group/shape (a tensor-parallel param): only the scale is DeepSpeed's
+            return view if view is None or not self.fp16 else replace(view, scale=self._loss_scale())
         return None if g is None else View(g.detach().reshape(-1), None, self._shape(tp), scale=self._loss_scale())
 
     # -- fragments ---------------------------------------------------------------------------
