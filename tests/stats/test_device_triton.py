@@ -164,44 +164,51 @@ def test_the_kernels_compile_for_cuda_and_rocm_gpus_without_one():
     ]
     if not targets:
         pytest.skip("this triton has no CUDA or ROCm backend")
+    built = []
     for ops, dtypes in ((OPS, ("*fp32", "*bf16", "*fp16")), (["norm", "mean", "min", "max"], ("*bf16",))):
         meta = device_triton.TritonRows(DeviceRows(torch.device("cpu"), device_columns(partials_for(ops)), 1e-8))
         counts = "*i64" if meta.rows.counts else "*fp32"
         for target in targets:
             for dtype in dtypes:
                 for table in (True, False):
+                    built.append(
+                        _compile(
+                            triton,
+                            ASTSource,
+                            target,
+                            triton_kernels.chunk_partials,
+                            {
+                                "x_ptr": dtype,
+                                "desc_ptr": "*i64" if table else dtype,
+                                "part_ptr": "*fp32",
+                                "numel": "i32",
+                                "eps": "fp32",
+                            },
+                            dict(TABLE=table, CHUNK=4096, BLOCK=1024, **meta.meta),
+                        )
+                    )
+            for table in (True, False):
+                built.append(
                     _compile(
                         triton,
                         ASTSource,
                         target,
-                        triton_kernels.chunk_partials,
+                        triton_kernels.tensor_rows,
                         {
-                            "x_ptr": dtype,
-                            "desc_ptr": "*i64" if table else dtype,
                             "part_ptr": "*fp32",
-                            "numel": "i32",
-                            "eps": "fp32",
+                            "first_ptr": "*i64" if table else "*fp32",
+                            "n_chunks": "i32",
+                            "first_tensor": "i32",
+                            "values_ptr": "*fp32",
+                            "values_stride": "i32",
+                            "counts_ptr": counts,
+                            "counts_stride": "i32",
                         },
-                        dict(TABLE=table, CHUNK=4096, BLOCK=1024, **meta.meta),
+                        dict(TABLE=table, BLOCK=256, **meta.row_meta),
                     )
-            for table in (True, False):
-                _compile(
-                    triton,
-                    ASTSource,
-                    target,
-                    triton_kernels.tensor_rows,
-                    {
-                        "part_ptr": "*fp32",
-                        "first_ptr": "*i64" if table else "*fp32",
-                        "n_chunks": "i32",
-                        "first_tensor": "i32",
-                        "values_ptr": "*fp32",
-                        "values_stride": "i32",
-                        "counts_ptr": counts,
-                        "counts_stride": "i32",
-                    },
-                    dict(TABLE=table, BLOCK=256, **meta.row_meta),
                 )
+    # per target: 3 dtypes x 2 tables + 2 row variants (all ops), 1 x 2 + 2 (default ops)
+    assert len(built) == 12 * len(targets) and all(kernel.asm for kernel in built)
 
 
 def _compile(triton, ast_source, target, kernel, signature, constexprs):
@@ -212,3 +219,4 @@ def _compile(triton, ast_source, target, kernel, signature, constexprs):
     )
     compiled = triton.compile(source, target=target)
     assert compiled.asm, (kernel, target)
+    return compiled
