@@ -96,6 +96,12 @@ class SyntheticRun:
 
     def frames(self):
         """``(rank, family, window start, window end, DataFrame)`` of every file, in the sinks' columns."""
+        for rank, family, a, b, frame, _ in self._files():
+            yield rank, family, a, b, frame
+
+    def _files(self):
+        """``frames`` plus a key shared by files with equal contents: the replicated families'
+        frames are built once per window and shared by every rank (they are equal by design)."""
         import pandas as pd
 
         names = np.array(self.names(), dtype=object)
@@ -103,31 +109,41 @@ class SyntheticRun:
             [f"[{64 + i % 7}, {32 + i % 5}]" if i % 2 == 0 else f"[{64 + i % 7}]" for i in range(self.params)],
             dtype=object,
         )
-        for rank in range(self.ranks):
-            for a in range(0, self.steps, self.steps_per_file):
-                steps = np.arange(a, min(a + self.steps_per_file, self.steps))
-                n = len(steps) * self.params
+        for a in range(0, self.steps, self.steps_per_file):
+            steps = np.arange(a, min(a + self.steps_per_file, self.steps))
+            n = len(steps) * self.params
+            shared: dict[str, pd.DataFrame] = {}
+            for rank in range(self.ranks):
                 for family in self.families:
-                    stats = self._block(family, rank, steps)
-                    frame = pd.DataFrame(
-                        {
-                            "vpp_stage": np.zeros(n, dtype=np.int64),
-                            "name": np.tile(names, len(steps)),
-                            "step": np.repeat(steps, self.params).astype(np.int64),
-                            **{op: stats[op] for op in OPS},
-                            "shape": np.tile(shapes, len(steps)),
-                            "dtype": "torch.float32",
-                        }
-                    )
-                    yield rank, family, a, a + self.steps_per_file - 1, frame
+                    key = None if family in _PER_RANK else (family, a)
+                    frame = shared.get(family) if key is not None else None
+                    if frame is None:
+                        stats = self._block(family, rank, steps)
+                        frame = pd.DataFrame(
+                            {
+                                "vpp_stage": np.zeros(n, dtype=np.int64),
+                                "name": np.tile(names, len(steps)),
+                                "step": np.repeat(steps, self.params).astype(np.int64),
+                                **{op: stats[op] for op in OPS},
+                                "shape": np.tile(shapes, len(steps)),
+                                "dtype": "torch.float32",
+                            }
+                        )
+                        if key is not None:
+                            shared[family] = frame
+                    yield rank, family, a, a + self.steps_per_file - 1, frame, key
 
     def write(self, run_dir: str | Path, fmt: str = "csv") -> Path:
         """Write the run as ``fmt`` ("csv" or "parquet") under ``run_dir``; returns it."""
         run_dir = Path(run_dir)
-        for rank, family, a, b, frame in self.frames():
+        encoded: dict[tuple[str, int], bytes] = {}  # a replicated file's bytes, written to every rank
+        for rank, family, a, b, frame, key in self._files():
             rdir = run_dir / rank_dir_name(rank)
             rdir.mkdir(parents=True, exist_ok=True)
             path = rdir / family_file_name(family, a, b, ext=fmt)
+            if key is not None and key in encoded:
+                path.write_bytes(encoded[key])
+                continue
             if fmt == "csv":
                 # pandas writes float64 with repr: the CSV sink's full-precision spelling.
                 frame.to_csv(path, index=False)
@@ -136,4 +152,7 @@ class SyntheticRun:
                 import pyarrow.parquet as pq  # type: ignore[import-untyped]  # pyarrow ships no stubs
 
                 pq.write_table(pa.Table.from_pandas(frame, preserve_index=False), path, compression="zstd")
+            if key is not None:
+                encoded = {k: v for k, v in encoded.items() if k[1] == a}  # only this window's files
+                encoded[key] = path.read_bytes()
         return run_dir
