@@ -111,6 +111,35 @@ def test_missing_stat_columns_and_empty_cells_read_as_nan_like_the_in_memory_rea
     assert want and _found(engine.engine_scan(engine.run_files(tmp_path / "run"))) == want
 
 
+@pytest.mark.parametrize("bounds", ["median bounds", "median itself"])
+@pytest.mark.parametrize("rules", list(RULE_SETS))
+def test_spike_candidates_from_median_bounds_or_the_median_find_the_same(edge_run, rules, bounds, monkeypatch):
+    """Both ways the engine picks spike candidates (bounds on the median, or the median when the
+    bounds let too many rows through) end in the in-memory scan's findings."""
+    if bounds == "median itself":
+        monkeypatch.setattr(engine._Family, "_BOUND_CANDIDATES", 0)
+    want = _found(scan(load_run(edge_run), RULE_SETS[rules]))
+    assert _found(engine.engine_scan(engine.run_files(edge_run), RULE_SETS[rules])) == want
+
+
+@pytest.mark.parametrize("bounds", ["median bounds", "median itself"])
+@pytest.mark.parametrize("values", [[10.0] * 4 + [1.0], [10.0] * 4 + [100.0], [-3.0, 2.0, -1.0, 4.0, 40.0],
+                                    [-10.0, -10.0, -10.0, -10.0, -1.0], [0.0, 0.0, 0.0, 0.0, 5.0]])
+def test_a_spike_exactly_at_the_factor_fires_in_both_scans(tmp_path, values, bounds, monkeypatch):
+    """Ratios exactly at ``factor`` and ``1 / factor`` (the rule's ``>=`` / ``<=``), windows around
+    zero and below it, a zero baseline with no floor."""
+    if bounds == "median itself":
+        monkeypatch.setattr(engine._Family, "_BOUND_CANDIDATES", 0)
+    rank = tmp_path / "run" / "rank0"
+    rank.mkdir(parents=True)
+    rows = "".join(f'0,w,{s},{v!r},0,"[2]",torch.float32\n' for s, v in enumerate(values))
+    (rank / "grad_reduced_0-9.csv").write_text("vpp_stage,name,step,norm,nans,shape,dtype\n" + rows)
+    rules = Rules(spike=SpikeRule(factor=10.0, floor=0.0, warmup=3, window=4))
+    want = _found(scan(load_run(tmp_path / "run"), rules))
+    assert [a["step"] for a in want if a["rule"] == "spike"] == [4]
+    assert _found(engine.engine_scan(engine.run_files(tmp_path / "run"), rules)) == want
+
+
 BOUNDED = """
 import sys
 from trainmon.cli import main

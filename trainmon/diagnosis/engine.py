@@ -300,26 +300,27 @@ class _Family:
         return f"(NOT isnan({v}) AND {v} > 0)" if op in COUNT_OPS else f"NOT isfinite({v})"
 
     def spikes(self, op: str, rule) -> list[tuple]:
-        """Candidates from DuckDB's windowed median (fast), then each candidate's baseline exactly, in
-        pandas' arithmetic, from its window's values; the rule is applied to that exact baseline."""
+        """Candidates from bounds on each row's windowed median (fast), then each candidate's
+        baseline exactly, in pandas' arithmetic, from its window's values; the rule is applied to
+        that exact baseline."""
         v, w = self._v(op), int(rule.window)
         series = "rank, vpp_stage, name, micro_step, occurrence"
         finite = f"FROM o WHERE {self._tensor_rows()} AND isfinite({v})"
-        # Candidates: a little wider than the rule, since DuckDB's median (lo + (hi - lo) / 2) and
-        # pandas' ((lo + hi) / 2) can differ in the last bit, and the latter overflows near the
-        # float64 maximum (> 8e307); the exact rule is applied below.
-        slack = 1.0 - 1e-9
-        floor = float(rule.floor)
-        ratio = f"((abs(v) + {floor!r}) / (abs(base) + {floor!r}))"
-        candidates = self.con.execute(f"""
-            WITH b AS (
-                SELECT g, step, name, rank, micro_step, vpp_stage, occurrence, {v} AS v,
-                       median({v}) OVER win AS base, count({v}) OVER win AS n {finite}
-                WINDOW win AS (PARTITION BY {series} ORDER BY step, g ROWS BETWEEN {w} PRECEDING AND 1 PRECEDING))
-            SELECT g, step, name, rank, micro_step, vpp_stage, occurrence, v FROM b
-            WHERE n >= {int(rule.warmup)} AND (abs(base) + {floor!r} = 0 OR abs(base) > 8e307
-                  OR {ratio} >= {float(rule.factor) * slack!r} OR {ratio} <= {slack / float(rule.factor)!r})
-            """).fetchall()
+        window = f"WINDOW win AS (PARTITION BY {series} ORDER BY step, g ROWS BETWEEN {w} PRECEDING AND 1 PRECEDING)"
+        keys = "g, step, name, rank, micro_step, vpp_stage, occurrence"
+        # The median of a window lies in [min, max] of its values, so |median| lies in [lo, hi]
+        # below: a row can only fire if it would fire against one of those bounds.  min/max
+        # windows cost less than a median window, and the exact check below decides.
+        bounds = f"""SELECT {keys}, {v} AS v, count({v}) OVER win AS n,
+                     CASE WHEN min({v}) OVER win > 0 THEN min({v}) OVER win
+                          WHEN max({v}) OVER win < 0 THEN -max({v}) OVER win ELSE 0 END AS lo,
+                     greatest(abs(min({v}) OVER win), abs(max({v}) OVER win)) AS hi {finite} {window}"""
+        if self._spike_candidates(bounds, "lo", "hi", rule) > self._BOUND_CANDIDATES:
+            # Bounds too loose (values around zero, wild series): the median itself.
+            median = f"SELECT {keys}, {v} AS v, count({v}) OVER win AS n, abs(median({v}) OVER win) AS m"
+            median += f" {finite} {window}"
+            self._spike_candidates(median, "m", "m", rule)
+        candidates = self.con.execute("SELECT * FROM spike_cand ORDER BY g").fetchall()
         if not candidates:
             return []
         self.con.execute(
@@ -343,6 +344,24 @@ class _Family:
             if rule.fires(value, base):
                 out.append((g, step, name, rank, op, value, "spike", micro, vpp, base, occ))
         return out
+
+    # Candidates per family beyond which the median bounds are given up for the median itself
+    # (each candidate's exact window is a join with its series' earlier rows).
+    _BOUND_CANDIDATES = 10_000
+
+    def _spike_candidates(self, windows: str, lo: str, hi: str, rule) -> int:
+        """Table ``spike_cand``: the rows of ``windows`` whose |baseline| in ``[lo, hi]`` could
+        fire ``rule``, a little wider than the rule, since DuckDB's median (lo + (hi - lo) / 2) and
+        pandas' ((lo + hi) / 2) can differ in the last bit, and the latter overflows near the
+        float64 maximum (> 8e307).  Returns their number."""
+        slack, floor, factor = 1.0 - 1e-9, float(rule.floor), float(rule.factor)
+        f = f"{floor!r}"
+        self.con.execute(f"""CREATE OR REPLACE TEMP TABLE spike_cand AS
+            SELECT g, step, name, rank, micro_step, vpp_stage, occurrence, v FROM ({windows})
+            WHERE n >= {int(rule.warmup)} AND ({lo} + {f} = 0 OR {hi} > 8e307
+                  OR abs(v) + {f} >= {factor * slack!r} * ({lo} + {f})
+                  OR (abs(v) + {f}) * {factor * slack!r} <= {hi} + {f})""")
+        return self.con.execute("SELECT count(*) FROM spike_cand").fetchone()[0]
 
     def over_threshold(self, op: str, threshold: float) -> list[tuple]:
         v = self._v(op)
