@@ -174,3 +174,19 @@ def test_engine_memory_stays_bounded_where_the_in_memory_scan_needs_much_more(tm
     first = engine_doc["anomalies"][0]
     assert (first["step"], first["kind"], first["rule"]) == (synth.spike_step, "grad_reduced", "spike")
     assert engine_mb < limit_mb < memory_mb, (engine_mb, memory_mb)
+
+
+
+@pytest.mark.slow
+def test_a_long_query_prints_no_progress_bar_on_stdout_so_json_stays_clean(tmp_path):
+    # DuckDB draws its own bar on stdout once a query passes 2 s (seen in CI: it broke `--json`).
+    # The query below runs ~3-5 s on 2 cores; stdout must hold only what the script prints.
+    n = 250_000_000
+    script = (
+        "from trainmon.diagnosis import engine\n"
+        f"con = engine._connect(None, {str(tmp_path)!r})\n"
+        f"print(con.execute('select sum(i * i) from range({n}) t(i)').fetchone()[0])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"{(n - 1) * n * (2 * n - 1) // 6}\n"

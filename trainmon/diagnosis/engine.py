@@ -398,7 +398,11 @@ def _connect(threads: int | None, spill_dir: str):
     }
     if threads:
         config["threads"] = int(threads)
-    return duckdb.connect(":memory:", config=config)
+    con = duckdb.connect(":memory:", config=config)
+    # DuckDB's own bar prints to stdout once a query passes 2 s, which corrupts `--json` on a slow
+    # machine; the commands draw their own progress on stderr, and only on a terminal.
+    con.execute("SET enable_progress_bar = false")
+    return con
 
 
 def engine_scan(files: RunFiles, rules: Rules = Rules(), *, threads: int | None = None, progress=None) -> list[Anomaly]:
