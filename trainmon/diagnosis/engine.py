@@ -22,7 +22,7 @@ Exactly the same findings as ``scan.scan`` (tests compare both on the fault runs
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -172,8 +172,7 @@ class _Family:
         self.micro = "micro_step" in cols
         self.present = [s for s in self.stats if s in cols]
         self.groups, self.cols, self.texts, self.numbers = groups, cols, tuple(texts), tuple(numbers)
-        con.execute("CREATE OR REPLACE TEMP TABLE ranks_of(filename VARCHAR, rank INTEGER)")
-        con.executemany("INSERT INTO ranks_of VALUES (?, ?)", list(self.rank_of.items()))
+        _fill(con, "ranks_of", {"filename": "VARCHAR", "rank": "INTEGER"}, list(self.rank_of.items()))
         # CSV is first read with its numeric columns typed (DuckDB's parser, the one TRY_CAST uses:
         # about 2x faster than text plus casts); a file with any cell that parser rejects is read
         # again as text (``_views(typed=False)``), where a bad stat cell is named exactly.
@@ -323,19 +322,11 @@ class _Family:
         candidates = self.con.execute("SELECT * FROM spike_cand ORDER BY g").fetchall()
         if not candidates:
             return []
-        self.con.execute(
-            "CREATE OR REPLACE TEMP TABLE cand(g BIGINT, step BIGINT, rank INTEGER, vpp_stage BIGINT, "
-            "name VARCHAR, micro_step BIGINT, occurrence BIGINT)"
-        )
-        self.con.executemany(
-            "INSERT INTO cand VALUES (?, ?, ?, ?, ?, ?, ?)",
-            [(c[0], c[1], c[3], c[5], c[2], c[4], c[6]) for c in candidates],
-        )
         # Each candidate's window: the ``w`` finite values before it in its series.
         windows = dict(
             self.con.execute(f"""
             SELECT c.g, list(s.v ORDER BY s.step DESC, s.g DESC)[1:{w}]
-            FROM cand c JOIN (SELECT g, step, {series}, {v} AS v {finite}) s USING ({series})
+            FROM spike_cand c JOIN (SELECT g, step, {series}, {v} AS v {finite}) s USING ({series})
             WHERE s.step < c.step OR (s.step = c.step AND s.g < c.g) GROUP BY c.g""").fetchall()
         )
         out = []
@@ -373,8 +364,8 @@ class _Family:
         """Row ``g`` -> its index in its (rank, step, micro_step), for the found rows' groups only."""
         if not rows:
             return {}
-        self.con.execute("CREATE OR REPLACE TEMP TABLE hit(rank INTEGER, step BIGINT, micro_step BIGINT)")
-        self.con.executemany("INSERT INTO hit VALUES (?, ?, ?)", list({(r[3], r[1], r[7]) for r in rows}))
+        hits = list({(r[3], r[1], r[7]) for r in rows})
+        _fill(self.con, "hit", {"rank": "INTEGER", "step": "BIGINT", "micro_step": "BIGINT"}, hits)
         wanted = {r[0] for r in rows}
         found = self.con.execute(f"""
             SELECT g, {POSITION} FROM o SEMI JOIN hit USING (rank, step, micro_step)""").fetchall()
@@ -386,6 +377,16 @@ def _median(values: list[float]) -> float:
     ordered = sorted(values)
     n = len(ordered)
     return ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+
+
+def _fill(con, table: str, columns: Mapping[str, str], rows: Sequence[tuple]) -> None:
+    """The temp table ``table`` (``columns``: name -> SQL type) holding ``rows``, in one statement:
+    ``executemany`` runs one statement per row (~0.1 ms each, seconds for thousands of rows)."""
+    schema = ", ".join(f"{_q(c)} {t}" for c, t in columns.items())
+    con.execute(f"CREATE OR REPLACE TEMP TABLE {table}({schema})")
+    if rows:
+        lists = [list(col) for col in zip(*rows)]
+        con.execute(f"INSERT INTO {table} SELECT " + ", ".join(f"unnest(?::{t}[])" for t in columns.values()), lists)
 
 
 def _connect(threads: int | None, spill_dir: str):

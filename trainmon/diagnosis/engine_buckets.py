@@ -133,9 +133,10 @@ class StagedRun:
         ids = {f: i for i, f in enumerate(self.families)}
         code = {name: i for i, name in enumerate(self.texts["name"])}
         p = self.prefix
-        self.con.execute(f"CREATE OR REPLACE TEMP TABLE {p}_bk(fam SMALLINT, name INTEGER, bucket INTEGER)")
-        self.con.executemany(
-            f"INSERT INTO {p}_bk VALUES (?, ?, ?)",
+        engine._fill(
+            self.con,
+            f"{p}_bk",
+            {"fam": "SMALLINT", "name": "INTEGER", "bucket": "INTEGER"},
             [(ids[f], code[name], k) for (f, name), k in bucket_of.items() if f in ids],
         )
         self.con.execute(f"""CREATE OR REPLACE TEMP TABLE {p}_rows AS
