@@ -235,3 +235,20 @@ def test_without_foreach_max_or_mask_out_variants_the_values_stay_exact(monkeypa
             else:
                 atol = want["_mean_atol"] if op == "mean" else 1e-30
                 assert r.stats[op] == pytest.approx(want[op], rel=1e-5, abs=atol), (r.name, op)
+
+
+def test_large_tensors_of_a_buffer_are_reduced_alone_so_partials_stay_within_a_kib_per_row():
+    # Megatron-like: big matrices (2,000 chunks of 256 each) between small norm weights and biases;
+    # one batch over the whole span would make 4 B x 6,000 chunks = 24 KB of partials (1.5 KB a row)
+    sizes = [256 * k for k in (2000, 1, 2, 1, 2000, 1, 1, 3, 1, 2, 2000, 1, 1, 1, 1, 2)]
+    tensors = _views(sizes, gap=256)
+    assert 4 * _chunks(tensors) > 1024 * len(tensors)
+    engine = StatsEngine(DEFAULT)
+    c = _counted(engine, tensors)
+    assert c.largest <= 1024 * len(tensors), c.largest  # at most 1 KiB of partials per row
+    assert c.ops <= 3 * len(tensors), c.names            # the small ones still batched
+    assert c.syncs == 0 and c.copies == 0
+    engine = StatsEngine(DEFAULT)
+    engine.capture("x", [Tracked(f"t{i}", t) for i, t in enumerate(tensors)])
+    for t, r in zip(tensors, engine.finish_step(0)):
+        _assert_close(r.stats, t)

@@ -68,6 +68,9 @@ _MASKS_OUT = all(hasattr(op, "out") for op in (torch.ops.aten.isnan, torch.ops.a
 _WIDTH_MAX = 1 << 12  # chunk width of the batched path: the largest power of two dividing every
 _WIDTH_MIN = 256  # boundary, at most this; below _WIDTH_MIN the tensors are reduced one by one
 _COUNT_EXACT = 1 << 24  # batched counts are summed in fp32: exact for tensors up to this many elements
+_CHUNKS_PER_ROW = 256  # a batched group's float32 partials stay within 1 KiB per row: a tensor that
+# alone spans more chunks is reduced by itself (3 ops reading it, no temporary), where the launches a
+# batch saves are nothing next to reading it; small tensors beside it lend the group their share
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,38 @@ class _FlatLayout:
         return _FlatLayout(start, width, (end - start) // width, _to_device(lengths, device), select, largest)
 
 
+def _batches(key: tuple[tuple[int, int], ...], device: torch.device) -> list[tuple[list[int], _FlatLayout]]:
+    """The views ``key`` (offset, elements) of one buffer split into runs, in storage order, whose
+    per-chunk partials fit ``_CHUNKS_PER_ROW`` chunks per row (gaps between them included), each
+    with its layout; a run of fewer than ``_MIN_BATCH`` tensors is left to the one-by-one paths.
+    Built once per layout."""
+    width = _WIDTH_MAX
+    for off, n in key:
+        width = math.gcd(width, off - key[0][0], n)
+    if width < _WIDTH_MIN:
+        return []
+    runs: list[list[int]] = []
+    run: list[int] = []
+    chunks = end = 0
+    for k in sorted(range(len(key)), key=lambda k: key[k][0]):
+        off, n = key[k]
+        more = (n + max(off - end, 0)) // width
+        if run and chunks + more <= _CHUNKS_PER_ROW * (len(run) + 1):
+            run.append(k)
+            chunks += more
+        else:
+            runs.append(run)
+            run, chunks = [k], n // width
+        end = off + n
+    runs.append(run)
+    out = []
+    for run in runs:
+        layout = _FlatLayout.of(tuple(key[k] for k in run), device) if len(run) >= _MIN_BATCH else None
+        if layout is not None:
+            out.append((run, layout))
+    return out
+
+
 def _storage_ptr(t: torch.Tensor) -> int | None:
     """The address of ``t``'s storage; None for tensors without one (XLA, lazy, functional)."""
     try:
@@ -148,7 +183,7 @@ class DeviceRows:
         self.numels: list[int] = []
         self.kinds: list[torch.dtype] = []  # the dtype whose extremes buffer holds the row's min/max
         self._scratch: dict[Any, torch.Tensor] = {}  # stream -> [counts, size] bool masks (see _count)
-        self._layouts: dict[tuple, _FlatLayout | None] = {}  # flat layouts seen (see _flat_groups)
+        self._layouts: dict[tuple, list[tuple[list[int], _FlatLayout]]] = {}  # seen (see _flat_groups)
         self._batchable = set(self.values) <= {"sum", "sumsq", "min", "max"}  # not m2 (std)
         self._triton = device_triton.TritonRows(self) if device_triton.supported(device, self.values) else None
 
@@ -234,20 +269,16 @@ class DeviceRows:
         for idx in by_storage.values():
             if len(idx) >= _MIN_BATCH:
                 key = tuple((int(tensors[k].storage_offset()), tensors[k].numel()) for k in idx)
-                if key in self._layouts:
-                    layout = self._layouts[key]
-                else:
+                if key not in self._layouts:
                     if len(self._layouts) > 256:
                         self._layouts.clear()
-                    layout = self._layouts[key] = _FlatLayout.of(key, self.device)
-                fits = not self.counts or (
-                    _MASKS_OUT
-                    and layout is not None
-                    and layout.chunks * layout.width <= _SCRATCH_MAX
-                    and layout.largest <= _COUNT_EXACT
-                )
-                if layout is not None and fits:
-                    groups.append((idx, layout))
+                    self._layouts[key] = _batches(key, self.device)
+                for pos, layout in self._layouts[key]:
+                    fits = not self.counts or (
+                        _MASKS_OUT and layout.chunks * layout.width <= _SCRATCH_MAX and layout.largest <= _COUNT_EXACT
+                    )
+                    if fits:
+                        groups.append(([idx[j] for j in pos], layout))
         return groups
 
     def _batch(self, tensors: list[torch.Tensor], layout: _FlatLayout, row: int) -> None:
