@@ -20,7 +20,8 @@ from tests.diagnosis.test_diag_engine import peak_mb
 from trainmon.cli import main
 from trainmon.diagnosis import engine
 from trainmon.diagnosis.compare import compare_runs
-from trainmon.diagnosis.engine_buckets import engine_compare, engine_ranks
+from trainmon.diagnosis.engine_buckets import engine_ranks
+from trainmon.diagnosis.engine_compare import engine_compare
 from trainmon.diagnosis.ranks import check_ranks
 from trainmon.diagnosis.reader import load_run
 
@@ -48,8 +49,22 @@ def test_engine_compare_finds_what_the_in_memory_compare_finds_csv_and_parquet(p
     want = compare_runs(load_run(base), load_run(target), top=3).to_json()
     assert want["diverged_rows"] and want["first_divergence"] and want["only_in_base"] + want["renamed"]
     for b, t in ((base, target), (as_parquet(base, pq_dir), as_parquet(target, pq_dir))):
-        got = engine_compare(engine.run_files(b), engine.run_files(t), rows_per_bucket=TINY_BUCKET, top=3)
+        got = engine_compare(engine.run_files(b), engine.run_files(t), top=3)
         assert got.to_json() == want
+
+
+@pytest.mark.parametrize("options", [
+    {"top": 5, "rtol": 0.0},                                   # every difference diverges
+    pytest.param({"top": 2, "atol": 1e-3, "ops": ["norm", "max"]}, marks=pytest.mark.slow),
+    pytest.param({"top": 4, "rtol": 0.5}, marks=pytest.mark.slow),
+])
+@pytest.mark.parametrize("pair", [("nan", "healthy"), pytest.param(("corrupt", "corrupt3"), marks=pytest.mark.slow)])
+def test_the_sql_alignment_equals_the_in_memory_compare_with_nan_other_ranks_and_any_tolerance(pair, options):
+    # NaN against finite values (the nan run), a third rank only in the target (corrupt3)
+    base, target = (named_run(name) for name in pair)
+    want = compare_runs(load_run(base), load_run(target), **options).to_json()
+    assert want["diverged_rows"] and want["largest_by_family"]
+    assert engine_compare(engine.run_files(base), engine.run_files(target), **options).to_json() == want
 
 
 def test_ranks_and_compare_commands_print_the_same_json_on_both_engines(capsys):

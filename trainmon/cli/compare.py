@@ -11,7 +11,7 @@ from trainmon.cli._options import check_recorded, non_negative, rank_list
 from trainmon.cli._progress import Progress
 from trainmon.diagnosis import engine
 from trainmon.diagnosis.compare import compare_runs
-from trainmon.diagnosis.engine_buckets import engine_compare
+from trainmon.diagnosis.engine_compare import engine_compare
 from trainmon.diagnosis.reader import RunDirError, RunTable, load_run
 from trainmon.diagnosis.report import dump_json, parse_name_list, table
 from trainmon.families import NOT_SCALAR

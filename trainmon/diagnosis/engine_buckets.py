@@ -1,8 +1,9 @@
 """A run's rows inside DuckDB, handed to Python one bucket of tensor names at a time.
 
-``ranks`` and ``compare`` look at rows across ranks (per family, name, step) and along each
-(rank, name) series over steps, never across names.  So they can run on all rows of a set of
-names at a time, with their pandas logic unchanged:
+``ranks`` looks at rows across ranks (per family, name, step) and along each (rank, name) series
+over steps, never across names.  So it can run on all rows of a set of names at a time, with its
+pandas logic unchanged (``compare`` stages runs here too, then aligns them in SQL:
+``engine_compare``):
 
 1. **stage**: every family's files are read by DuckDB once (``engine._Family``: CSV typed, with
    the bad-cell check, Parquet natively), with the ordering columns the in-memory reader computes
@@ -33,7 +34,7 @@ from trainmon.diagnosis.engine import POSITION, RunFiles, _Family, _q
 from trainmon.diagnosis.flow import FLOW_KEYS, PHASES, phase_of
 from trainmon.diagnosis.reader import EXTRA_PREFIX, RunTable, numel_column
 
-__all__ = ["ROWS_PER_BUCKET", "Engine", "StagedRun", "pack_buckets", "engine_ranks", "engine_compare"]
+__all__ = ["ROWS_PER_BUCKET", "GROUP", "Engine", "StagedRun", "pack_buckets", "engine_ranks"]
 
 # Rows handed to Python at once (all families, ranks and steps of a set of names).
 ROWS_PER_BUCKET = int(os.environ.get("TRAINMON_ENGINE_BUCKET_ROWS", "250000"))
@@ -221,57 +222,3 @@ def engine_ranks(files: RunFiles, *, rows_per_bucket: int = 0, threads: int | No
         for k in buckets(bucket_of):
             issues += check_ranks(run.bucket(k), ranks=files.ranks, **checks)
     return sorted(issues, key=issue_order)
-
-
-def engine_compare(
-    base: RunFiles,
-    target: RunFiles,
-    *,
-    rtol: float = 1e-3,
-    atol: float = 0.0,
-    ops=None,
-    top: int = 5,
-    rows_per_bucket: int = 0,
-    threads: int | None = None,
-    progress=None,
-):
-    """``compare.compare_runs`` of two runs' files, one bucket of names at a time.
-
-    The name matching (wrapper prefixes) is decided on the families' whole name sets first; a
-    target row goes to the bucket of the base name it matches, so aligned rows meet in one bucket.
-    """
-    from trainmon.diagnosis.compare import SliceResult, compare_slice, finish_comparison, plan_families
-    from trainmon.families import NOT_SCALAR
-
-    with Engine(threads) as con:
-        scalar = [f for f in base.family_stats if f not in NOT_SCALAR]
-        b = StagedRun(con, base, "b", families=scalar, progress=progress)
-        t = StagedRun(
-            con, target, "t", families=[f for f in target.family_stats if f not in NOT_SCALAR], progress=progress
-        )
-        b_names, t_names = b.names(), t.names()
-        plans = plan_families(
-            b.family_stats,
-            t.family_stats,
-            ops,
-            lambda f: (b_names[f], t_names[f]),
-            b.grouped,
-        )
-        b_counts, t_counts = b.name_rows(), t.name_rows()
-        # Target rows keyed by the base name they align with; unmatched ones of a compared family
-        # are left out, as compare_runs leaves them out.
-        t_key = {(f, name): (plans[f].names.get(name) if f in plans else name) for f, name in t_counts}
-        rows_of_key = _rows_by_key(b_counts, {key: key[1] for key in b_counts})
-        for key, n in _rows_by_key(t_counts, t_key).items():
-            rows_of_key[key] = rows_of_key.get(key, 0) + n
-        bucket_of = pack_buckets(rows_of_key, rows_per_bucket)
-        b.partition({key: bucket_of[key[1]] for key in b_counts})
-        t.partition({key: bucket_of[k] for key, k in t_key.items() if k is not None})
-        total = SliceResult()
-        for k in buckets(bucket_of):
-            total.add(
-                compare_slice(
-                    b.bucket(k, all_families=True), t.bucket(k, all_families=True), plans, rtol=rtol, atol=atol, top=top
-                )
-            )
-    return finish_comparison(total, plans, base.path, target.path, rtol=rtol, atol=atol, top=top)
