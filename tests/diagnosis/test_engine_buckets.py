@@ -102,7 +102,7 @@ def test_every_command_stays_bounded_in_memory_where_the_in_memory_path_needs_mu
     synth = SyntheticRun(ranks=4, steps=60, params=500, steps_per_file=25)  # 720,000 rows
     run = synth.write(tmp_path / "run", "parquet")
     # measured (VmHWM of the command's process; a 128 MB engine cap, 50k-row buckets): engine
-    # 253 / 339 / 377 MB for anomalies / ranks / compare, in-memory 597 / 597 / 737 MB
+    # 253 / 339 / 321 MB for anomalies / ranks / compare, in-memory 597 / 597 / 734 MB
     limit_mb = 480
     for argv in (["anomalies", str(run)], ["ranks", str(run)], ["compare", str(run), str(run)]):
         engine_mb, engine_doc = peak_mb(argv, "duckdb", TRAINMON_ENGINE_BUCKET_ROWS="50000")
