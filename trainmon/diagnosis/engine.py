@@ -191,18 +191,25 @@ class _Family:
         carried = [f"COALESCE(CAST({_q(c)} AS VARCHAR), '')" if c in cols else "''" for c in texts]
         carried = [f"{sql} AS {_q(c)}" for sql, c in zip(carried, texts)]
         carried += [f"{self._num(c)} AS {_q(c)}" if c in cols else f"NULL::DOUBLE AS {_q(c)}" for c in numbers]
+        # Row order ``g``: typed CSV and Parquet are read straight into ``o0`` (a parallel scan that
+        # keeps the files' order), whose ``rowid`` is then the order; the rank comes by joining the
+        # file names afterwards, where the order is already fixed.  A global ``row_number() OVER ()``
+        # (the text read, kept for naming a bad cell) makes the scan single-threaded: 2x slower.
+        numbered = not (self.parquet or self.typed)
         con.execute(f"""
             CREATE OR REPLACE TEMP VIEW raw AS
-            SELECT row_number() OVER () AS g, * FROM ({source})""")
+            SELECT {"row_number() OVER () AS g, " if numbered else ""}* FROM ({source})""")
         con.execute(f"""
             CREATE OR REPLACE TEMP VIEW t AS
-            SELECT g, filename, ({self._bad_text()}) AS bad, r.rank, {self._int("step")} AS step,
+            SELECT {"g, r.rank, " if numbered else ""}filename, ({self._bad_text()}) AS bad,
+                   {self._int("step")} AS step,
                    COALESCE({micro}, -1) AS micro_step,
                    COALESCE({self._int("vpp_stage") if "vpp_stage" in cols else "NULL"}, 0) AS vpp_stage,
                    CAST(name AS VARCHAR) AS name,
                    COALESCE(CAST(dtype AS VARCHAR), '') AS dtype{"".join(", " + c for c in carried)}{"," if num else ""}
                    {num}
-            FROM raw JOIN ranks_of r USING (filename)""")
+            FROM raw{" JOIN ranks_of r USING (filename)" if numbered else ""}""")
+        self.numbered = numbered
 
     def _scan(self, header: tuple[str, ...], paths: list[str]) -> str:
         listing = "[" + ", ".join(_lit(p) for p in paths) + "]"
@@ -260,26 +267,33 @@ class _Family:
         all_nan = " AND ".join(f"isnan({self._v(s)})" for s in self.stats) or "true"
         return f"NOT (trim(dtype) IN ('', 'None', 'nan') AND {all_nan})"
 
+    def _read(self) -> None:
+        """``o0``: the family's rows, read once; ``o0n``: with their order ``g`` and rank."""
+        self.con.execute("CREATE OR REPLACE TEMP TABLE o0 AS SELECT * FROM t")
+        ordered = "*" if self.numbered else "o0.rowid AS g, r.rank, o0.*"
+        joined = "" if self.numbered else " JOIN ranks_of r USING (filename)"
+        self.con.execute(f"CREATE OR REPLACE TEMP VIEW o0n AS SELECT {ordered} FROM o0{joined}")
+
     def ordered_view(self) -> None:
         """``o``: the family's rows, read once; ``occurrence`` numbered only where names repeat in a step."""
         if self.typed:  # DuckDB appends to its reject tables: start them empty for this family
             self.con.execute("DROP TABLE IF EXISTS reject_errors")
             self.con.execute("DROP TABLE IF EXISTS reject_scans")
-        self.con.execute("CREATE OR REPLACE TEMP TABLE o0 AS SELECT * FROM t")
+        self._read()
         if self.typed and self.con.execute("SELECT count(*) FROM reject_errors").fetchone()[0]:
             self.typed = False  # a cell DuckDB's number parser refused: read as text, judged there
             self._views()
-            self.con.execute("CREATE OR REPLACE TEMP TABLE o0 AS SELECT * FROM t")
+            self._read()
         repeats = self.con.execute("""
-            SELECT count(*) FROM (SELECT 1 FROM o0 GROUP BY rank, step, micro_step, vpp_stage, name
+            SELECT count(*) FROM (SELECT 1 FROM o0n GROUP BY rank, step, micro_step, vpp_stage, name
                                   HAVING count(*) > 1 LIMIT 1)""").fetchone()[0]
         if repeats:
             self.con.execute("""CREATE OR REPLACE TEMP VIEW o AS SELECT *, row_number() OVER (
-                PARTITION BY rank, step, micro_step, vpp_stage, name ORDER BY g) - 1 AS occurrence FROM o0""")
+                PARTITION BY rank, step, micro_step, vpp_stage, name ORDER BY g) - 1 AS occurrence FROM o0n""")
             self.con.execute("CREATE OR REPLACE TEMP TABLE o1 AS SELECT * FROM o")
             self.con.execute("CREATE OR REPLACE TEMP VIEW o AS SELECT * FROM o1")
         else:  # no copy: names are unique in every step (all but comm-like families)
-            self.con.execute("CREATE OR REPLACE TEMP VIEW o AS SELECT *, 0::BIGINT AS occurrence FROM o0")
+            self.con.execute("CREATE OR REPLACE TEMP VIEW o AS SELECT *, 0::BIGINT AS occurrence FROM o0n")
 
     def nonfinite(self) -> list[tuple]:
         ops = [c for c in COUNT_OPS if c in self.stats] + [c for c in self.stats if c not in COUNT_OPS]
