@@ -92,7 +92,7 @@ def stage_of(family: str) -> str:
     return _STAGE_OF_FAMILY.get(family) or _STAGE_OF_PHASE.get(phase_of(family), "backward")
 
 
-_ALIGN = ["vpp_stage", "name", "step", "rank", "micro_step", "occurrence"]
+ALIGN_KEYS = ["vpp_stage", "name", "step", "rank", "micro_step", "occurrence"]
 
 
 @dataclass(frozen=True)
@@ -261,8 +261,9 @@ def _family_diffs(
     target["target_name"] = target["name"]
     target["name"] = target["name"].map(plan.names)
     extras = [EXTRA_PREFIX + "group"] if plan.grouped else []
-    keep_b = [*_ALIGN, *(c for c in FLOW_KEYS if c not in _ALIGN), "phase", "numel", *extras, *ops]
-    merged = base[keep_b].merge(target[[*_ALIGN, "target_name", *ops]], on=_ALIGN, how="inner", suffixes=("", "@t"))
+    keep_b = [*ALIGN_KEYS, *(c for c in FLOW_KEYS if c not in ALIGN_KEYS), "phase", "numel", *extras, *ops]
+    keep_t = [*ALIGN_KEYS, "target_name", *ops]
+    merged = base[keep_b].merge(target[keep_t], on=ALIGN_KEYS, how="inner", suffixes=("", "@t"))
     only_b, only_t = len(base) - len(merged), len(target) - len(merged)
     if merged.empty:
         return merged, only_b, only_t

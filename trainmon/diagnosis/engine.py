@@ -195,7 +195,7 @@ class _Family:
         # keeps the files' order), whose ``rowid`` is then the order; the rank comes by joining the
         # file names afterwards, where the order is already fixed.  A global ``row_number() OVER ()``
         # (the text read, kept for naming a bad cell) makes the scan single-threaded: 2x slower.
-        numbered = not (self.parquet or self.typed)
+        numbered = self._numbered
         con.execute(f"""
             CREATE OR REPLACE TEMP VIEW raw AS
             SELECT {"row_number() OVER () AS g, " if numbered else ""}* FROM ({source})""")
@@ -209,7 +209,6 @@ class _Family:
                    COALESCE(CAST(dtype AS VARCHAR), '') AS dtype{"".join(", " + c for c in carried)}{"," if num else ""}
                    {num}
             FROM raw{" JOIN ranks_of r USING (filename)" if numbered else ""}""")
-        self.numbered = numbered
 
     def _scan(self, header: tuple[str, ...], paths: list[str]) -> str:
         listing = "[" + ", ".join(_lit(p) for p in paths) + "]"
@@ -267,11 +266,16 @@ class _Family:
         all_nan = " AND ".join(f"isnan({self._v(s)})" for s in self.stats) or "true"
         return f"NOT (trim(dtype) IN ('', 'None', 'nan') AND {all_nan})"
 
+    @property
+    def _numbered(self) -> bool:
+        """Whether ``t`` numbers its rows itself (the text read) rather than ``o0.rowid``."""
+        return not (self.parquet or self.typed)
+
     def _read(self) -> None:
         """``o0``: the family's rows, read once; ``o0n``: with their order ``g`` and rank."""
         self.con.execute("CREATE OR REPLACE TEMP TABLE o0 AS SELECT * FROM t")
-        ordered = "*" if self.numbered else "o0.rowid AS g, r.rank, o0.*"
-        joined = "" if self.numbered else " JOIN ranks_of r USING (filename)"
+        ordered = "*" if self._numbered else "o0.rowid AS g, r.rank, o0.*"
+        joined = "" if self._numbered else " JOIN ranks_of r USING (filename)"
         self.con.execute(f"CREATE OR REPLACE TEMP VIEW o0n AS SELECT {ordered} FROM o0{joined}")
 
     def ordered_view(self) -> None:

@@ -144,9 +144,9 @@ class StagedRun:
             SELECT s.*, b.bucket FROM {p}_staged s JOIN {p}_bk b USING (fam, name) ORDER BY b.bucket""")
         self.con.execute(f"DROP TABLE {p}_staged")
 
-    def bucket(self, k: int, *, all_families: bool = False) -> RunTable:
+    def bucket(self, k: int) -> RunTable:
         """Bucket ``k`` as a run table (``load_run``'s columns); ``family_stats`` holds the families
-        with rows in it, or every staged family with ``all_families``."""
+        with rows in it."""
         frame = self.con.execute(f"SELECT * EXCLUDE (bucket) FROM {self.prefix}_rows WHERE bucket = ?", [k]).fetchdf()
         fam = frame.pop("fam").to_numpy(dtype=np.int64)
         numels = numel_column(pd.Series(self.texts["shape"], dtype=object)).to_numpy(dtype=float)
@@ -160,7 +160,7 @@ class StagedRun:
         frame["flow"] = np.asarray([PHASES.index(p) for p in phases], dtype=np.int64)[fam]
         frame["family_order"] = fam  # families are staged in flow order (``run_files``)
         frame = frame.sort_values(list(FLOW_KEYS), kind="mergesort", ignore_index=True)
-        present = set(self.families) if all_families else {self.families[i] for i in np.unique(fam)}
+        present = {self.families[i] for i in np.unique(fam)}
         return RunTable(
             path=self.files.path,
             frame=frame,

@@ -18,6 +18,7 @@ import pandas as pd
 
 from trainmon.diagnosis import engine
 from trainmon.diagnosis.compare import (
+    ALIGN_KEYS,
     Comparison,
     FamilyPlan,
     SliceResult,
@@ -33,8 +34,8 @@ from trainmon.families import NOT_SCALAR
 
 __all__ = ["engine_compare"]
 
-_KEY = ("vpp_stage", "name", "step", "rank", "micro_step", "occurrence")  # compare._ALIGN
-_ORDER = "step, micro_step, position, rank, occurrence"  # FLOW_KEYS within one family
+# FLOW_KEYS within one family (``flow`` and ``family_order`` are the same on every row)
+_ORDER = ", ".join(k for k in FLOW_KEYS if k not in ("flow", "family_order"))
 
 
 def engine_compare(
@@ -116,7 +117,7 @@ def _family(
         FROM (SELECT * FROM b_staged WHERE fam = {fb}) bb
         LEFT JOIN b_numel n ON n.shape = bb.shape
         JOIN (SELECT s.* EXCLUDE (name), m.name, s.name AS tname FROM t_staged s JOIN name_map m ON m.tname = s.name
-              WHERE s.fam = {ft}) tt USING ({", ".join(_KEY)})""")
+              WHERE s.fam = {ft}) tt USING ({", ".join(ALIGN_KEYS)})""")
     rel = [_rel(f"b{i}", f"t{i}", "0.0" if op == "norm" else "scale") for i, op in enumerate(ops)]
     over = [f"(r{i} > {float(rtol)!r} AND NOT (abs(t{i} - b{i}) <= {float(atol)!r}))" for i in range(len(ops))]
     score = [
