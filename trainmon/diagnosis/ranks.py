@@ -26,7 +26,7 @@ further from its own history (median of its previous values), else both are name
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import SupportsIndex
 
@@ -96,27 +96,55 @@ class RankIssue:
 _KEY = ["step", "vpp_stage", "name", "micro_step", "occurrence"]
 
 
-def _prepare(frame: pd.DataFrame, rtol: float) -> pd.DataFrame:
-    frame = frame.copy()
-    eps = frame["dtype"].map(_EPS).fillna(2.0**-23)
-    frame["_tol"] = np.maximum(rtol, 4 * eps)
+def _prepare(frame: pd.DataFrame, rtol: float) -> dict[str, np.ndarray]:
+    """Per row: ``_tol`` (``max(rtol, 4 eps(dtype))``) and ``_rms`` (``norm / sqrt(numel)``)."""
+    codes, dtypes = pd.factorize(frame["dtype"])  # a handful of dtypes: look each up once
+    eps = np.asarray([_EPS.get(d, 2.0**-23) for d in dtypes] + [2.0**-23])[codes]  # -1 (missing): default
+    out = {"_tol": np.maximum(rtol, 4 * eps)}
     if "norm" in frame:
         with np.errstate(invalid="ignore", divide="ignore"):
-            frame["_rms"] = (frame["norm"] / np.sqrt(frame["numel"])).replace([np.inf, -np.inf], np.nan)
+            rms = frame["norm"].to_numpy(dtype=float, na_value=np.nan) / np.sqrt(frame["numel"].to_numpy(dtype=float))
+        out["_rms"] = np.where(np.isinf(rms), np.nan, rms)
     else:
-        frame["_rms"] = np.nan
-    return frame
+        out["_rms"] = np.full(len(frame), np.nan)
+    return out
 
 
-def _pivot(frame: pd.DataFrame, columns: Sequence[str], ranks: Sequence[int]):
-    """(group keys incl. position, {column: [groups x ranks] array}) of one family."""
-    grouped = frame.set_index([*_KEY, "rank"])[list(columns)]
-    grouped = grouped[~grouped.index.duplicated()]
-    wide = grouped.unstack("rank")
-    keys = wide.index.to_frame(index=False)
-    keys["position"] = frame.groupby(_KEY, sort=False)["position"].min().reindex(wide.index).to_numpy()
-    arrays = {c: wide[c].reindex(columns=list(ranks)).to_numpy(dtype=float) for c in columns}
+def _pivot(
+    frame: pd.DataFrame, columns: Sequence[str], ranks: Sequence[int], extra: Mapping[str, np.ndarray] | None = None
+):
+    """(group keys incl. position, {column: [groups x ranks] array}) of one family; ``extra``:
+    more columns, as arrays aligned with ``frame``'s rows.
+
+    Groups in sorted key order; a (group, rank) recorded twice keeps its first row; ranks not in
+    ``ranks`` are left out.  Filled with numpy from group numbers: a MultiIndex ``unstack`` of the
+    same took most of ``ranks``' time on big runs."""
+    grouped = frame.groupby(_KEY, sort=True)
+    gid = grouped.ngroup().to_numpy()
+    first_position = grouped["position"].min()
+    keys = first_position.index.to_frame(index=False)
+    keys["position"] = first_position.to_numpy()
+    col = _slots(frame["rank"].to_numpy(dtype=np.int64), ranks)
+    cell = gid * len(ranks) + col
+    mine = np.flatnonzero(col >= 0)
+    _, first = np.unique(cell[mine], return_index=True)  # each cell's first row, in frame order
+    rows = mine[first]
+    arrays = {}
+    extra = extra or {}
+    for c in [*columns, *extra]:
+        values = extra[c] if c in extra else frame[c].to_numpy(dtype=float, na_value=np.nan)
+        out = np.full((len(keys), len(ranks)), np.nan)
+        out[gid[rows], col[rows]] = values[rows]
+        arrays[c] = out
     return keys, arrays
+
+
+def _slots(rank: np.ndarray, ranks: Sequence[int]) -> np.ndarray:
+    """Each row's column in ``ranks`` (-1: a rank not in it)."""
+    wanted = np.asarray(ranks, dtype=np.int64)
+    order = np.argsort(wanted, kind="stable")
+    at = np.minimum(np.searchsorted(wanted[order], rank), max(len(wanted) - 1, 0))
+    return np.where(wanted[order][at] == rank, order[at], -1) if len(wanted) else np.full(len(rank), -1)
 
 
 class _Keys:
@@ -168,7 +196,7 @@ def _history(frame: pd.DataFrame, op: str, ranks: Sequence[int], rule: SpikeRule
         v = rows[op].to_numpy(float)
         base = _baselines(ids, v, rule)
         score[rows.index] = np.abs(np.log((np.abs(v) + rule.floor) / (np.abs(base) + rule.floor)))
-    _, arrays = _pivot(frame.assign(_hist=score), ["_hist"], ranks)
+    _, arrays = _pivot(frame, [], ranks, {"_hist": score.to_numpy()})
     return arrays["_hist"]
 
 
@@ -194,11 +222,11 @@ def _mismatch(
     check: str,
     blame: dict[tuple, set[int]],
 ) -> list[RankIssue]:
-    fam = _prepare(table.family(family), rtol)
+    fam = table.family(family)
     ops = [o for o in table.family_stats[family] if o not in COUNT_OPS]
     if fam.empty or not ops:
         return []
-    frame_keys, arr = _pivot(fam, [*ops, "_tol", "_rms"], ranks)
+    frame_keys, arr = _pivot(fam, ops, ranks, _prepare(fam, rtol))
     keys = _Keys(frame_keys)
     tol, rms = np.nanmax(arr["_tol"], axis=1), np.nanmax(arr["_rms"], axis=1)
     with np.errstate(invalid="ignore", all="ignore"):
@@ -257,13 +285,13 @@ def _reduce_average(
     if (pre["micro_step"] >= 0).any():  # per-micro-batch pre-reduce rows: the last one is reduced
         last = pre.groupby(["rank", "step", "vpp_stage", "name", "occurrence"])["micro_step"].transform("max")
         pre = pre[pre["micro_step"] == last].assign(micro_step=-1)
-    post = _prepare(table.family("grad_reduced"), rtol)
+    post = table.family("grad_reduced")
     pre_keys, pre_arr = _pivot(pre, ["mean"], ranks)
     means = pre_arr["mean"]
     complete = np.isfinite(means).all(axis=1)
     expected = np.where(complete, means.sum(axis=1) / (len(ranks) if reduce == "mean" else 1), np.nan)
     exp_by_key = pd.Series(expected, index=pd.MultiIndex.from_frame(pre_keys[_KEY]))
-    frame_keys, arr = _pivot(post, ["mean", "_tol", "_rms"], ranks)
+    frame_keys, arr = _pivot(post, ["mean"], ranks, _prepare(post, rtol))
     keys = _Keys(frame_keys)
     exp = exp_by_key.reindex(pd.MultiIndex.from_frame(frame_keys[_KEY])).to_numpy()[:, None]
     v = arr["mean"]

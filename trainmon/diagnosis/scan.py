@@ -53,11 +53,16 @@ _BLOCK = 4096
 
 def _tensor_rows(frame: pd.DataFrame, stats: Sequence[str]) -> pd.Series:
     # msprobe-style rows for non-tensor inputs have no dtype and only NaN stats: nothing to judge.
-    no_dtype = frame["dtype"].fillna("").astype(str).str.strip().isin(["", "None", "nan"])
-    all_nan = frame[list(stats)].isna().all(axis=1) if stats else True
+    codes, dtypes = pd.factorize(frame["dtype"])  # a handful of dtypes: each judged once
+    blank = np.asarray([str(d).strip() in ("", "None", "nan") for d in dtypes] + [True], dtype=bool)
+    no_dtype = blank[codes]  # code -1: a missing dtype
+    if stats:
+        all_nan = np.isnan(frame[list(stats)].to_numpy(dtype=float, na_value=np.nan)).all(axis=1)
+    else:
+        all_nan = np.ones(len(frame), dtype=bool)
     # A tensor with no elements has no mean/min/max (NaN by definition): never a finding.
-    empty = frame["numel"] == 0 if "numel" in frame else False
-    return ~(no_dtype & all_nan) & ~empty
+    empty = frame["numel"].to_numpy() == 0 if "numel" in frame else np.zeros(len(frame), dtype=bool)
+    return pd.Series(~(no_dtype & all_nan) & ~empty, index=frame.index)
 
 
 def _result(sub: pd.DataFrame, family: str, op: pd.Series | str, value, rule: str, baseline=None) -> pd.DataFrame:
@@ -143,8 +148,8 @@ def spikes(table: RunTable, rule: SpikeRule, ops: Sequence[str]) -> pd.DataFrame
             ids = rows.groupby(_SERIES, sort=False).ngroup().to_numpy()
             values = rows[op].to_numpy(dtype=float)
             base = _baselines(ids, values, rule)
-            ratio = (np.abs(values) + rule.floor) / (np.abs(base) + rule.floor)
-            with np.errstate(invalid="ignore"):
+            with np.errstate(invalid="ignore", divide="ignore"):  # a zero/NaN baseline: judged below
+                ratio = (np.abs(values) + rule.floor) / (np.abs(base) + rule.floor)
                 hit = (ratio >= rule.factor) | (ratio <= 1.0 / rule.factor)
             hit &= ~np.isnan(base)
             if hit.any():
