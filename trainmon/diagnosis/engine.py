@@ -58,26 +58,32 @@ class RunFiles(FamilyStatsView):
     ranks: tuple[int, ...] = ()
     families_on_disk: tuple[str, ...] = ()  # every family of every rank, chosen or not
     ranks_on_disk: tuple[int, ...] = ()
+    headers: dict[str, tuple[str, ...]] = field(default_factory=dict)  # file path -> its columns
 
 
-def _columns(f: FamilyFile) -> list[str]:
-    if f.ext == "parquet":
-        from trainmon.output.parquet import parquet_columns
+def _parquet_rows_and_columns(f: FamilyFile) -> tuple[int, list[str]]:
+    """A Parquet file's row count and column names, from one read of its footer."""
+    import pyarrow.parquet as pq  # type: ignore[import-untyped]  # pyarrow ships no stubs
 
-        return parquet_columns(f.path)
-    return runs._header(Path(f.path))
+    meta = pq.read_metadata(f.path)
+    return meta.num_rows, list(meta.schema.to_arrow_schema().names)
 
 
-def _has_rows(f: FamilyFile) -> bool:
-    if f.ext == "parquet":
-        import pyarrow.parquet as pq  # type: ignore[import-untyped]  # pyarrow ships no stubs
-
-        return pq.ParquetFile(f.path).metadata.num_rows > 0
+def _csv_has_rows(f: FamilyFile) -> bool:
     with open(f.path, "rb") as fh:
         header = fh.readline()
         if not header.strip():  # the sink never leaves an empty file: damage, as for the other readers
             raise DamagedFileError(f.path, "empty file (no header)")
         return bool(fh.readline().strip())
+
+
+def _header_of(f: FamilyFile) -> tuple[str, ...] | None:
+    """The columns of a file that holds rows (None: no rows).  A CSV file is checked whole here
+    (``runs._header``: NUL bytes, UTF-8, trainmon's header), once: the engine then reads it."""
+    if f.ext == "parquet":
+        n, columns = _parquet_rows_and_columns(f)
+        return tuple(columns) if n > 0 else None
+    return tuple(runs._header(Path(f.path))) if _csv_has_rows(f) else None
 
 
 def _roles(f: FamilyFile) -> runs.ColumnRoles:
@@ -112,14 +118,16 @@ def run_files(
         for family, files in by_rank[rank].items():
             if families is not None and family not in families:
                 continue
-            with_rows = [f for f in files if _has_rows(f)]
+            headers = {str(f.path): h for f in files if (h := _header_of(f)) is not None}
+            with_rows = [f for f in files if str(f.path) in headers]
             if not with_rows:
                 continue
             seen_ranks.add(rank)
             out.files.setdefault(family, []).extend((rank, f) for f in with_rows)
+            out.headers.update(headers)
             known = stats.setdefault(family, [])
             for f in with_rows:
-                key = (family, tuple(_columns(f)))
+                key = (family, headers[str(f.path)])
                 if key not in roles_of:
                     roles_of[key] = _roles(f)
                 known += [c for c in roles_of[key].stats if c not in known]
@@ -159,15 +167,18 @@ class _Family:
         *,
         texts: Sequence[str] = (),
         numbers: Sequence[str] = (),
+        headers: Mapping[str, tuple[str, ...]] | None = None,
     ):
         """``texts`` / ``numbers``: more columns ``t`` carries, as text ('' where a file lacks one)
-        and as float64 (NULL where absent), e.g. ``shape`` and an ``extra`` column."""
+        and as float64 (NULL where absent), e.g. ``shape`` and an ``extra`` column.  ``headers``:
+        the files' columns as ``run_files`` read them (``RunFiles.headers``), else read here."""
         self.con, self.family, self.stats = con, family, tuple(stats)
         self.parquet = files[0][1].ext == "parquet"
         self.rank_of = {str(f.path): rank for rank, f in files}
         groups: dict[tuple[str, ...], list[str]] = {}
         for _, f in files:
-            groups.setdefault(tuple(_columns(f)), []).append(str(f.path))
+            header = headers.get(str(f.path)) if headers else None
+            groups.setdefault(header or _header_of(f) or (), []).append(str(f.path))
         cols = {c for header in groups for c in header}
         self.micro = "micro_step" in cols
         self.present = [s for s in self.stats if s in cols]
@@ -435,7 +446,7 @@ def engine_scan(files: RunFiles, rules: Rules = Rules(), *, threads: int | None 
     found: dict[str, list[Anomaly]] = {"nonfinite": [], "spike": [], "threshold": []}
     try:
         for family, stats in files.family_stats.items():
-            fam = _Family(con, family, files.files[family], stats)
+            fam = _Family(con, family, files.files[family], stats, headers=files.headers)
             fam.ordered_view()
             fam.check_cells()
             rows: list[tuple] = []

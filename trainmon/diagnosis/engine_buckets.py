@@ -87,7 +87,10 @@ class StagedRun:
 
     def _stage(self, fam_id: int, family: str, progress) -> None:
         stats = self.family_stats[family]
-        fam = _Family(self.con, family, self.files.files[family], stats, texts=("shape",), numbers=("group",))
+        files = self.files
+        fam = _Family(
+            self.con, family, files.files[family], stats, texts=("shape",), numbers=("group",), headers=files.headers
+        )
         fam.ordered_view()
         fam.check_cells()
         p = self.prefix
