@@ -332,30 +332,37 @@ class _Family:
         baseline exactly, in pandas' arithmetic, from its window's values; the rule is applied to
         that exact baseline."""
         v, w = self._v(op), int(rule.window)
-        series = "rank, vpp_stage, name, micro_step, occurrence"
-        finite = f"FROM o WHERE {self._tensor_rows()} AND isfinite({v})"
-        window = f"WINDOW win AS (PARTITION BY {series} ORDER BY step, g ROWS BETWEEN {w} PRECEDING AND 1 PRECEDING)"
-        keys = "g, step, name, rank, micro_step, vpp_stage, occurrence"
+        self._series_ids()
+        # The finite values of ``op`` with their series number: the windows sort these four
+        # integer and float columns only (partitioning by the five key columns, a text one among
+        # them, cost ~40% more).
+        self.con.execute(f"""CREATE OR REPLACE TEMP TABLE fin AS
+            SELECT g, step, sid, {v} AS v FROM o JOIN series s
+                ON o.rank = s.rank AND o.vpp_stage = s.vpp_stage AND o.name IS NOT DISTINCT FROM s.name
+                   AND o.micro_step = s.micro_step AND o.occurrence = s.occurrence
+            WHERE {self._tensor_rows()} AND isfinite({v})""")
+        window = f"WINDOW win AS (PARTITION BY sid ORDER BY step, g ROWS BETWEEN {w} PRECEDING AND 1 PRECEDING)"
         # The median of a window lies in [min, max] of its values, so |median| lies in [lo, hi]
         # below: a row can only fire if it would fire against one of those bounds.  min/max
         # windows cost less than a median window, and the exact check below decides.
-        bounds = f"""SELECT {keys}, {v} AS v, count({v}) OVER win AS n,
-                     CASE WHEN min({v}) OVER win > 0 THEN min({v}) OVER win
-                          WHEN max({v}) OVER win < 0 THEN -max({v}) OVER win ELSE 0 END AS lo,
-                     greatest(abs(min({v}) OVER win), abs(max({v}) OVER win)) AS hi {finite} {window}"""
+        bounds = f"""SELECT g, step, sid, v, count(v) OVER win AS n,
+                     CASE WHEN min(v) OVER win > 0 THEN min(v) OVER win
+                          WHEN max(v) OVER win < 0 THEN -max(v) OVER win ELSE 0 END AS lo,
+                     greatest(abs(min(v) OVER win), abs(max(v) OVER win)) AS hi FROM fin {window}"""
         if self._spike_candidates(bounds, "lo", "hi", rule) > self._BOUND_CANDIDATES:
             # Bounds too loose (values around zero, wild series): the median itself.
-            median = f"SELECT {keys}, {v} AS v, count({v}) OVER win AS n, abs(median({v}) OVER win) AS m"
-            median += f" {finite} {window}"
+            median = f"SELECT g, step, sid, v, count(v) OVER win AS n, abs(median(v) OVER win) AS m FROM fin {window}"
             self._spike_candidates(median, "m", "m", rule)
-        candidates = self.con.execute("SELECT * FROM spike_cand ORDER BY g").fetchall()
+        candidates = self.con.execute("""
+            SELECT c.g, o.step, o.name, o.rank, o.micro_step, o.vpp_stage, o.occurrence, c.v
+            FROM spike_cand c JOIN o USING (g) ORDER BY c.g""").fetchall()
         if not candidates:
             return []
         # Each candidate's window: the ``w`` finite values before it in its series.
         windows = dict(
             self.con.execute(f"""
             SELECT c.g, list(s.v ORDER BY s.step DESC, s.g DESC)[1:{w}]
-            FROM spike_cand c JOIN (SELECT g, step, {series}, {v} AS v {finite}) s USING ({series})
+            FROM spike_cand c JOIN fin s USING (sid)
             WHERE s.step < c.step OR (s.step = c.step AND s.g < c.g) GROUP BY c.g""").fetchall()
         )
         out = []
@@ -365,19 +372,25 @@ class _Family:
                 out.append((g, step, name, rank, op, value, "spike", micro, vpp, base, occ))
         return out
 
+    def _series_ids(self) -> None:
+        """Table ``series``: each (rank, vpp_stage, name, micro_step, occurrence) of ``o`` and its number ``sid``."""
+        self.con.execute("""CREATE OR REPLACE TEMP TABLE series AS
+            SELECT *, (row_number() OVER ())::INTEGER AS sid
+            FROM (SELECT DISTINCT rank, vpp_stage, name, micro_step, occurrence FROM o)""")
+
     # Candidates per family beyond which the median bounds are given up for the median itself
     # (each candidate's exact window is a join with its series' earlier rows).
     _BOUND_CANDIDATES = 10_000
 
     def _spike_candidates(self, windows: str, lo: str, hi: str, rule) -> int:
-        """Table ``spike_cand``: the rows of ``windows`` whose |baseline| in ``[lo, hi]`` could
-        fire ``rule``, a little wider than the rule, since DuckDB's median (lo + (hi - lo) / 2) and
-        pandas' ((lo + hi) / 2) can differ in the last bit, and the latter overflows near the
-        float64 maximum (> 8e307).  Returns their number."""
+        """Table ``spike_cand``: the rows (g, step, sid, v) of ``windows`` whose |baseline| in
+        ``[lo, hi]`` could fire ``rule``, a little wider than the rule, since DuckDB's median
+        (lo + (hi - lo) / 2) and pandas' ((lo + hi) / 2) can differ in the last bit, and the
+        latter overflows near the float64 maximum (> 8e307).  Returns their number."""
         slack, floor, factor = 1.0 - 1e-9, float(rule.floor), float(rule.factor)
         f = f"{floor!r}"
         self.con.execute(f"""CREATE OR REPLACE TEMP TABLE spike_cand AS
-            SELECT g, step, name, rank, micro_step, vpp_stage, occurrence, v FROM ({windows})
+            SELECT g, step, sid, v FROM ({windows})
             WHERE n >= {int(rule.warmup)} AND ({lo} + {f} = 0 OR {hi} > 8e307
                   OR abs(v) + {f} >= {factor * slack!r} * ({lo} + {f})
                   OR (abs(v) + {f}) * {factor * slack!r} <= {hi} + {f})""")
@@ -466,7 +479,8 @@ def engine_scan(files: RunFiles, rules: Rules = Rules(), *, threads: int | None 
                 n = con.execute("SELECT count(*) FROM o").fetchone()[0]
                 progress.update(files=len(files.files[family]), rows=n)
             con.execute("DROP VIEW o")
-            con.execute("DROP TABLE IF EXISTS o1")
+            for table in ("o1", "fin", "series", "spike_cand"):
+                con.execute(f"DROP TABLE IF EXISTS {table}")
             con.execute("DROP TABLE o0")
     finally:
         con.close()
