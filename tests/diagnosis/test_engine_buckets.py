@@ -113,3 +113,27 @@ def test_every_command_stays_bounded_in_memory_where_the_in_memory_path_needs_mu
             first = engine_doc["anomalies"][0]
             assert (first["step"], first["kind"], first["rule"]) == (synth.spike_step, "grad_reduced", "spike")
     assert engine_doc["aligned_rows"] == synth.rows and engine_doc["diverged_rows"] == 0
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_staged_positions_are_the_readers_whether_or_not_a_steps_rows_are_one_run(tmp_path, interleaved):
+    # The sinks write a step's rows together (positions from the group's first row); a file whose
+    # steps interleave takes the numbering window instead.  Truth: load_run's own positions.
+    from trainmon.diagnosis.engine_buckets import Engine, StagedRun
+
+    header = "vpp_stage,name,step,norm,mean,shape,dtype\n"
+    rows = [(step, name) for step in (0, 1) for name in ("b", "a", "c")]
+    if interleaved:
+        rows = [rows[i] for i in (0, 3, 1, 4, 2, 5)]
+    for rank in (0, 1):
+        lines = "".join(f"0,{name},{step},{1 + step + rank},0.5,[2],torch.float32\n" for step, name in rows)
+        (tmp_path / f"rank{rank}").mkdir()
+        (tmp_path / f"rank{rank}" / "grad_reduced_0-1.csv").write_text(header + lines)
+    frame = load_run(tmp_path).frame
+    want = sorted(zip(frame["rank"], frame["step"], frame["name"], frame["position"]))
+    with Engine() as con:
+        run = StagedRun(con, engine.run_files(tmp_path), "b")
+        got = con.execute("SELECT rank, step, name, position FROM b_staged").fetchall()
+        names = run.texts["name"]
+    assert sorted((r, s, names[n], p) for r, s, n, p in got) == want
+    assert {p for *_, p in want} == {0, 1, 2}

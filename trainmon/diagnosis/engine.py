@@ -12,9 +12,10 @@ Exactly the same findings as ``scan.scan`` (tests compare both on the fault runs
 * the running baseline is the median of the previous ``window`` finite values of a series
   (computed from the sorted window list: the middle value, or ``(a + b) / 2`` of the two middle
   ones, the arithmetic of pandas' rolling median), judged from ``warmup`` values on;
-* training-flow order: ``row_number() OVER ()`` over a single-table scan is the files' row order
-  (DuckDB documents this while ``preserve_insertion_order`` is on), so each row's ``position`` in
-  its (rank, step, micro_step) and ``occurrence`` of its name are those of the in-memory reader;
+* training-flow order: each row's place ``g`` in the files' row order is its Parquet file's place
+  and row number in it, or for CSV the ``rowid`` of the table the files were read into in order
+  (DuckDB keeps it while ``preserve_insertion_order`` is on), so each row's ``position`` in its
+  (rank, step, micro_step) and ``occurrence`` of its name are those of the in-memory reader;
 * a stat cell holding text that is not a number is a :class:`~trainmon.output.cells.BadCellError`
   naming the file, line and column, never a silent NaN.
 """

@@ -99,17 +99,31 @@ class StagedRun:
             self.con.execute(f"""INSERT INTO {p}_{col}s SELECT text, {known} + row_number() OVER () - 1 FROM (
                 SELECT DISTINCT COALESCE({col}, '') AS text FROM o EXCEPT SELECT text FROM {p}_{col}s)""")
         present = "".join(f", {_q(s)}" for s in fam.present)
+        position, firsts = self._position()
         self.con.execute(f"""INSERT INTO {p}_staged BY NAME
             SELECT {fam_id}::SMALLINT AS fam, rank, vpp_stage, n.code AS name, step, micro_step, occurrence,
-                   {POSITION} AS position, s.code AS shape, d.code AS dtype, "group" AS {_q(GROUP)}{present}
+                   {position} AS position, s.code AS shape, d.code AS dtype, "group" AS {_q(GROUP)}{present}
             FROM o JOIN {p}_names n ON n.text = COALESCE(o.name, '') JOIN {p}_shapes s ON s.text = o.shape
-                   JOIN {p}_dtypes d ON d.text = o.dtype""")
+                   JOIN {p}_dtypes d ON d.text = o.dtype{firsts}""")
+        self.con.execute("DROP TABLE IF EXISTS firsts")
         if progress is not None:
             n = self.con.execute("SELECT count(*) FROM o").fetchone()[0]
             progress.update(files=len(self.files.files[family]), rows=n)
         self.con.execute("DROP VIEW o")
         self.con.execute("DROP TABLE IF EXISTS o1")
         self.con.execute("DROP TABLE o0")
+
+    def _position(self) -> tuple[str, str]:
+        """SQL of each row's ``position`` in its (rank, step, micro_step), and the join it needs.
+        Where every such group is one unbroken run of ``g`` (as the sinks write), it is the row's
+        distance from its group's first row: a small aggregate and a join, ~2x cheaper than the
+        window that numbers the rows (``POSITION``), which is kept for any other layout."""
+        self.con.execute("""CREATE OR REPLACE TEMP TABLE firsts AS
+            SELECT rank, step, micro_step, min(g) AS first, count(*) = max(g) - min(g) + 1 AS packed
+            FROM o GROUP BY rank, step, micro_step""")
+        if self.con.execute("SELECT bool_and(packed) FROM firsts").fetchone()[0] is False:
+            return POSITION, ""
+        return "o.g - f.first", " JOIN firsts f USING (rank, step, micro_step)"
 
     def name_rows(self) -> dict[tuple[str, str], int]:
         """(family, name) -> its number of rows."""
