@@ -119,7 +119,7 @@ def _pivot(
     Groups in sorted key order; a (group, rank) recorded twice keeps its first row; ranks not in
     ``ranks`` are left out.  Filled with numpy from group numbers: a MultiIndex ``unstack`` of the
     same took most of ``ranks``' time on big runs."""
-    grouped = frame.groupby(_KEY, sort=True)
+    grouped = frame.groupby(_KEY, sort=True, dropna=False)  # a missing key is a group too
     gid = grouped.ngroup().to_numpy()
     first_position = grouped["position"].min()
     keys = first_position.index.to_frame(index=False)
