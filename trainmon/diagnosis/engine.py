@@ -22,6 +22,7 @@ Exactly the same findings as ``scan.scan`` (tests compare both on the fault runs
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -200,7 +201,7 @@ class _Family:
         con, cols, texts, numbers = self.con, self.cols, self.texts, self.numbers
         # One scan per header (the in-memory reader's grouping, in its order); no sniffing: the
         # columns are known.  UNION ALL keeps each scan's row order.
-        source = " UNION ALL BY NAME ".join(f"SELECT * FROM {self._scan(h, p)}" for h, p in self.groups.items())
+        source = " UNION ALL BY NAME ".join(self._sources())
         num = ",\n".join(f"{self._num(s)} AS {_q(s)}" for s in self.present)
         micro = self._int("micro_step") if self.micro else "-1"
         carried = [f"COALESCE(CAST({_q(c)} AS VARCHAR), '')" if c in cols else "''" for c in texts]
@@ -208,18 +209,19 @@ class _Family:
         carried += [f"{self._num(c)} AS {_q(c)}" if c in cols else f"NULL::DOUBLE AS {_q(c)}" for c in numbers]
         # Row order ``g``: Parquet rows carry their file's place and their row number in it, so
         # ``o0`` is filled in any order, by every thread (ordered, the insert ran on one thread:
-        # 2x slower).  Typed CSV is read straight into ``o0`` in file order, whose ``rowid`` is
-        # then the order; the rank comes by joining the file names afterwards, where the order is
-        # already fixed.  A global ``row_number() OVER ()`` (the text read, kept for naming a bad
-        # cell) makes the scan single-threaded: 2x slower.
+        # 2x slower).  Typed CSV is read straight into ``o0`` in file order (one scan per header
+        # and rank, each rank a constant), whose ``rowid`` is then the order.  A global
+        # ``row_number() OVER ()`` (the text read, kept for naming a bad cell) makes the scan
+        # single-threaded: 2x slower; it carries file names, joined to ranks.
         numbered = self._numbered
         g = {"parquet": "(r.file_no << 32) + file_row_number AS g, r.rank, ", "text": "g, r.rank, "}.get(numbered, "")
+        g += "rank" if numbered == "" else "filename"
         con.execute(f"""
             CREATE OR REPLACE TEMP VIEW raw AS
             SELECT {"row_number() OVER () AS g, " if numbered == "text" else ""}* FROM ({source})""")
         con.execute(f"""
             CREATE OR REPLACE TEMP VIEW t AS
-            SELECT {g}filename, ({self._bad_text()}) AS bad,
+            SELECT {g}, ({self._bad_text()}) AS bad,
                    {self._int("step")} AS step,
                    COALESCE({micro}, -1) AS micro_step,
                    COALESCE({self._int("vpp_stage") if "vpp_stage" in cols else "NULL"}, 0) AS vpp_stage,
@@ -228,7 +230,19 @@ class _Family:
                    {num}
             FROM raw{" JOIN ranks_of r USING (filename)" if numbered else ""}""")
 
-    def _scan(self, header: tuple[str, ...], paths: list[str]) -> str:
+    def _sources(self) -> list[str]:
+        """One scan per header (the in-memory reader's grouping, in its order).  Typed CSV: one
+        per header and rank, in the same order, each with its rank as a constant instead of the
+        file name on every row (storing the name was a third of the read)."""
+        if self._numbered:
+            return [f"SELECT * FROM {self._scan(h, p)}" for h, p in self.groups.items()]
+        out = []
+        for header, paths in self.groups.items():
+            for rank, run in itertools.groupby(paths, key=self.rank_of.__getitem__):
+                out.append(f"SELECT {int(rank)} AS rank, * FROM {self._scan(header, list(run), filename=False)}")
+        return out
+
+    def _scan(self, header: tuple[str, ...], paths: list[str], *, filename: bool = True) -> str:
         listing = "[" + ", ".join(_lit(p) for p in paths) + "]"
         if self.parquet:
             return f"read_parquet({listing}, filename=true, file_row_number=true)"
@@ -237,7 +251,7 @@ class _Family:
         numeric = {*self.present, *self.numbers, *_INT_COLUMNS} if self.typed else set()
         columns = "{" + ", ".join(f"{_lit(c)}: {_lit('DOUBLE' if c in numeric else 'VARCHAR')}" for c in header) + "}"
         return (
-            f"read_csv({listing}, filename=true, header=true, auto_detect=false, columns={columns}, "
+            f"read_csv({listing}, filename={str(filename).lower()}, header=true, auto_detect=false, columns={columns}, "
             "delim=',', quote='\"', escape='\"', null_padding=false" + (", store_rejects=true)" if self.typed else ")")
         )
 
@@ -263,6 +277,8 @@ class _Family:
 
     def check_cells(self) -> None:
         """Raise BadCellError for the first stat cell that holds text other than a number."""
+        if self._numbered != "text":
+            return  # typed CSV and Parquet: numbers already (a cell the parser refused means text)
         hit = self.con.execute("SELECT filename, g FROM o WHERE bad ORDER BY g LIMIT 1").fetchone()
         if hit is None:
             return
@@ -298,9 +314,8 @@ class _Family:
             self.con.execute("CREATE OR REPLACE TEMP TABLE o0 AS SELECT * FROM t")
         finally:
             self.con.execute("SET preserve_insertion_order = true")
-        ordered = "*" if self._numbered else "o0.rowid AS g, r.rank, o0.*"
-        joined = "" if self._numbered else " JOIN ranks_of r USING (filename)"
-        self.con.execute(f"CREATE OR REPLACE TEMP VIEW o0n AS SELECT {ordered} FROM o0{joined}")
+        ordered = "*" if self._numbered else "o0.rowid AS g, *"
+        self.con.execute(f"CREATE OR REPLACE TEMP VIEW o0n AS SELECT {ordered} FROM o0")
 
     def ordered_view(self) -> None:
         """``o``: the family's rows, read once; ``occurrence`` numbered only where names repeat in a step."""
