@@ -207,15 +207,17 @@ class _Family:
         carried = [f"COALESCE(CAST({_q(c)} AS VARCHAR), '')" if c in cols else "''" for c in texts]
         carried = [f"{sql} AS {_q(c)}" for sql, c in zip(carried, texts)]
         carried += [f"{self._num(c)} AS {_q(c)}" if c in cols else f"NULL::DOUBLE AS {_q(c)}" for c in numbers]
-        # Row order ``g``: Parquet rows carry their file's place and their row number in it, so
+        # Row order ``g``: Parquet rows carry their file's number and their row number in it, so
         # ``o0`` is filled in any order, by every thread (ordered, the insert ran on one thread:
         # 2x slower).  Typed CSV is read straight into ``o0`` in file order (one scan per header
         # and rank, each rank a constant), whose ``rowid`` is then the order.  A global
         # ``row_number() OVER ()`` (the text read, kept for naming a bad cell) makes the scan
         # single-threaded: 2x slower; it carries file names, joined to ranks.
         numbered = self._numbered
-        g = {"parquet": "(r.file_no << 32) + file_row_number AS g, r.rank, ", "text": "g, r.rank, "}.get(numbered, "")
-        g += "rank" if numbered == "" else "filename"
+        g, join = {
+            "parquet": ("(file_no << 32) + file_row_number AS g, r.rank", " JOIN ranks_of r USING (file_no)"),
+            "text": ("g, r.rank, filename", " JOIN ranks_of r USING (filename)"),
+        }.get(numbered, ("rank", ""))
         con.execute(f"""
             CREATE OR REPLACE TEMP VIEW raw AS
             SELECT {"row_number() OVER () AS g, " if numbered == "text" else ""}* FROM ({source})""")
@@ -228,14 +230,20 @@ class _Family:
                    CAST(name AS VARCHAR) AS name,
                    COALESCE(CAST(dtype AS VARCHAR), '') AS dtype{"".join(", " + c for c in carried)}{"," if num else ""}
                    {num}
-            FROM raw{" JOIN ranks_of r USING (filename)" if numbered else ""}""")
+            FROM raw{join}""")
 
     def _sources(self) -> list[str]:
         """One scan per header (the in-memory reader's grouping, in its order).  Typed CSV: one
         per header and rank, in the same order, each with its rank as a constant instead of the
         file name on every row (storing the name was a third of the read)."""
-        if self._numbered:
+        if self._numbered == "text":
             return [f"SELECT * FROM {self._scan(h, p)}" for h, p in self.groups.items()]
+        if self._numbered == "parquet":  # each file's number in the read order, not its name on every row
+            starts = itertools.accumulate((len(p) for p in self.groups.values()), initial=0)
+            return [
+                f"SELECT {start} + file_index AS file_no, * FROM {self._scan(h, p)}"
+                for start, (h, p) in zip(starts, self.groups.items())
+            ]
         out = []
         for header, paths in self.groups.items():
             for rank, run in itertools.groupby(paths, key=self.rank_of.__getitem__):
@@ -245,7 +253,7 @@ class _Family:
     def _scan(self, header: tuple[str, ...], paths: list[str], *, filename: bool = True) -> str:
         listing = "[" + ", ".join(_lit(p) for p in paths) + "]"
         if self.parquet:
-            return f"read_parquet({listing}, filename=true, file_row_number=true)"
+            return f"read_parquet({listing}, file_row_number=true)"
         # Typed: the numeric columns as DOUBLE, rejected cells recorded (``reject_errors``).  Text:
         # every column as text, so that a stat cell that is not a number is an error, not NULL.
         numeric = {*self.present, *self.numbers, *_INT_COLUMNS} if self.typed else set()
