@@ -186,13 +186,14 @@ class _Family:
         self.present = [s for s in self.stats if s in cols]
         self.groups, self.cols, self.texts, self.numbers = groups, cols, tuple(texts), tuple(numbers)
         # Each file's rank and its place in the read order (headers' groups in order, files in order).
-        order = {p: i for i, p in enumerate(p for paths in groups.values() for p in paths)}
-        files_of = [(p, rank, order[p]) for p, rank in self.rank_of.items()]
+        self.file_no = {p: i for i, p in enumerate(p for paths in groups.values() for p in paths)}
+        files_of = [(p, rank, self.file_no[p]) for p, rank in self.rank_of.items()]
         _fill(con, "ranks_of", {"filename": "VARCHAR", "rank": "INTEGER", "file_no": "BIGINT"}, files_of)
         # CSV is first read with its numeric columns typed (DuckDB's parser, the one TRY_CAST uses:
         # about 2x faster than text plus casts); a file with any cell that parser rejects is read
         # again as text (``_views(typed=False)``), where a bad stat cell is named exactly.
         self.typed = not self.parquet
+        self._has_series = False  # the table ``series`` of this family's ``o`` (``spikes``)
         self._views()
 
     def _views(self) -> None:
@@ -239,10 +240,9 @@ class _Family:
         if self._numbered == "text":
             return [f"SELECT * FROM {self._scan(h, p)}" for h, p in self.groups.items()]
         if self._numbered == "parquet":  # each file's number in the read order, not its name on every row
-            starts = itertools.accumulate((len(p) for p in self.groups.values()), initial=0)
             return [
-                f"SELECT {start} + file_index AS file_no, * FROM {self._scan(h, p)}"
-                for start, (h, p) in zip(starts, self.groups.items())
+                f"SELECT {self.file_no[p[0]]} + file_index AS file_no, * FROM {self._scan(h, p)}"
+                for h, p in self.groups.items()
             ]
         out = []
         for header, paths in self.groups.items():
@@ -370,7 +370,9 @@ class _Family:
         baseline exactly, in pandas' arithmetic, from its window's values; the rule is applied to
         that exact baseline."""
         v, w = self._v(op), int(rule.window)
-        self._series_ids()
+        if not self._has_series:  # the same series for every op
+            self._series_ids()
+            self._has_series = True
         # The finite values of ``op`` with their series number: the windows sort these four
         # integer and float columns only (partitioning by the five key columns, a text one among
         # them, cost ~40% more).
