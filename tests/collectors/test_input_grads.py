@@ -169,15 +169,24 @@ def test_a_deep_copy_of_the_monitored_model_records_nothing(tmp_path, monkeypatc
 def test_a_grad_with_two_names_is_reduced_once(output_root, make_config, monkeypatch):
     """layers.0.mlp's output is layers.0.mlp.2's output: one tensor, one reduction, two rows."""
     seen = defaultdict(list)
-    real = StatsEngine.partials
+    real, real_one = StatsEngine.partials, StatsEngine.partial
 
     def counting(self, tensors, *args, **kwargs):
-        in_backward = torch._C._current_graph_task_id() != -1
-        if in_backward:
+        if torch._C._current_graph_task_id() != -1:  # in backward
             seen["calls"].append([id(t) for t in tensors])
-        return real(self, tensors, *args, **kwargs)
+        with monkeypatch.context() as m:  # partial() may fall back to partials(): count once
+            m.setattr(StatsEngine, "partial", real_one)
+            return real(self, tensors, *args, **kwargs)
+
+    def counting_one(self, t):
+        if torch._C._current_graph_task_id() != -1:
+            seen["calls"].append([id(t)])
+        with monkeypatch.context() as m:
+            m.setattr(StatsEngine, "partials", real)
+            return real_one(self, t)
 
     monkeypatch.setattr(StatsEngine, "partials", counting)
+    monkeypatch.setattr(StatsEngine, "partial", counting_one)
     model = _fresh()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     monitor = TrainerMon(make_config(xy_distribution=True, targets=["layers.0.mlp", "layers.0.mlp.2"], ops=OPS)

@@ -56,6 +56,7 @@ from trainmon.collectors.module_io import (
     hook_fn,
     in_backward,
     io_names,
+    is_recordable,
     pick,
     replace_tensors,
     select_modules,
@@ -233,6 +234,8 @@ class ActivationCollector(Collector):
         recorded (None: the module's arguments unchanged)."""
         if module is not hm.module:
             return None  # a copy of the model (copy.deepcopy) carries the hook: not monitored
+        if not kwargs and len(args) == 1 and type(args[0]) in _PLAIN and not hm.spec and is_recordable(args[0]):
+            return self._one_input(hm, args[0])  # the common call: one plain tensor, fewer frames
         tensors = tensors_of(kwargs, tensors_of(args)) if kwargs else tensors_of(args)
         if not tensors:
             return None
@@ -273,9 +276,28 @@ class ActivationCollector(Collector):
         swapped = any(made.get(id(t), t) is not t for t in tensors)
         return (new_args, new_kwargs) if swapped else None
 
+    def _one_input(self, hm: HookedModule, t: torch.Tensor) -> Any:
+        """``_inputs`` for a module called with one plain tensor and no per-target spec."""
+        name = io_names(hm.label, "input", 1)[0]
+        recompute = in_backward()
+        if self._forward and not recompute:
+            self._capture_one(Family.ACTV, hm.vpp_stage, name, t, self._micro(hm.vpp_stage))
+        if not (self._backward and t.requires_grad and torch.is_grad_enabled()):
+            return None
+        a = _alias(t)
+        self._hook_grad(a, [(hm.vpp_stage, name)], fallback=not recompute)
+        return (a,), {}
+
     def _outputs(self, hm: HookedModule, module: nn.Module, _args: Any, output: Any) -> None:
         if module is not hm.module:
             return  # a copy of the model (copy.deepcopy) carries the hook: not monitored
+        if type(output) in _PLAIN and not hm.spec and is_recordable(output):  # the common call
+            name = io_names(hm.label, "output", 1)[0]
+            if self._forward and not in_backward():
+                self._capture_one(Family.ACTV, hm.vpp_stage, name, output, self._micro(hm.vpp_stage))
+            if self._backward and output.requires_grad and torch.is_grad_enabled():
+                self._hook_shared(output, (hm.vpp_stage, name))
+            return
         tensors = tensors_of(output)
         if not tensors:
             return
@@ -293,8 +315,11 @@ class ActivationCollector(Collector):
         if len(chosen) != len(tensors):
             names, tensors = tuple(names[i] for i in chosen), [tensors[i] for i in chosen]
         if tensors:
-            micro = max(self._counts[hm.vpp_stage] - 1, 0) if self._count_step == self.ctx.clock.step else 0
-            self._capture(Family.ACTV, hm.vpp_stage, list(names), tensors, micro)
+            self._capture(Family.ACTV, hm.vpp_stage, list(names), tensors, self._micro(hm.vpp_stage))
+
+    def _micro(self, vpp: int) -> int:
+        """The forward pass (micro-batch) of chunk ``vpp`` running now."""
+        return max(self._counts[vpp] - 1, 0) if self._count_step == self.ctx.clock.step else 0
 
     def _hook_shared(self, t: torch.Tensor, name: tuple[int, str]) -> None:
         """One grad hook per tensor serves every name it has (output of one module and of its parent)."""
@@ -320,7 +345,11 @@ class ActivationCollector(Collector):
     def _on_grad(self, names: list[tuple[int, str]], fired: list[bool], grad: torch.Tensor | None) -> None:
         fired[0] = True
         if grad is not None and self._live:
-            self._capture_grad(names, grad, None)
+            if len(names) == 1:  # the common case, fewer frames
+                micro = self.ctx.clock.enter_backward()
+                self._capture_one(Family.ACTV_GRAD, names[0][0], names[0][1], grad, micro)
+            else:
+                self._capture_grad(names, grad, None)
 
     def _on_base_grad(
         self, names: list[tuple[int, str]], fired: list[bool], shape: tuple[int, ...], grad: torch.Tensor | None
@@ -362,6 +391,18 @@ class ActivationCollector(Collector):
                     rows[i] = row
                 cache.put(tensors[at[0]], row)
         engine.capture_tensors(family, vpp, names, tensors, rows, micro_step=micro, shape=shape)
+
+    def _capture_one(self, family: str, vpp: int, name: str, t: torch.Tensor, micro: int) -> None:
+        """``_capture`` of one tensor under one name (most hook calls)."""
+        if type(t) not in _PLAIN:
+            self._capture(family, vpp, [name], [t], micro)
+            return
+        cache = self._cache
+        row = cache.get(t)
+        if row is None:
+            row = self.ctx.engine.partial(t)
+            cache.put(t, row)
+        self.ctx.engine.capture_one(family, vpp, name, t, row, micro)
 
     def _capture_dtensors(
         self, family: str, vpp: int, names: list[str], tensors: list[torch.Tensor], micro: int

@@ -20,7 +20,14 @@ import torch
 import torch.nn as nn
 
 from trainmon.config import MonitorConfig
-from trainmon.core.hooks import Handle, outside_compiled_graphs
+from trainmon.core.hooks import (
+    Handle,
+    dynamo_compiling,
+    dynamo_frame_callback,
+    eager_only,
+    never_traced,
+    outside_compiled_graphs,
+)
 from trainmon.core.naming import TargetMatcher, TrackedParam
 from trainmon.core.schedule import StepClock
 from trainmon.stats.engine import StatsEngine, Tracked
@@ -55,6 +62,13 @@ def capture_views(
     ctx: CollectorContext, family: str, pairs: Sequence[tuple[TrackedParam, Any]], micro_step: int | None = None
 ) -> None:
     """Capture ``(param, View)`` pairs; shards of one process group are merged over it."""
+    if all(
+        view.group is None and getattr(view, "scale", None) is None for _, view in pairs
+    ):  # plain tensors: one capture
+        items = [Tracked(tp.name, view.tensor, tp.vpp_stage, view.shape) for tp, view in pairs]
+        if not any(it.tensor.is_complex() for it in items):
+            ctx.engine.capture(family, items, micro_step=micro_step)
+            return
     by_group: dict[tuple[int, int], tuple[Any, Any, list[Tracked]]] = {}
     for tp, view in pairs:
         scale = getattr(view, "scale", None)
@@ -153,19 +167,32 @@ class Guard:
 
     def gated(self, collector: Collector, fn: Callable[..., Any], clock: StepClock) -> Callable[..., Any]:
         """``wrap`` for hooks that do nothing on steps that are not collected: one flag check
-        then, and one Python frame instead of three on collected steps (hooks run hundreds of
-        times per step)."""
-        failed, name = self.failed, collector.name
+        then, and on collected steps a single Python frame around ``fn`` (the compile test of
+        ``outside_compiled_graphs``, the step check and the failure guard together: hooks run
+        hundreds of times per step)."""
+        failed, name, fail = self.failed, collector.name, self._fail
+
+        def body(*args: Any) -> Any:
+            if clock.collecting and name not in failed:
+                try:
+                    return fn(*args)
+                except Exception:
+                    fail(collector)
+            return None
+
+        eager = eager_only(body)
 
         def hook(*args: Any) -> Any:
+            if dynamo_compiling() or dynamo_frame_callback() is not None:
+                return eager(*args)
             if clock.collecting and name not in failed:
                 try:
                     return fn(*args)  # None but for forward pre-hooks handing the module new args
                 except Exception:
-                    self._fail(collector)
+                    fail(collector)
             return None
 
-        return outside_compiled_graphs(hook)
+        return never_traced(hook)
 
     def _fail(self, collector: Collector) -> None:
         self.failed.add(collector.name)

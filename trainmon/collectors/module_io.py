@@ -28,6 +28,7 @@ __all__ = [
     "tensors_of",
     "io_names",
     "in_backward",
+    "is_recordable",
     "is_container",
     "uses_compile",
     "hook_fn",
@@ -121,7 +122,7 @@ def _labels(picked: list[tuple[int, str, nn.Module]], squash: bool) -> dict[tupl
     return labels
 
 
-def _recordable(t: torch.Tensor) -> bool:
+def is_recordable(t: torch.Tensor) -> bool:
     # is_meta rather than t.device: building a device object per tensor shows up in profiles
     return t.layout == torch.strided and not t.is_meta and not t.is_complex()
 
@@ -131,7 +132,7 @@ def tensors_of(value: Any, out: list[torch.Tensor] | None = None) -> list[torch.
     if out is None:
         out = []
     if isinstance(value, torch.Tensor):
-        if _recordable(value):
+        if is_recordable(value):
             out.append(value)
     elif isinstance(value, (tuple, list)):
         for v in value:
@@ -148,7 +149,7 @@ def replace_tensors(value: Any, fn: Callable[[torch.Tensor, bool], torch.Tensor]
     of tensors...) are kept as they are and ``fn(t, False)`` is called for each of their tensors,
     so ``fn`` sees every tensor ``tensors_of`` lists, in the same order."""
     if isinstance(value, torch.Tensor):
-        return fn(value, True) if _recordable(value) else value
+        return fn(value, True) if is_recordable(value) else value
     if type(value) in (tuple, list):
         return type(value)(replace_tensors(v, fn) for v in value)
     if type(value) is dict:

@@ -104,7 +104,11 @@ class OptimizerStateCollector(Collector):
         found: dict[str, list] = {k: [] for k in MOMENT_FAMILIES}
         for tp in self.ctx.params:
             for family, view in self.ctx.integration.moments(tp).items():
-                found[family].append((tp, view if view.shape else replace(view, shape=tuple(tp.param.shape))))
+                # Reported under the param's shape (a moment without its own logical shape); the
+                # common case, a moment shaped like its param, needs no new View.
+                if not view.shape and not (view.shape is None and view.tensor.shape == tp.param.shape):
+                    view = replace(view, shape=tuple(tp.param.shape))
+                found[family].append((tp, view))
         for family, pairs in found.items():
             capture_views(self.ctx, family, pairs)
         if self.ctx.params and not any(found.values()) and not self._warned:  # no params: nothing to look for

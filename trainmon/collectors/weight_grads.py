@@ -37,6 +37,7 @@ that reduces every micro-batch (DeepSpeed ZeRO-2/3) emits with a ``micro_step``:
 
 from __future__ import annotations
 
+import functools
 import logging
 
 from trainmon.collectors.base import Collector, capture_views, register_collector
@@ -89,8 +90,8 @@ class WeightGradCollector(Collector):
             if mbs:
                 body = guard.wrap(self, lambda g, tp=tp: self._on_micro_grad(tp, g))
                 self.handles.append(Handle(tp.param.register_hook(body).remove))
-            else:
-                body = guard.wrap(self, lambda _p, tp=tp: self._on_grad_ready(tp))
+            else:  # one frame per param per backward on collected steps, one flag check otherwise
+                body = guard.gated(self, functools.partial(self._on_grad_ready, tp), self.ctx.clock)
                 self.handles.append(post_accumulate_grad_hook(tp.param, body))
 
     def _attach_applied(self) -> None:
@@ -120,7 +121,7 @@ class WeightGradCollector(Collector):
         if self.ctx.clock.collecting:
             self._capture(params, micro_step)
 
-    def _on_grad_ready(self, tp: TrackedParam) -> None:
+    def _on_grad_ready(self, tp: TrackedParam, _param: object = None) -> None:
         clock = self.ctx.clock
         if not clock.collecting:
             return

@@ -10,7 +10,17 @@ from typing import Any, cast
 
 import torch
 
-__all__ = ["Handle", "outside_compiled_graphs", "step_optimizer", "wrap_optimizer_step", "post_accumulate_grad_hook"]
+__all__ = [
+    "Handle",
+    "outside_compiled_graphs",
+    "eager_only",
+    "never_traced",
+    "dynamo_compiling",
+    "dynamo_frame_callback",
+    "step_optimizer",
+    "wrap_optimizer_step",
+    "post_accumulate_grad_hook",
+]
 
 
 log = logging.getLogger(__name__)
@@ -214,18 +224,35 @@ def outside_compiled_graphs(fn: Callable[..., Any]) -> Callable[..., Any]:
     callback is set) the body runs with Dynamo off, nested calls included: one graph break per
     hook, values as in eager mode, and one hint of ours.  Eager training pays two calls (~40 ns).
     """
+    eager = eager_only(fn)
+
+    @functools.wraps(fn)
+    def hook(*args: Any) -> Any:
+        if dynamo_compiling() or dynamo_frame_callback() is not None:
+            return eager(*args)
+        return fn(*args)
+
+    return never_traced(hook)
+
+
+def eager_only(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run with Dynamo off (nested calls included), after our one hint: what a hook does
+    while a compiled model runs (see ``outside_compiled_graphs``)."""
 
     def eager(*args: Any) -> Any:
         _hint_compiled()
         return fn(*args)
 
-    eager_only = torch.compiler.disable(eager, recursive=True)
+    return torch.compiler.disable(eager, recursive=True)
 
-    @functools.wraps(fn)
-    def hook(*args: Any) -> Any:
-        if _is_dynamo_compiling() or _dynamo_callback() is not None:
-            return eager_only(*args)
-        return fn(*args)
 
+def never_traced(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark ``hook``'s own frame never-compiled.  A hook built by hand instead of through
+    ``outside_compiled_graphs`` (to save a frame on a hot path) starts with the same test:
+    ``if dynamo_compiling() or dynamo_frame_callback() is not None: return eager_only(fn)(*args)``."""
     _skip_code(cast(types.FunctionType, hook).__code__)
     return hook
+
+
+dynamo_compiling = _is_dynamo_compiling
+dynamo_frame_callback = _dynamo_callback

@@ -34,7 +34,7 @@ import torch
 
 from trainmon.stats import _kernel_cache
 
-__all__ = ["enabled", "partials_f32", "partials_into", "FUSED_DTYPES", "ENV"]
+__all__ = ["enabled", "fill_rows", "partials_f32", "partials_into", "FUSED_DTYPES", "ENV"]
 
 log = logging.getLogger(__name__)
 

@@ -27,11 +27,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from trainmon.stats._fused_cpu import FUSED_DTYPES, fill_rows
 from trainmon.stats.derive import derive_block
 from trainmon.stats.device_rows import DeviceRows, HostCopy
 from trainmon.stats.host_rows import HostRows
 from trainmon.stats.partials import device_columns, fused_columns, write_cpu_rows
-from trainmon.stats.rows import RowBlock, StepRows, paced
+from trainmon.stats.rows import RowBlock, StepRows, paced_rows
 from trainmon.stats.table import combine, partials_for, unscale
 
 __all__ = ["StatsEngine", "Tracked", "Meta", "SEAM_ENV", "device_path_forced", "merge_rows"]
@@ -92,6 +93,7 @@ class _Pending:
     group: Any = None  # process group to merge over (sharded tensors)
     slot: Any = None  # (device, index) of this capture's tensors in the step's copy
     scale: Any = None  # divide the partials by this (float, or a device 0-d tensor)
+    extendable: bool = False  # items/rows are the engine's own lists: later hook rows may join them
 
 
 class StatsEngine:
@@ -163,6 +165,18 @@ class StatsEngine:
             for i, r in zip(idx, got):
                 rows[i] = r
         return [rows[first[id(t)]] for t in tensors]
+
+    def partial(self, t: torch.Tensor) -> Any:
+        """``partials([t])[0]`` with fewer frames: the per-hook path of activations.  Takes the
+        fused kernel directly once the first CPU capture has decided on it."""
+        cols = self._fused_cols
+        if isinstance(cols, tuple) and t.is_cpu and t.dtype in FUSED_DTYPES and not self.seam:
+            host = self._host
+            with host.lock:
+                start = host.reserve(1)
+                fill_rows((t,), host.tensor, start, cols)
+            return start
+        return self.partials([t])[0]
 
     def _warn_capturing(self) -> None:
         if not self._warned_capture:
@@ -241,8 +255,26 @@ class StatsEngine:
                 list(rows),
                 self.columns,
                 micro_step,
+                extendable=True,
             )
         )
+
+    def capture_one(
+        self, family: str, vpp_stage: int, name: str, t: torch.Tensor, row: Any, micro_step: int | None
+    ) -> None:
+        """``capture_tensors`` of one tensor.  Consecutive hook rows of one layout share one
+        pending entry (``_build_blocks`` would merge them into one block anyway)."""
+        if row is SKIPPED:
+            return
+        item = (name, vpp_stage, t.shape, t.dtype)
+        pending = self._pending
+        if pending:
+            last = pending[-1]
+            if last.extendable and last.family == family and last.micro_step == micro_step:
+                last.items.append(item)
+                last.rows.append(row)
+                return
+        pending.append(_Pending(family, [item], [row], self.columns, micro_step, extendable=True))
 
     def capture_values(
         self, family: str, metas: Sequence[Meta], values: Sequence[torch.Tensor], columns: Sequence[str]
@@ -340,10 +372,11 @@ def _build_blocks(
 
 
 def _runs(pending: list[_Pending], values: list[list[list[float]]]):
-    """(layout, [(pending, values), ...]) for each run of consecutive captures with one layout."""
+    """(layout, [(pending, values), ...]) for each run of consecutive captures with one layout.
+    Paced by rows (a pending entry may hold one row or hundreds: hook rows join one entry)."""
     key = None
     run: list = []
-    for p, mat in paced(zip(pending, values), 16):
+    for p, mat in paced_rows(zip(pending, values), len_of=lambda pm: len(pm[1])):
         k = (p.family, p.micro_step, p.extra, p.columns, p.is_values)
         if run and k != key:
             yield key, run

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar, overload
 
-__all__ = ["StatRow", "RowBlock", "StepRows", "paced"]
+__all__ = ["StatRow", "RowBlock", "StepRows", "paced", "paced_rows"]
 
 T = TypeVar("T")
 PACE = 32
@@ -29,6 +29,18 @@ def paced(items: Iterable[T], every: int = PACE) -> Iterator[T]:
     for i, item in enumerate(items, 1):
         yield item
         if i % every == 0:
+            time.sleep(0)
+
+
+def paced_rows(items: Iterable[T], len_of: Callable[[T], int], every: int = PACE) -> Iterator[T]:
+    """``paced`` for items that each hold ``len_of(item)`` rows: the GIL is offered every
+    ``every`` rows, however they are grouped."""
+    rows = 0
+    for item in items:
+        yield item
+        rows += len_of(item)
+        if rows >= every:
+            rows = 0
             time.sleep(0)
 
 
