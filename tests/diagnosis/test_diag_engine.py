@@ -22,6 +22,7 @@ from trainmon.diagnosis import engine
 from trainmon.diagnosis.reader import load_run
 from trainmon.diagnosis.rules import Rules, SpikeRule
 from trainmon.diagnosis.scan import scan
+from trainmon.output.layout import FamilyFile
 
 REPO = Path(__file__).resolve().parents[2]
 RULE_SETS = {
@@ -69,6 +70,47 @@ def test_engine_keeps_positions_occurrences_and_header_variants_exact(edge_run, 
     assert any(a.micro_step is not None for a in want)
     for run in (edge_run, _as_parquet(edge_run, pq_dir)):
         assert _found(engine.engine_scan(engine.run_files(run), RULE_SETS[rules])) == _found(want)
+
+
+def test_units_keep_small_ranks_together_and_cut_big_ranks_only_between_step_windows(monkeypatch, tmp_path):
+    monkeypatch.setattr(engine, "UNIT_ROWS", 100)
+
+    def files(rank, *windows):
+        return [(rank, FamilyFile(a, 0, b, "grad_reduced", tmp_path / f"r{rank}_{a}-{b}.csv")) for a, b in windows]
+
+    small = files(0, (0, 9)) + files(1, (0, 9))  # 40 rows each: one unit
+    big = files(2, (0, 9), (10, 19), (20, 29), (30, 39), (40, 49))  # 30 rows a window
+    # a window that overlaps the one before (a restart with other windows) is never cut from it
+    overlap = files(3, (0, 9), (5, 14), (15, 24), (25, 34), (35, 44))
+    run = engine.RunFiles(tmp_path, files={"grad_reduced": small + big + overlap})
+    run.rows = {str(f.path): 40 if rank < 2 else 30 if rank == 2 else 45 for rank, f in small + big + overlap}
+    units = [([(r, f.start) for r, f in u.files], u.continues) for u in run.units("grad_reduced")]
+    assert units == [
+        ([(0, 0), (1, 0)], False),
+        ([(2, 0), (2, 10), (2, 20)], False),
+        ([(2, 30), (2, 40)], True),
+        ([(3, 0), (3, 5)], False),  # 90 rows: 0-9 and 5-14 overlap, so no cut between them
+        ([(3, 15), (3, 25)], True),
+        ([(3, 35)], True),
+    ]
+
+
+# A rank cut into one unit per step window: every spike window starts from the values the unit
+# before it carried over.
+@pytest.mark.parametrize("name, rules", [("blow", "default"), ("blow3", "all"), ("nan", "zero-floor"), ("edge", "all")])
+def test_a_run_read_one_step_window_at_a_time_finds_what_the_in_memory_scan_finds(
+    name, rules, edge_run, pq_dir, monkeypatch
+):
+    run = edge_run if name == "edge" else named_run(name)
+    want = _found(scan(load_run(run), RULE_SETS[rules]))
+    assert any(a["rule"] == "spike" for a in want)
+    monkeypatch.setattr(engine, "UNIT_ROWS", 1)
+    for files in (run, _as_parquet(run, pq_dir)):
+        found = engine.run_files(files)
+        # cut at every step window that does not overlap the ones before it, carried over
+        units = [u for fam in found.files for u in found.units(fam)]
+        assert sum(u.continues for u in units) > len(units) // 2
+        assert _found(engine.engine_scan(found, RULE_SETS[rules])) == want
 
 
 def test_engine_and_memory_commands_print_the_same_json(edge_run, capsys):

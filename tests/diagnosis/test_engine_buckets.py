@@ -53,6 +53,17 @@ def test_engine_compare_finds_what_the_in_memory_compare_finds_csv_and_parquet(p
         assert got.to_json() == want
 
 
+def test_ranks_and_compare_staged_one_step_window_at_a_time_find_the_same(edge_run, monkeypatch):
+    # every file its own staging unit, every rank its own alignment group
+    want_ranks = _issues(check_ranks(load_run(edge_run)))
+    base, target = named_run("corrupt3"), named_run("nan")
+    want_cmp = compare_runs(load_run(base), load_run(target), top=3).to_json()
+    monkeypatch.setattr(engine, "UNIT_ROWS", 1)
+    assert len(engine.run_files(edge_run).units("actv")) > 2
+    assert _issues(engine_ranks(engine.run_files(edge_run), rows_per_bucket=TINY_BUCKET)) == want_ranks
+    assert engine_compare(engine.run_files(base), engine.run_files(target), top=3).to_json() == want_cmp
+
+
 @pytest.mark.parametrize("options", [
     {"top": 5, "rtol": 0.0},                                   # every difference diverges
     pytest.param({"top": 2, "atol": 1e-3, "ops": ["norm", "max"]}, marks=pytest.mark.slow),

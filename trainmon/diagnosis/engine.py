@@ -40,6 +40,8 @@ __all__ = ["available", "RunFiles", "run_files", "engine_scan", "MEMORY_LIMIT"]
 
 # The engine's working-memory cap; beyond it DuckDB spills to a temp directory.
 MEMORY_LIMIT = os.environ.get("TRAINMON_ENGINE_MEMORY", "512MB")
+# Rows of one family read into the engine at a time (whole ranks: ``RunFiles.units``).
+UNIT_ROWS = int(os.environ.get("TRAINMON_ENGINE_UNIT_ROWS", "1000000"))
 
 
 def available() -> bool:
@@ -61,6 +63,54 @@ class RunFiles(FamilyStatsView):
     families_on_disk: tuple[str, ...] = ()  # every family of every rank, chosen or not
     ranks_on_disk: tuple[int, ...] = ()
     headers: dict[str, tuple[str, ...]] = field(default_factory=dict)  # file path -> its columns
+    rows: dict[str, int] = field(default_factory=dict)  # file path -> its rows (CSV: estimated)
+
+    def units(self, family: str) -> list[Unit]:
+        """``family``'s files in the units the engine reads one at a time, each within
+        ``UNIT_ROWS`` rows where the files allow: whole ranks together while they fit, and a rank
+        with more rows in consecutive runs of its step windows.  Every check of ``anomalies`` and
+        the staging of ``ranks`` and ``compare`` look within one rank and one step, except the
+        spike windows, which run along a rank's steps: they carry each series' last values over
+        to the next part of the same rank (``Unit.continues``).  So the engine's working memory
+        follows the unit, not the run."""
+        out: list[Unit] = []
+        for _rank, group in itertools.groupby(self.files[family], key=lambda rf: rf[0]):
+            files = list(group)
+            n = self._rows_of(files)
+            if n > UNIT_ROWS:
+                out += [Unit(part, continues=k > 0) for k, part in enumerate(self._parts(files))]
+            elif out and self._rows_of(out[-1].files) + n <= UNIT_ROWS:
+                out[-1].files.extend(files)
+            else:
+                out.append(Unit(files))
+        return out
+
+    def _rows_of(self, files: Sequence[tuple[int, FamilyFile]]) -> int:
+        return sum(self.rows.get(str(f.path), 0) for _, f in files)
+
+    def _parts(self, files: list[tuple[int, FamilyFile]]) -> list[list[tuple[int, FamilyFile]]]:
+        """One rank's files (in step order) in consecutive runs of about ``UNIT_ROWS`` rows, cut
+        only where every earlier file's window ends before the next file's starts (the windows
+        the sinks name their files by), so a later part holds only later steps."""
+        parts: list[list[tuple[int, FamilyFile]]] = [[]]
+        filled, last_end = 0, -1
+        for rank, f in files:
+            n = self.rows.get(str(f.path), 0)
+            if parts[-1] and filled + n > UNIT_ROWS and last_end < f.start:
+                parts.append([])
+                filled = 0
+            parts[-1].append((rank, f))
+            filled += n
+            last_end = max(last_end, f.end)
+        return parts
+
+
+@dataclass
+class Unit:
+    """Files of one family that the engine reads together (``RunFiles.units``)."""
+
+    files: list[tuple[int, FamilyFile]]
+    continues: bool = False  # holds later steps of the previous unit's last rank: spike windows carry over
 
 
 def _parquet_rows_and_columns(f: FamilyFile) -> tuple[int, list[str]]:
@@ -71,21 +121,33 @@ def _parquet_rows_and_columns(f: FamilyFile) -> tuple[int, list[str]]:
     return meta.num_rows, list(meta.schema.to_arrow_schema().names)
 
 
-def _csv_has_rows(f: FamilyFile) -> bool:
+def _csv_rows(f: FamilyFile) -> int:
+    """A CSV file's number of rows, estimated from its size and its first row (0: none)."""
     with open(f.path, "rb") as fh:
         header = fh.readline()
         if not header.strip():  # the sink never leaves an empty file: damage, as for the other readers
             raise DamagedFileError(f.path, "empty file (no header)")
-        return bool(fh.readline().strip())
+        first = fh.readline()
+        if not first.strip():
+            return 0
+        return max(1, round((os.fstat(fh.fileno()).st_size - len(header)) / len(first)))
+
+
+def _header_and_rows(f: FamilyFile) -> tuple[tuple[str, ...], int] | None:
+    """The columns of a file that holds rows and its number of rows (exact for Parquet, estimated
+    for CSV); None: no rows.  A CSV file is checked whole here (``runs._header``: NUL bytes,
+    UTF-8, trainmon's header), once: the engine then reads it."""
+    if f.ext == "parquet":
+        n, columns = _parquet_rows_and_columns(f)
+        return (tuple(columns), n) if n > 0 else None
+    n = _csv_rows(f)
+    return (tuple(runs._header(Path(f.path))), n) if n else None
 
 
 def _header_of(f: FamilyFile) -> tuple[str, ...] | None:
-    """The columns of a file that holds rows (None: no rows).  A CSV file is checked whole here
-    (``runs._header``: NUL bytes, UTF-8, trainmon's header), once: the engine then reads it."""
-    if f.ext == "parquet":
-        n, columns = _parquet_rows_and_columns(f)
-        return tuple(columns) if n > 0 else None
-    return tuple(runs._header(Path(f.path))) if _csv_has_rows(f) else None
+    """The columns of a file that holds rows (None: no rows)."""
+    found = _header_and_rows(f)
+    return None if found is None else found[0]
 
 
 def _roles(f: FamilyFile) -> runs.ColumnRoles:
@@ -120,13 +182,15 @@ def run_files(
         for family, files in by_rank[rank].items():
             if families is not None and family not in families:
                 continue
-            headers = {str(f.path): h for f in files if (h := _header_of(f)) is not None}
-            with_rows = [f for f in files if str(f.path) in headers]
+            found = {str(f.path): h for f in files if (h := _header_and_rows(f)) is not None}
+            with_rows = [f for f in files if str(f.path) in found]
             if not with_rows:
                 continue
             seen_ranks.add(rank)
             out.files.setdefault(family, []).extend((rank, f) for f in with_rows)
+            headers = {path: h for path, (h, _) in found.items()}
             out.headers.update(headers)
+            out.rows.update({path: n for path, (_, n) in found.items()})
             known = stats.setdefault(family, [])
             for f in with_rows:
                 key = (family, headers[str(f.path)])
@@ -140,6 +204,10 @@ def run_files(
 
 
 # ----------------------------------------------------------------------------- SQL
+
+# Rows of ``{}`` in the series ``s`` (rank, vpp_stage, name, micro_step, occurrence).
+_SAME_SERIES = """{0}.rank = s.rank AND {0}.vpp_stage = s.vpp_stage AND {0}.name IS NOT DISTINCT FROM s.name
+    AND {0}.micro_step = s.micro_step AND {0}.occurrence = s.occurrence"""
 
 # A row's ``position`` (index in its rank's (step, micro_step), file order), as the reader numbers it.
 POSITION = "row_number() OVER (PARTITION BY rank, step, micro_step ORDER BY g) - 1"
@@ -365,10 +433,13 @@ class _Family:
         v = self._v(op)
         return f"(NOT isnan({v}) AND {v} > 0)" if op in COUNT_OPS else f"NOT isfinite({v})"
 
-    def spikes(self, op: str, rule) -> list[tuple]:
+    def spikes(self, op: str, rule, *, carried: str | None = None, keep: str | None = None) -> list[tuple]:
         """Candidates from bounds on each row's windowed median (fast), then each candidate's
         baseline exactly, in pandas' arithmetic, from its window's values; the rule is applied to
-        that exact baseline."""
+        that exact baseline.  ``carried``: a table of earlier values of these series (an earlier
+        part of the same ranks, all of them before this part's steps: ``RunFiles.units``) that
+        the windows start from; ``keep``: the table to leave each series' last values in, for the
+        next part."""
         v, w = self._v(op), int(rule.window)
         if not self._has_series:  # the same series for every op
             self._series_ids()
@@ -376,29 +447,35 @@ class _Family:
         # The finite values of ``op`` with their series number: the windows sort these four
         # integer and float columns only (partitioning by the five key columns, a text one among
         # them, cost ~40% more).
+        earlier = ""
+        if carried is not None:
+            same = _SAME_SERIES.format("c")
+            earlier = f"UNION ALL SELECT c.g, c.step, s.sid, c.v, true FROM {carried} c JOIN series s ON {same}"
         self.con.execute(f"""CREATE OR REPLACE TEMP TABLE fin AS
-            SELECT g, step, sid, {v} AS v FROM o JOIN series s
-                ON o.rank = s.rank AND o.vpp_stage = s.vpp_stage AND o.name IS NOT DISTINCT FROM s.name
-                   AND o.micro_step = s.micro_step AND o.occurrence = s.occurrence
-            WHERE {self._tensor_rows()} AND isfinite({v})""")
+            SELECT g, step, sid, {v} AS v, false AS carried FROM o JOIN series s ON {_SAME_SERIES.format("o")}
+            WHERE {self._tensor_rows()} AND isfinite({v}) {earlier}""")
         window = f"WINDOW win AS (PARTITION BY sid ORDER BY step, g ROWS BETWEEN {w} PRECEDING AND 1 PRECEDING)"
         # The median of a window lies in [min, max] of its values, so |median| lies in [lo, hi]
         # below: a row can only fire if it would fire against one of those bounds.  min/max
         # windows cost less than a median window, and the exact check below decides.
-        bounds = f"""SELECT g, step, sid, v, count(v) OVER win AS n,
+        bounds = f"""SELECT g, step, sid, v, carried, count(v) OVER win AS n,
                      CASE WHEN min(v) OVER win > 0 THEN min(v) OVER win
                           WHEN max(v) OVER win < 0 THEN -max(v) OVER win ELSE 0 END AS lo,
                      greatest(abs(min(v) OVER win), abs(max(v) OVER win)) AS hi FROM fin {window}"""
         if self._spike_candidates(bounds, "lo", "hi", rule) > self._BOUND_CANDIDATES:
             # Bounds too loose (values around zero, wild series): the median itself.
-            median = f"SELECT g, step, sid, v, count(v) OVER win AS n, abs(median(v) OVER win) AS m FROM fin {window}"
+            median = f"""SELECT g, step, sid, v, carried, count(v) OVER win AS n, abs(median(v) OVER win) AS m
+                         FROM fin {window}"""
             self._spike_candidates(median, "m", "m", rule)
+        if keep is not None:
+            self._keep_last(keep, carried, w)
         candidates = self.con.execute("""
             SELECT c.g, o.step, o.name, o.rank, o.micro_step, o.vpp_stage, o.occurrence, c.v
             FROM spike_cand c JOIN o USING (g) ORDER BY c.g""").fetchall()
         if not candidates:
             return []
-        # Each candidate's window: the ``w`` finite values before it in its series.
+        # Each candidate's window: the ``w`` finite values before it in its series (carried ones
+        # come from earlier steps).
         windows = dict(
             self.con.execute(f"""
             SELECT c.g, list(s.v ORDER BY s.step DESC, s.g DESC)[1:{w}]
@@ -411,6 +488,19 @@ class _Family:
             if rule.fires(value, base):
                 out.append((g, step, name, rank, op, value, "spike", micro, vpp, base, occ))
         return out
+
+    def _keep_last(self, keep: str, carried: str | None, w: int) -> None:
+        """Table ``keep``: each series' last ``w`` finite values (rows ``fin`` holds, carried ones
+        included), and the carried values of series this part does not have."""
+        self.con.execute(f"""CREATE OR REPLACE TEMP TABLE {keep}_next AS
+            SELECT s.rank, s.vpp_stage, s.name, s.micro_step, s.occurrence, f.step, f.g, f.v
+            FROM fin f JOIN series s USING (sid)
+            QUALIFY row_number() OVER (PARTITION BY f.sid ORDER BY f.step DESC, f.g DESC) <= {w}""")
+        if carried is not None:
+            self.con.execute(f"""INSERT INTO {keep}_next SELECT * FROM {carried} c
+                WHERE NOT EXISTS (SELECT 1 FROM series s WHERE {_SAME_SERIES.format("c")})""")
+        self.con.execute(f"DROP TABLE IF EXISTS {keep}")
+        self.con.execute(f"ALTER TABLE {keep}_next RENAME TO {keep}")
 
     def _series_ids(self) -> None:
         """Table ``series``: each (rank, vpp_stage, name, micro_step, occurrence) of ``o`` and its number ``sid``."""
@@ -431,7 +521,7 @@ class _Family:
         f = f"{floor!r}"
         self.con.execute(f"""CREATE OR REPLACE TEMP TABLE spike_cand AS
             SELECT g, step, sid, v FROM ({windows})
-            WHERE n >= {int(rule.warmup)} AND ({lo} + {f} = 0 OR {hi} > 8e307
+            WHERE NOT carried AND n >= {int(rule.warmup)} AND ({lo} + {f} = 0 OR {hi} > 8e307
                   OR abs(v) + {f} >= {factor * slack!r} * ({lo} + {f})
                   OR (abs(v) + {f}) * {factor * slack!r} <= {hi} + {f})""")
         return self.con.execute("SELECT count(*) FROM spike_cand").fetchone()[0]
@@ -499,33 +589,49 @@ def engine_scan(files: RunFiles, rules: Rules = Rules(), *, threads: int | None 
     found: dict[str, list[Anomaly]] = {"nonfinite": [], "spike": [], "threshold": []}
     try:
         for family, stats in files.family_stats.items():
-            fam = _Family(con, family, files.files[family], stats, headers=files.headers)
-            fam.ordered_view()
-            fam.check_cells()
-            rows: list[tuple] = []
-            if rules.nonfinite:
-                rows += fam.nonfinite()
-            ops = [o for o in rules.ops if o in stats]
-            if rules.spike is not None:
-                for op in ops:
-                    rows += fam.spikes(op, rules.spike)
-            if rules.threshold is not None:
-                for op in ops:
-                    rows += fam.over_threshold(op, rules.threshold)
-            position = fam.positions(rows)
-            for r in rows:
-                found[r[6]].append(_anomaly(family, r, position[r[0]]))
-            if progress is not None:
-                n = con.execute("SELECT count(*) FROM o").fetchone()[0]
-                progress.update(files=len(files.files[family]), rows=n)
-            con.execute("DROP VIEW o")
-            for table in ("o1", "fin", "series", "spike_cand"):
-                con.execute(f"DROP TABLE IF EXISTS {table}")
-            con.execute("DROP TABLE o0")
+            units = files.units(family)
+            for k, unit in enumerate(units):
+                fam = _Family(con, family, unit.files, stats, headers=files.headers)
+                then = k + 1 < len(units) and units[k + 1].continues  # the next part needs the windows' tails
+                _scan_unit(fam, rules, found, progress, carried=unit.continues, keep=then)
     finally:
         con.close()
         shutil.rmtree(spill_dir, ignore_errors=True)
     return sorted([a for part in found.values() for a in part], key=Anomaly.sort_key)
+
+
+def _scan_unit(
+    fam: _Family, rules: Rules, found: dict[str, list[Anomaly]], progress, *, carried: bool, keep: bool
+) -> None:
+    """The rules on one unit of a family's files; findings into ``found`` by rule.  ``carried``:
+    the spike windows start from the series' tails the previous unit kept; ``keep``: keep this
+    unit's tails for the next."""
+    con = fam.con
+    fam.ordered_view()
+    fam.check_cells()
+    rows: list[tuple] = []
+    if rules.nonfinite:
+        rows += fam.nonfinite()
+    ops = [o for o in rules.ops if o in fam.stats]
+    if rules.spike is not None:
+        for i, op in enumerate(ops):
+            tail = f"spike_tail_{i}"
+            rows += fam.spikes(op, rules.spike, carried=tail if carried else None, keep=tail if keep else None)
+            if carried and not keep:
+                con.execute(f"DROP TABLE IF EXISTS {tail}")
+    if rules.threshold is not None:
+        for op in ops:
+            rows += fam.over_threshold(op, rules.threshold)
+    position = fam.positions(rows)
+    for r in rows:
+        found[r[6]].append(_anomaly(fam.family, r, position[r[0]]))
+    if progress is not None:
+        n = con.execute("SELECT count(*) FROM o").fetchone()[0]
+        progress.update(files=len(fam.rank_of), rows=n)
+    con.execute("DROP VIEW o")
+    for table in ("o1", "fin", "series", "spike_cand"):
+        con.execute(f"DROP TABLE IF EXISTS {table}")
+    con.execute("DROP TABLE o0")
 
 
 def _anomaly(family: str, r: tuple, position: int) -> Anomaly:

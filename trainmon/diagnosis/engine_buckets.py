@@ -86,11 +86,12 @@ class StagedRun:
         }
 
     def _stage(self, fam_id: int, family: str, progress) -> None:
+        for unit in self.files.units(family):  # position and occurrence stay within a rank's step
+            self._stage_unit(fam_id, family, unit.files, progress)
+
+    def _stage_unit(self, fam_id: int, family: str, unit, progress) -> None:
         stats = self.family_stats[family]
-        files = self.files
-        fam = _Family(
-            self.con, family, files.files[family], stats, texts=("shape",), numbers=("group",), headers=files.headers
-        )
+        fam = _Family(self.con, family, unit, stats, texts=("shape",), numbers=("group",), headers=self.files.headers)
         fam.ordered_view()
         fam.check_cells()
         p = self.prefix
@@ -108,7 +109,7 @@ class StagedRun:
         self.con.execute("DROP TABLE IF EXISTS firsts")
         if progress is not None:
             n = self.con.execute("SELECT count(*) FROM o").fetchone()[0]
-            progress.update(files=len(self.files.files[family]), rows=n)
+            progress.update(files=len(unit), rows=n)
         self.con.execute("DROP VIEW o")
         self.con.execute("DROP TABLE IF EXISTS o1")
         self.con.execute("DROP TABLE o0")

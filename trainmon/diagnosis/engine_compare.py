@@ -91,8 +91,8 @@ def _rel(b: str, t: str, scale: str) -> str:
 def _family(
     con, b: StagedRun, t: StagedRun, family: str, plan: FamilyPlan, *, rtol: float, atol: float, top: int
 ) -> SliceResult:
-    """One family's part of the comparison: the aligned rows in the table ``cmp``, then counts,
-    the largest differences and each rank's first diverged row."""
+    """One family's part of the comparison, aligned one group of ranks at a time (rows align
+    only within a rank, so the join's memory follows the group, not the family)."""
     fb, ft = b.families.index(family), t.families.index(family)
     code_b = {name: i for i, name in enumerate(b.texts["name"])}
     code_t = {name: i for i, name in enumerate(t.texts["name"])}
@@ -102,6 +102,46 @@ def _family(
         {"tname": "INTEGER", "name": "INTEGER"},
         [(code_t[tn], code_b[bn]) for tn, bn in plan.names.items() if tn in code_t and bn in code_b],
     )
+    out = SliceResult()
+    for ranks in _rank_groups(con, fb):
+        out.add(_ranks_part(con, b, t, family, plan, ranks, rtol=rtol, atol=atol, top=top))
+    out.only_in_base = _count(con, "b", fb) - out.aligned_rows
+    mapped = con.execute(f"SELECT count(*) FROM t_staged s SEMI JOIN name_map m ON m.tname = s.name WHERE s.fam = {ft}")
+    out.only_in_target = int(mapped.fetchone()[0]) - out.aligned_rows
+    return out
+
+
+def _rank_groups(con, fam: int) -> list[tuple[int, int]]:
+    """The base's ranks of family ``fam`` as (first, last) ranges of about ``engine.UNIT_ROWS`` rows."""
+    counts = con.execute(f"SELECT rank, count(*) FROM b_staged WHERE fam = {fam} GROUP BY rank ORDER BY rank")
+    groups: list[tuple[int, int]] = []
+    filled = 0
+    for rank, n in counts.fetchall():
+        if groups and filled + n <= engine.UNIT_ROWS:
+            groups[-1] = (groups[-1][0], int(rank))
+            filled += n
+        else:
+            groups.append((int(rank), int(rank)))
+            filled = n
+    return groups
+
+
+def _ranks_part(
+    con,
+    b: StagedRun,
+    t: StagedRun,
+    family: str,
+    plan: FamilyPlan,
+    ranks: tuple[int, int],
+    *,
+    rtol: float,
+    atol: float,
+    top: int,
+) -> SliceResult:
+    """The family's rows of ranks ``first..last`` aligned in the table ``cmp``, then their counts,
+    largest differences and each rank's first diverged row."""
+    fb, ft = b.families.index(family), t.families.index(family)
+    within = f"rank BETWEEN {int(ranks[0])} AND {int(ranks[1])}"
     ops = list(plan.ops)
     num = lambda run, op: f"COALESCE({run}.{_q(op)}, 'NaN'::DOUBLE)"  # noqa: E731 - empty cells are NaN
     rms = (
@@ -114,10 +154,10 @@ def _family(
     con.execute(f"""CREATE OR REPLACE TEMP TABLE aligned AS
         SELECT bb.step, bb.micro_step, bb.position, bb.rank, bb.occurrence, bb.vpp_stage, bb.name,
                tt.tname, {group} AS grp, {rms} AS scale, {cols}
-        FROM (SELECT * FROM b_staged WHERE fam = {fb}) bb
+        FROM (SELECT * FROM b_staged WHERE fam = {fb} AND {within}) bb
         LEFT JOIN b_numel n ON n.shape = bb.shape
         JOIN (SELECT s.* EXCLUDE (name), m.name, s.name AS tname FROM t_staged s JOIN name_map m ON m.tname = s.name
-              WHERE s.fam = {ft}) tt USING ({", ".join(ALIGN_KEYS)})""")
+              WHERE s.fam = {ft} AND s.{within}) tt USING ({", ".join(ALIGN_KEYS)})""")
     rel = [_rel(f"b{i}", f"t{i}", "0.0" if op == "norm" else "scale") for i, op in enumerate(ops)]
     over = [f"(r{i} > {float(rtol)!r} AND NOT (abs(t{i} - b{i}) <= {float(atol)!r}))" for i in range(len(ops))]
     score = [
@@ -145,15 +185,6 @@ def _family(
     aligned = sum(int(n) for _, n, _ in per_rank)
     out.aligned_rows = aligned
     out.diverged_rows = sum(int(d) for _, _, d in per_rank)
-    out.only_in_base = _count(con, "b", fb) - aligned
-    out.only_in_target = (
-        int(
-            con.execute(
-                f"SELECT count(*) FROM t_staged s SEMI JOIN name_map m ON m.tname = s.name WHERE s.fam = {ft}"
-            ).fetchone()[0]
-        )
-        - aligned
-    )
     for rank, n, _ in per_rank:
         out.aligned[(stage_of(family), int(rank))] = int(n)
     if aligned:
