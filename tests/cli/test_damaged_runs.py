@@ -118,6 +118,45 @@ def test_a_run_of_empty_files_is_an_error_not_no_anomalies(tmp_path, capsys):
     assert "grad_reduced_0-0.csv: empty file (0 bytes)" in line
 
 
+@pytest.mark.parametrize("command", ["anomalies", "ranks", "compare"])
+def test_the_engine_running_out_of_its_memory_cap_is_named_as_such_not_as_a_damaged_file(
+        good_run, capsys, monkeypatch, command):
+    pytest.importorskip("duckdb")
+    from trainmon.diagnosis import engine
+
+    monkeypatch.setattr(engine, "MEMORY_LIMIT", "512KB")  # DuckDB itself refuses to go past it
+    runs = [good_run, good_run] if command == "compare" else [good_run]
+    line = _one_error_line(capsys, command, *runs, "--engine", "duckdb")
+    assert "needs more than its memory cap (TRAINMON_ENGINE_MEMORY=512KB)" in line, line
+    assert "Out of Memory" in line and "damaged" not in line
+
+
+def test_a_full_spill_directory_is_named_as_such_not_as_memory_or_a_damaged_file(tmp_path):
+    """A real full disk: a 4 MiB tmpfs as TMPDIR (needs root and mount; skipped elsewhere)."""
+    pytest.importorskip("duckdb")
+    import os
+    import subprocess
+    import sys
+
+    from trainmon.testing.synthetic_run import SyntheticRun
+
+    run = tmp_path / "run"
+    SyntheticRun(ranks=4, steps=200, params=60).write(run, "parquet")  # 288,000 rows, ~40 MB staged
+    tiny = tmp_path / "tiny"
+    tiny.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4M", "tmpfs", str(tiny)], capture_output=True).returncode:
+        pytest.skip("needs a small filesystem of its own (mount as root)")
+    try:
+        env = dict(os.environ, TMPDIR=str(tiny), TRAINMON_ENGINE_MEMORY="16MB")
+        proc = subprocess.run([sys.executable, "-m", "trainmon", "ranks", str(run), "--engine", "duckdb", "--json"],
+                              capture_output=True, text=True, env=env, timeout=300)
+    finally:
+        subprocess.run(["umount", str(tiny)], capture_output=True)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and proc.stdout == "" and len(lines) == 1, proc.stderr
+    assert "temporary directory is full" in lines[0] and "TMPDIR" in lines[0], lines[0]
+
+
 def test_a_run_with_no_family_files_is_an_error(tmp_path, capsys):
     (tmp_path / "run" / "rank0").mkdir(parents=True)
     line = _one_error_line(capsys, "anomalies", tmp_path / "run")

@@ -60,8 +60,27 @@ def test_ranks_and_compare_staged_one_step_window_at_a_time_find_the_same(edge_r
     want_cmp = compare_runs(load_run(base), load_run(target), top=3).to_json()
     monkeypatch.setattr(engine, "UNIT_ROWS", 1)
     assert len(engine.run_files(edge_run).units("actv")) > 2
+    # compare then aligns each rank in runs of one step (a rank's rows can outgrow any unit)
+    from trainmon.diagnosis.engine_buckets import consecutive_runs
+
+    assert consecutive_runs([(0, 1), (1, 1), (5, 2)], 1) == [(0, 0), (1, 1), (5, 5)]
+    assert consecutive_runs([(0, 1), (1, 1), (5, 2)], 2) == [(0, 1), (5, 5)]
     assert _issues(engine_ranks(engine.run_files(edge_run), rows_per_bucket=TINY_BUCKET)) == want_ranks
     assert engine_compare(engine.run_files(base), engine.run_files(target), top=3).to_json() == want_cmp
+
+
+def test_ranks_sorting_the_run_in_bounded_runs_of_buckets_finds_the_same(edge_run, monkeypatch):
+    # a sort per bucket (SORT_ROWS 1): the rows table is still in bucket order, each bucket whole
+    from trainmon.diagnosis import engine_buckets
+    from trainmon.diagnosis.engine_buckets import _sort_runs
+
+    want = _issues(check_ranks(load_run(edge_run)))
+    monkeypatch.setattr(engine_buckets, "SORT_ROWS", 1)
+    assert _issues(engine_ranks(engine.run_files(edge_run), rows_per_bucket=TINY_BUCKET)) == want
+    bucket_of = {("f", "a"): 0, ("f", "b"): 0, ("g", "a"): 1, ("f", "c"): 2, ("f", "d"): 3}
+    rows_of = {("f", "a"): 4, ("f", "b"): 4, ("g", "a"): 20, ("f", "c"): 5, ("f", "d"): 5}
+    assert _sort_runs(bucket_of, rows_of, 10) == [(0, 0), (1, 1), (2, 3)]  # 8 | 20 (alone) | 5 + 5
+    assert _sort_runs(bucket_of, {}, 10) == [(0, 3)]  # no counts: one sort, as before
 
 
 @pytest.mark.parametrize("options", [

@@ -67,6 +67,22 @@ def engine_errors(path: object) -> Iterator[None]:
     except Exception as exc:
         if type(exc).__module__.split(".")[0] not in ("duckdb", "_duckdb"):
             raise
-        raise CommandError(
-            f"{path}: damaged family file: {str(exc).splitlines()[0]} (--engine memory names the file, line and column)"
-        ) from None
+        raise CommandError(_engine_problem(path, type(exc).__name__, str(exc))) from None
+
+
+def _engine_problem(path: object, kind: str, message: str) -> str:
+    """What went wrong in DuckDB, in the user's terms: its own limits are not damaged files."""
+    first_line = message.splitlines()[0] if message else kind
+    if kind == "OutOfMemoryException" and "max_temp_directory_size" in message:
+        # DuckDB reports a full spill directory as out of memory ("failed to offload data block").
+        return (
+            f"{path}: the analysis engine's temporary directory is full: {first_line} "
+            "(it spills staged rows under TMPDIR, about 140 bytes per row; point TMPDIR at a disk with room)"
+        )
+    if kind == "OutOfMemoryException":
+        return (
+            f"{path}: the analysis engine needs more than its memory cap "
+            f"(TRAINMON_ENGINE_MEMORY={engine.MEMORY_LIMIT}): {first_line} "
+            "(set TRAINMON_ENGINE_MEMORY higher, e.g. 1GB)"
+        )
+    return f"{path}: damaged family file: {first_line} (--engine memory names the file, line and column)"

@@ -39,9 +39,9 @@ from trainmon.output.layout import FamilyFile
 __all__ = ["available", "RunFiles", "run_files", "engine_scan", "MEMORY_LIMIT"]
 
 # The engine's working-memory cap; beyond it DuckDB spills to a temp directory.
-MEMORY_LIMIT = os.environ.get("TRAINMON_ENGINE_MEMORY", "512MB")
+MEMORY_LIMIT = os.environ.get("TRAINMON_ENGINE_MEMORY", "256MB")
 # Rows of one family read into the engine at a time (whole ranks: ``RunFiles.units``).
-UNIT_ROWS = int(os.environ.get("TRAINMON_ENGINE_UNIT_ROWS", "1000000"))
+UNIT_ROWS = int(os.environ.get("TRAINMON_ENGINE_UNIT_ROWS", "250000"))
 
 
 def available() -> bool:

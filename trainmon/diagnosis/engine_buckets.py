@@ -34,10 +34,12 @@ from trainmon.diagnosis.engine import POSITION, RunFiles, _Family, _q
 from trainmon.diagnosis.flow import FLOW_KEYS, PHASES, phase_of
 from trainmon.diagnosis.reader import EXTRA_PREFIX, RunTable, numel_column
 
-__all__ = ["ROWS_PER_BUCKET", "GROUP", "Engine", "StagedRun", "pack_buckets", "engine_ranks"]
+__all__ = ["ROWS_PER_BUCKET", "GROUP", "Engine", "StagedRun", "pack_buckets", "consecutive_runs", "engine_ranks"]
 
 # Rows handed to Python at once (all families, ranks and steps of a set of names).
 ROWS_PER_BUCKET = int(os.environ.get("TRAINMON_ENGINE_BUCKET_ROWS", "250000"))
+# Rows ``ranks`` sorts at once when it stores a run in bucket order (see ``StagedRun.partition``).
+SORT_ROWS = int(os.environ.get("TRAINMON_ENGINE_SORT_ROWS", "10000000"))
 # The ``extra`` column compare reads (a hyperparams row's optimizer param group).
 GROUP = EXTRA_PREFIX + "group"
 
@@ -147,8 +149,11 @@ class StagedRun:
         ).fetchone()
         return hit is not None
 
-    def partition(self, bucket_of: Mapping[tuple[str, str], int]) -> None:
-        """Keep the rows whose (family, name) has a bucket, stored in bucket order."""
+    def partition(
+        self, bucket_of: Mapping[tuple[str, str], int], rows_of: Mapping[tuple[str, str], int] | None = None
+    ) -> None:
+        """Keep the rows whose (family, name) has a bucket, stored in bucket order (``rows_of``:
+        (family, name) -> rows, from ``name_rows``; without it, one sort of every row)."""
         ids = {f: i for i, f in enumerate(self.families)}
         code = {name: i for i, name in enumerate(self.texts["name"])}
         p = self.prefix
@@ -158,8 +163,13 @@ class StagedRun:
             {"fam": "SMALLINT", "name": "INTEGER", "bucket": "INTEGER"},
             [(ids[f], code[name], k) for (f, name), k in bucket_of.items() if f in ids],
         )
-        self.con.execute(f"""CREATE OR REPLACE TEMP TABLE {p}_rows AS
-            SELECT s.*, b.bucket FROM {p}_staged s JOIN {p}_bk b USING (fam, name) ORDER BY b.bucket""")
+        select = f"SELECT s.*, b.bucket FROM {p}_staged s JOIN {p}_bk b USING (fam, name)"
+        self.con.execute(f"CREATE OR REPLACE TEMP TABLE {p}_rows AS {select} LIMIT 0")
+        # One sort of the whole run needs memory that grows with it (DuckDB ran out of a 256 MB cap
+        # sorting 100.8M rows): sort runs of consecutive buckets of about SORT_ROWS rows, appended in
+        # order, so the table is still in bucket order and each sort is bounded.
+        for lo, hi in _sort_runs(bucket_of, rows_of or {}, SORT_ROWS):
+            self.con.execute(f"INSERT INTO {p}_rows {select} WHERE b.bucket BETWEEN {lo} AND {hi} ORDER BY b.bucket")
         self.con.execute(f"DROP TABLE {p}_staged")
 
     def bucket(self, k: int) -> RunTable:
@@ -209,6 +219,30 @@ def pack_buckets(rows_of_key: Mapping[str, int], rows_per_bucket: int = 0) -> di
     return out
 
 
+def _sort_runs(
+    bucket_of: Mapping[tuple[str, str], int], rows_of: Mapping[tuple[str, str], int], limit: int
+) -> list[tuple[int, int]]:
+    """Consecutive bucket ranges (first, last) of about ``limit`` rows each (a bigger bucket alone)."""
+    rows: dict[int, int] = {}
+    for key, k in bucket_of.items():
+        rows[k] = rows.get(k, 0) + rows_of.get(key, 0)
+    return consecutive_runs(sorted(rows.items()), limit)
+
+
+def consecutive_runs(counts: Iterable[tuple[int, int]], limit: int) -> list[tuple[int, int]]:
+    """(first, last) key of consecutive runs of ``counts`` ((key, rows), in key order) holding
+    about ``limit`` rows each: a new run once the next key would pass it (a bigger key alone)."""
+    runs: list[list[int]] = []
+    filled = 0
+    for key, n in counts:
+        if not runs or (filled and filled + n > limit):
+            runs.append([key, key])
+            filled = 0
+        runs[-1][1] = key
+        filled += n
+    return [(first, last) for first, last in runs]
+
+
 def _rows_by_key(counts: Mapping[tuple[str, str], int], key_of: Mapping[tuple[str, str], str | None]) -> dict[str, int]:
     """Rows per bucket key, from rows per (family, name) and each one's key (None: left out)."""
     out: dict[str, int] = {}
@@ -236,7 +270,7 @@ def engine_ranks(files: RunFiles, *, rows_per_bucket: int = 0, threads: int | No
         run = StagedRun(con, files, "r", progress=progress)
         counts = run.name_rows()
         bucket_of = pack_buckets(_rows_by_key(counts, {key: key[1] for key in counts}), rows_per_bucket)
-        run.partition({key: bucket_of[key[1]] for key in counts})
+        run.partition({key: bucket_of[key[1]] for key in counts}, counts)
         for k in buckets(bucket_of):
             issues += check_ranks(run.bucket(k), ranks=files.ranks, **checks)
     return sorted(issues, key=issue_order)

@@ -27,7 +27,7 @@ from trainmon.diagnosis.compare import (
     stage_of,
 )
 from trainmon.diagnosis.engine import RunFiles, _q
-from trainmon.diagnosis.engine_buckets import GROUP, Engine, StagedRun
+from trainmon.diagnosis.engine_buckets import GROUP, Engine, StagedRun, consecutive_runs
 from trainmon.diagnosis.flow import FLOW_KEYS, PHASES, phase_of
 from trainmon.diagnosis.reader import numel_column
 from trainmon.families import NOT_SCALAR
@@ -91,8 +91,7 @@ def _rel(b: str, t: str, scale: str) -> str:
 def _family(
     con, b: StagedRun, t: StagedRun, family: str, plan: FamilyPlan, *, rtol: float, atol: float, top: int
 ) -> SliceResult:
-    """One family's part of the comparison, aligned one group of ranks at a time (rows align
-    only within a rank, so the join's memory follows the group, not the family)."""
+    """One family's part of the comparison, aligned one group of rows at a time (``_align_groups``)."""
     fb, ft = b.families.index(family), t.families.index(family)
     code_b = {name: i for i, name in enumerate(b.texts["name"])}
     code_t = {name: i for i, name in enumerate(t.texts["name"])}
@@ -103,45 +102,58 @@ def _family(
         [(code_t[tn], code_b[bn]) for tn, bn in plan.names.items() if tn in code_t and bn in code_b],
     )
     out = SliceResult()
-    for ranks in _rank_groups(con, fb):
-        out.add(_ranks_part(con, b, t, family, plan, ranks, rtol=rtol, atol=atol, top=top))
+    for group in _align_groups(con, fb):
+        out.add(_group_part(con, b, t, family, plan, group, rtol=rtol, atol=atol, top=top))
     out.only_in_base = _count(con, "b", fb) - out.aligned_rows
     mapped = con.execute(f"SELECT count(*) FROM t_staged s SEMI JOIN name_map m ON m.tname = s.name WHERE s.fam = {ft}")
     out.only_in_target = int(mapped.fetchone()[0]) - out.aligned_rows
     return out
 
 
-def _rank_groups(con, fam: int) -> list[tuple[int, int]]:
-    """The base's ranks of family ``fam`` as (first, last) ranges of about ``engine.UNIT_ROWS`` rows."""
-    counts = con.execute(f"SELECT rank, count(*) FROM b_staged WHERE fam = {fam} GROUP BY rank ORDER BY rank")
-    groups: list[tuple[int, int]] = []
+def _align_groups(con, fam: int) -> list[str]:
+    """The base's rows of family ``fam`` in groups of about ``engine.UNIT_ROWS`` rows, each as a
+    SQL condition on ``rank`` and ``step``: whole ranks together while they fit, and a bigger rank
+    in runs of its steps.  Rows align only on equal (rank, step), so a group's join is exact, and
+    its hash table follows the group, not the run: a rank of the 100.8M-row run holds 1.05M rows
+    of a family, which did not fit a 256 MB cap in one join."""
+    counts = con.execute(f"SELECT rank, step, count(*) FROM b_staged WHERE fam = {fam} GROUP BY ALL ORDER BY ALL")
+    per_rank: dict[int, list[tuple[int, int]]] = {}
+    for rank, step, n in counts.fetchall():
+        per_rank.setdefault(int(rank), []).append((int(step), int(n)))
+    groups: list[str] = []
+    ranks: list[int] = []  # whole ranks waiting to be a group
     filled = 0
-    for rank, n in counts.fetchall():
-        if groups and filled + n <= engine.UNIT_ROWS:
-            groups[-1] = (groups[-1][0], int(rank))
-            filled += n
-        else:
-            groups.append((int(rank), int(rank)))
-            filled = n
+    for rank, steps in per_rank.items():
+        rows = sum(n for _, n in steps)
+        if ranks and filled + rows > engine.UNIT_ROWS:
+            groups.append(f"rank BETWEEN {ranks[0]} AND {ranks[-1]}")
+            ranks, filled = [], 0
+        if rows <= engine.UNIT_ROWS:
+            ranks.append(rank)
+            filled += rows
+            continue
+        for first, last in consecutive_runs(steps, engine.UNIT_ROWS):
+            groups.append(f"rank = {rank} AND step BETWEEN {first} AND {last}")
+    if ranks:
+        groups.append(f"rank BETWEEN {ranks[0]} AND {ranks[-1]}")
     return groups
 
 
-def _ranks_part(
+def _group_part(
     con,
     b: StagedRun,
     t: StagedRun,
     family: str,
     plan: FamilyPlan,
-    ranks: tuple[int, int],
+    within: str,
     *,
     rtol: float,
     atol: float,
     top: int,
 ) -> SliceResult:
-    """The family's rows of ranks ``first..last`` aligned in the table ``cmp``, then their counts,
-    largest differences and each rank's first diverged row."""
+    """The family's rows where ``within`` (a condition on ``rank`` and ``step``) aligned in the table
+    ``cmp``, then their counts, largest differences and each rank's first diverged row."""
     fb, ft = b.families.index(family), t.families.index(family)
-    within = f"rank BETWEEN {int(ranks[0])} AND {int(ranks[1])}"
     ops = list(plan.ops)
     num = lambda run, op: f"COALESCE({run}.{_q(op)}, 'NaN'::DOUBLE)"  # noqa: E731 - empty cells are NaN
     rms = (
@@ -157,7 +169,7 @@ def _ranks_part(
         FROM (SELECT * FROM b_staged WHERE fam = {fb} AND {within}) bb
         LEFT JOIN b_numel n ON n.shape = bb.shape
         JOIN (SELECT s.* EXCLUDE (name), m.name, s.name AS tname FROM t_staged s JOIN name_map m ON m.tname = s.name
-              WHERE s.fam = {ft} AND s.{within}) tt USING ({", ".join(ALIGN_KEYS)})""")
+              WHERE s.fam = {ft} AND {within}) tt USING ({", ".join(ALIGN_KEYS)})""")
     rel = [_rel(f"b{i}", f"t{i}", "0.0" if op == "norm" else "scale") for i, op in enumerate(ops)]
     over = [f"(r{i} > {float(rtol)!r} AND NOT (abs(t{i} - b{i}) <= {float(atol)!r}))" for i in range(len(ops))]
     score = [
