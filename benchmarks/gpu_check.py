@@ -8,10 +8,13 @@ What it checks, each printed as PASS/FAIL with its figure (exit status 1 on any 
    makes any sync raise), ops ``norm, mean, min, max, nans, infs``, grad_acc_steps 2;
 2. CUDA kernels per micro-batch added by the monitor (``torch.profiler``), per recorded row;
 3. values against float64 on the GPU for fp32/bf16/fp16, NaN/+-Inf, empty, non-contiguous
-   (rtol 1e-5; counts exact);
+   (rtol 1e-5; counts exact; a mean that cancels to near zero within float32's epsilon times
+   mean |x|, the most a float32 sum can promise);
 4. peak memory added by the monitor (``max_memory_allocated`` delta; the documented update-ratio
    snapshot is off here);
-5. step time monitored / unmonitored (medians);
+5. step time monitored / unmonitored (medians), on a host-bound shape (width 1024, 4x512 tokens:
+   reported, it measures the monitor's Python) and a GPU-bound one (width 4096, 4x2048 tokens, as
+   a real large-model step is: checked, <= 1.10x);
 6. a ZeRO-3-like two-stream read: a grad copied into a buffer on a side stream, read after
    ``wait_stream`` (the DeepSpeed wrapper's handshake), equals the grad;
 7. when ``triton`` is importable: the Triton kernel (``stats.device_triton``) against float64 and
@@ -21,10 +24,11 @@ What it checks, each printed as PASS/FAIL with its figure (exit status 1 on any 
    ``stats_path`` ``{"cuda": "device-triton"}``; checks 1, 2, 4 and 5 are then run once with the
    kernel and once without it (``TRAINMON_TRITON=0``), to say which is faster.
 
-Nothing here has been run by the authors yet (no GPU was available): run it whenever one is.
+First run on an H200 on 2026-12-04 (torch 2.11, Triton 3.6): see docs/accelerators.md.
 """
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -32,6 +36,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -55,9 +60,16 @@ def report(name: str, ok: bool, detail: str) -> None:
     print(f"{'PASS' if ok else 'FAIL'}  {name}: {detail}", flush=True)
 
 
+# (model width, tokens per micro-batch): SMALL's step is host-bound (the GPU waits for Python, so
+# every microsecond of hook work shows); LARGE's is GPU-bound, as a real large-model step is.
+SMALL, LARGE = (1024, (4, 512)), (4096, (4, 2048))
+shape = SMALL
+
+
 def make(monitored: bool, root: Path, tag: str):
     torch.manual_seed(0)
-    model = Llama(vocab=4096, dim=1024, heads=16, layers=8).cuda()
+    with torch.device("cuda"):  # built on the GPU: LARGE's 1.7B parameters take long to initialise on the CPU
+        model = Llama(vocab=4096, dim=shape[0], heads=16, layers=8)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     if monitored:
         cfg = root / "cfg.json"
@@ -87,7 +99,7 @@ def train(model, opt, steps: int, sync_error: bool = False) -> list[float]:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _mb in range(2):
-            micro_batch(model, torch.randint(0, 4096, (4, 512), device="cuda", generator=g), sync_error)
+            micro_batch(model, torch.randint(0, 4096, shape[1], device="cuda", generator=g), sync_error)
         opt.step()
         opt.zero_grad()
         torch.cuda.synchronize()
@@ -98,14 +110,18 @@ def train(model, opt, steps: int, sync_error: bool = False) -> list[float]:
 def kernels_per_micro_batch(model) -> int:
     from torch.profiler import ProfilerActivity, profile
 
-    ids = torch.randint(0, 4096, (4, 512), device="cuda")
+    ids = torch.randint(0, 4096, shape[1], device="cuda")
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         micro_batch(model, ids, False)
         torch.cuda.synchronize()
     return sum(e.count for e in prof.key_averages() if e.device_type.name == "CUDA")
 
 
-def check_training(root: Path, label: str = "") -> None:
+def check_training(root: Path, label: str = "", ratio_limit: float | None = None) -> None:
+    """Checks 1, 2, 4, 5 on the current ``shape``; the step time ratio is a check only with a
+    ``ratio_limit`` (on the host-bound shape it is reported: it measures Python, not the GPU)."""
+    gc.collect()
+    torch.cuda.empty_cache()
     base_model, base_opt, _ = make(False, root, "base")
     train(base_model, base_opt, 2)
     torch.cuda.reset_peak_memory_stats()
@@ -121,6 +137,7 @@ def check_training(root: Path, label: str = "") -> None:
         train(model, opt, 1, sync_error=True)
         report("no host sync in forward/backward" + label, True, "set_sync_debug_mode('error') raised nothing")
     except RuntimeError as exc:
+        traceback.print_exc()
         report("no host sync in forward/backward" + label, False, str(exc).splitlines()[0])
     train(model, opt, 1)
     torch.cuda.reset_peak_memory_stats()
@@ -140,7 +157,11 @@ def check_training(root: Path, label: str = "") -> None:
     report("peak memory delta" + label, peak - base_peak < 64 << 20, f"{(peak - base_peak) / 2**20:.1f} MiB")
     ratio = statistics.median(times) / statistics.median(base_times)
     base_ms = statistics.median(base_times) * 1e3
-    report("step time ratio" + label, ratio < 1.25, f"{ratio:.3f}x ({base_ms:.1f} ms unmonitored)")
+    detail = f"{ratio:.3f}x ({base_ms:.1f} ms unmonitored)"
+    if ratio_limit is None:
+        print(f"INFO  step time ratio{label}: {detail}", flush=True)
+    else:
+        report("step time ratio" + label, ratio < ratio_limit, detail)
 
 
 def value_cases(g: torch.Generator, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -172,9 +193,12 @@ def compare(engine: StatsEngine, tensors: list[torch.Tensor], skip_norm: set[int
             elif math.isnan(w):
                 ok &= math.isnan(got)
             else:
-                err = abs(got - w) / max(abs(w), 1e-6 * x.abs().mean().item(), 1e-30)
-                worst = max(worst, err)
-                ok &= err <= 1e-5
+                err = abs(got - w) / max(abs(w), 1e-30)
+                # a mean that cancels to near zero is as exact as its float32 sum: within float32's
+                # epsilon of the data's scale (mean |x|), however small the mean itself
+                floor = abs(got - w) <= 1.2e-7 * x.abs().mean().item() if op == "mean" else False
+                worst = max(worst, 0.0 if floor else err)
+                ok &= err <= 1e-5 or floor
     return ok, worst
 
 
@@ -272,16 +296,29 @@ def main() -> int:
         print("gpu_check: no CUDA device; nothing to check")
         return 2
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
-    check_values()
-    check_two_streams()
-    triton = check_triton()
+    guarded(check_values)
+    guarded(check_two_streams)
+    triton = guarded(check_triton) is True
+    global shape
     with tempfile.TemporaryDirectory() as tmp:
-        check_training(Path(tmp), " (Triton kernel)" if triton else "")
-        if triton:  # the same without the kernel: which of the two is faster here
-            os.environ["TRAINMON_TRITON"] = "0"
-            check_training(Path(tmp), " (eager, TRAINMON_TRITON=0)")
-            del os.environ["TRAINMON_TRITON"]
+        for shape, kind in ((SMALL, "host-bound"), (LARGE, "GPU-bound")):
+            limit = 1.10 if shape is LARGE else None
+            guarded(check_training, Path(tmp), f" ({kind}{', Triton kernel' if triton else ''})", limit)
+            if triton:  # the same without the kernel: which of the two is faster here
+                os.environ["TRAINMON_TRITON"] = "0"
+                guarded(check_training, Path(tmp), f" ({kind}, eager, TRAINMON_TRITON=0)", limit)
+                del os.environ["TRAINMON_TRITON"]
     return 0 if all(ok for _, ok, _ in results) else 1
+
+
+def guarded(check, *args):
+    """Run one check; an exception is that check's FAIL (with its traceback), not the end of the others."""
+    try:
+        return check(*args)
+    except Exception as exc:  # a check that breaks is reported, the rest still run
+        traceback.print_exc()
+        report(check.__name__, False, f"raised {type(exc).__name__}: {exc}")
+        return None
 
 
 if __name__ == "__main__":
