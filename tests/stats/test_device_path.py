@@ -93,7 +93,7 @@ def test_nans_and_infs_are_counted_on_the_device_without_a_sync_in_six_ops_per_t
     assert c6.largest == 0                               # the masks live in the scratch
 
 
-@pytest.mark.parametrize("scratch_max", [1 << 26, 7])   # 7: every tensor above it takes transient masks
+@pytest.mark.parametrize("scratch_max", [1 << 26, 7])   # 7: every larger tensor is counted in slices (or transient masks)
 def test_counts_from_the_shared_scratch_are_exact_for_every_dtype_and_shape(monkeypatch, scratch_max):
     monkeypatch.setattr(device_rows_mod, "_SCRATCH_MAX", scratch_max)
     g = torch.Generator().manual_seed(5)
@@ -110,6 +110,33 @@ def test_counts_from_the_shared_scratch_are_exact_for_every_dtype_and_shape(monk
         x = t.double()
         assert row["nans"] == int(x.isnan().sum()) and row["infs"] == int(x.isinf().sum())
         assert row["zeros"] == pytest.approx(float((x.abs() < 1e-8).sum()) / x.numel())
+
+
+def test_a_tensor_larger_than_the_scratch_is_counted_in_slices_with_no_full_size_mask(monkeypatch):
+    monkeypatch.setattr(device_rows_mod, "_SCRATCH_MAX", 256)
+    t = torch.randn(100, 37)
+    t.view(-1)[::11] = math.nan
+    t.view(-1)[3::29] = -math.inf
+    engine = StatsEngine(DEFAULT + ["nans", "infs"])
+    engine.partials([torch.randn(256)])  # the step's buffers and the 256-element scratch
+    views = [t, t.t(), t[:, ::2]]  # contiguous, dense in another order (its span), strided
+    with OpCounter() as c:
+        for v in views:
+            engine.partials([v])
+    assert c.syncs == 0
+    engine.discard()
+    for v in views:
+        engine.capture("x", [Tracked("t", v)])
+        row = engine.finish_step(0)[0].stats
+        x = v.double()
+        assert (row["nans"], row["infs"]) == (int(x.isnan().sum()), int(x.isinf().sum()))
+    # the two spans in 15 slices each: nothing larger than the [2 counts, 256] scratch (a full
+    # mask would be 3,700 bytes); only the strided view makes full-size masks
+    with OpCounter() as dense_only:
+        engine.partials(views[:2])
+    engine.discard()
+    assert dense_only.largest <= 2 * 256 < t.numel()
+    assert dense_only.names["isnan"] == 2 * 15
 
 
 def test_the_mask_scratch_is_dropped_at_the_step_end_and_grows_for_larger_tensors():

@@ -51,7 +51,11 @@ VALUE_COLUMNS = ("sum", "sumsq", "min", "max", "m2")  # float32 on the device (s
 COUNT_COLUMNS = ("nans", "infs", "zeros")  # int64 on the device
 _F32 = torch.float32
 log = logging.getLogger(__name__)
-_SCRATCH_MAX = 1 << 26  # elements: larger tensors count with transient masks (a scratch of 64 MiB per count at most)
+_SCRATCH_MAX = 1 << 26  # elements of the mask scratch at most (64 MiB per count: a flat group's chunks)
+# A single tensor larger than this is counted in slices of it through the scratch, so its masks
+# take 16 MiB per count at most (an H200 run, where a tensor above the scratch took one transient
+# full-size mask per count, added 344 MiB at its peak).
+_SLICE = 1 << 24
 
 
 def _layout(columns: Sequence[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -406,14 +410,38 @@ class DeviceRows:
         are written (``out=``) into the rows of a per-stream scratch, summed along its rows into
         the row's adjacent count columns (``nans, infs``: 3 ops instead of 4)."""
         n = t.numel()
-        masks = self._masks(n) if n <= _SCRATCH_MAX and _MASKS_OUT else None
-        if masks is None:  # a tensor this large: one transient mask per count (a scratch would stay)
+        if not _MASKS_OUT:
             for k, col in enumerate(self.counts):
                 torch.sum(self._mask(t, col), dim=None, out=c[k])
             return
+        if n > min(_SLICE, _SCRATCH_MAX):
+            self._count_in_slices(t, c, min(_SLICE, _SCRATCH_MAX))
+            return
+        masks = self._masks(n)
         for k, col in enumerate(self.counts):
             self._mask(t, col, masks[k, :n].view(t.shape))
         torch.sum(masks[:, :n], dim=1, out=c)
+
+    def _count_in_slices(self, t: torch.Tensor, c: torch.Tensor, size: int) -> None:
+        """The counts of a tensor larger than a slice: slices of ``size`` elements of its
+        span (counts do not depend on the order of the elements) through the scratch, each slice's
+        counts summed into a small ``[slices, counts]`` table, the table into the row.  A view that
+        does not fill one span (strided, expanded) takes one transient mask per count instead."""
+        flat = _span(t)
+        if flat is None:
+            for k, col in enumerate(self.counts):
+                torch.sum(self._mask(t, col), dim=None, out=c[k])
+            return
+        n = flat.numel()
+        masks = self._masks(size)
+        parts = torch.empty((-(-n // size), len(self.counts)), dtype=c.dtype, device=c.device)
+        for i, start in enumerate(range(0, n, size)):
+            piece = flat[start : start + size]
+            m = piece.numel()
+            for k, col in enumerate(self.counts):
+                self._mask(piece, col, masks[k, :m])
+            torch.sum(masks[:, :m], dim=1, out=parts[i])
+        torch.sum(parts, dim=0, out=c)
 
     def _mask(self, t: torch.Tensor, col: str, out: torch.Tensor | None = None) -> torch.Tensor:
         if col == "nans":
@@ -516,6 +544,14 @@ class DeviceRows:
 
 
 _RAW_CUDA_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what Triton's launcher reads too
+
+
+def _span(t: torch.Tensor) -> torch.Tensor | None:
+    """``t``'s elements as one flat view of the memory they fill (any order of the dims), or None
+    when they do not fill one span (strided, expanded)."""
+    if t.is_contiguous():
+        return t.view(-1)
+    return t.as_strided((t.numel(),), (1,)) if device_triton.dense(t) else None
 
 
 def _stream_key(device: torch.device) -> Any:

@@ -1,7 +1,7 @@
 """The optional one-pass multi-tensor Triton path of ``stats.device_rows`` (CUDA and ROCm).
 
 When ``triton`` is importable, the tensors of one ``DeviceRows.write`` call that are plain,
-dense (see ``_dense``), non-empty fp32/bf16/fp16 tensors are reduced by two kernel launches per dtype group
+dense (see ``dense``), non-empty fp32/bf16/fp16 tensors are reduced by two kernel launches per dtype group
 (``stats.triton_kernels``), whatever the ops and whatever the number of tensors:
 
 1. ``chunk_partials`` reads every element once and writes one row of float32 partials per chunk
@@ -45,7 +45,7 @@ import torch
 if TYPE_CHECKING:
     from trainmon.stats.device_rows import DeviceRows
 
-__all__ = ["TRITON_ENV", "INTERPRET_ENV", "FLOAT_DTYPES", "PLAIN_TENSORS", "TritonRows", "supported"]
+__all__ = ["TRITON_ENV", "INTERPRET_ENV", "FLOAT_DTYPES", "PLAIN_TENSORS", "TritonRows", "dense", "supported"]
 
 TRITON_ENV = "TRAINMON_TRITON"  # "0": never use the Triton kernel
 INTERPRET_ENV = "TRAINMON_TRITON_INTERPRET"  # "1": CPU tensors through Triton's interpreter (tests)
@@ -152,7 +152,7 @@ class _CachedLauncher:
 _LAUNCHER = _CachedLauncher()
 
 
-def _dense(t: torch.Tensor) -> bool:
+def dense(t: torch.Tensor) -> bool:
     """Whether ``t``'s elements fill one span of memory from ``data_ptr()`` on, each once: contiguous
     up to an order of its dims (a transposed weight is; a strided or expanded view is not).  The
     statistics do not depend on the order of the elements, so the kernel reads the span."""
@@ -202,7 +202,7 @@ class TritonRows:
         ``rows`` (caller order); returns the next free row."""
         groups: dict[torch.dtype, list[int]] = {}
         for k, t in enumerate(tensors):
-            if rows[k] < 0 and type(t) in PLAIN_TENSORS and t.dtype in FLOAT_DTYPES and t.numel() and _dense(t):
+            if rows[k] < 0 and type(t) in PLAIN_TENSORS and t.dtype in FLOAT_DTYPES and t.numel() and dense(t):
                 groups.setdefault(t.dtype, []).append(k)
         if not groups:
             return pos
