@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from trainmon.stats import device_triton
@@ -45,3 +46,14 @@ def test_the_launch_cache_key_separates_what_triton_compiles_separately():
     assert key([buf]) != key([buf.double()]) != key([buf.bfloat16()])
     assert key([1]) != key([2]) and key([16]) != key([17]) and key([2**31 + 16]) != key([16])
     assert key([True]) != key([1])
+
+
+def test_the_launch_cache_passes_constexprs_as_the_installed_triton_launches_do(monkeypatch):
+    # Triton 3.0-3.2 launch a compiled kernel with the non-constexpr arguments only, 3.3 on with all
+    # of them; another major version's convention is unknown, so it takes Triton's own launch.
+    triton = pytest.importorskip("triton")
+    for version, want in (("3.2.0", False), ("3.3.1", True), ("3.9.0", True), ("4.0.0", None), ("dev", None)):
+        monkeypatch.setattr(triton, "__version__", version)
+        device_triton._constexprs_passed.cache_clear()
+        assert device_triton._constexprs_passed() is want, version
+    device_triton._constexprs_passed.cache_clear()

@@ -35,6 +35,7 @@ import contextlib
 import functools
 import logging
 import os
+import sys
 from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -121,8 +122,9 @@ class _CachedLauncher:
     0.1 ms of host time per launch with Triton 3.6 (measured on an H200, where it made the
     monitored step host-bound).  The first launch of a specialization goes that way and keeps the
     ``CompiledKernel`` it returns; later ones call ``compiled[grid](*args)`` with the arguments in
-    the kernel's order (constexprs included, as Triton's own launch passes them).  Where Triton
-    returns no compiled kernel (its interpreter, other versions), every launch takes the plain way.
+    the kernel's order: constexprs included from Triton 3.3 on, the other arguments alone before
+    (as Triton's own launch passes them).  Where Triton returns no compiled kernel (its interpreter)
+    or is not a 3.x release, every launch takes the plain way.
     """
 
     def __init__(self) -> None:
@@ -142,11 +144,24 @@ class _CachedLauncher:
         compiled = kernel[grid](*args, **meta)
         names = tuple(getattr(kernel, "arg_names", ()))[len(args) :]  # the constexprs; the rest of meta
         usable = callable(getattr(compiled, "__getitem__", None)) and hasattr(compiled, "function")
-        if usable and set(names) <= set(meta):  # are launch options (num_warps), in the compiled kernel
-            self._order[kernel] = names
+        passes = _constexprs_passed()
+        if usable and passes is not None and set(names) <= set(meta):  # the rest: launch options (num_warps)
+            self._order[kernel] = names if passes else ()
             self._compiled[key] = compiled
         else:
             self._order[kernel] = None
+
+
+@functools.cache
+def _constexprs_passed() -> bool | None:
+    """Whether a compiled kernel's launcher takes the constexpr arguments too (Triton >= 3.3, read
+    from 3.0-3.9's sources); None for a version outside 3.x, whose convention is not known."""
+    version = str(getattr(sys.modules.get("triton"), "__version__", ""))  # imported with the kernels
+    try:
+        major, minor = (int(part) for part in version.split(".")[:2])
+    except ValueError:
+        return None
+    return minor >= 3 if major == 3 else None
 
 
 _LAUNCHER = _CachedLauncher()
