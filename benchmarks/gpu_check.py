@@ -62,14 +62,14 @@ def report(name: str, ok: bool, detail: str) -> None:
 
 # (model width, tokens per micro-batch): SMALL's step is host-bound (the GPU waits for Python, so
 # every microsecond of hook work shows); LARGE's is GPU-bound, as a real large-model step is.
+Shape = tuple[int, tuple[int, int]]  # (model width, tokens per micro-batch)
 SMALL, LARGE = (1024, (4, 512)), (4096, (4, 2048))
-shape = SMALL
 
 
-def make(monitored: bool, root: Path, tag: str):
+def make(monitored: bool, root: Path, tag: str, width: int):
     torch.manual_seed(0)
     with torch.device("cuda"):  # built on the GPU: LARGE's 1.7B parameters take long to initialise on the CPU
-        model = Llama(vocab=4096, dim=shape[0], heads=16, layers=8)
+        model = Llama(vocab=4096, dim=width, heads=16, layers=8)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     if monitored:
         cfg = root / "cfg.json"
@@ -92,14 +92,14 @@ def micro_batch(model, ids, sync_error: bool):
         torch.cuda.set_sync_debug_mode(0)
 
 
-def train(model, opt, steps: int, sync_error: bool = False) -> list[float]:
+def train(model, opt, steps: int, tokens: tuple[int, int], sync_error: bool = False) -> list[float]:
     g = torch.Generator(device="cuda").manual_seed(1)
     times = []
     for _ in range(steps):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _mb in range(2):
-            micro_batch(model, torch.randint(0, 4096, shape[1], device="cuda", generator=g), sync_error)
+            micro_batch(model, torch.randint(0, 4096, tokens, device="cuda", generator=g), sync_error)
         opt.step()
         opt.zero_grad()
         torch.cuda.synchronize()
@@ -107,43 +107,44 @@ def train(model, opt, steps: int, sync_error: bool = False) -> list[float]:
     return times
 
 
-def kernels_per_micro_batch(model) -> int:
+def kernels_per_micro_batch(model, tokens: tuple[int, int]) -> int:
     from torch.profiler import ProfilerActivity, profile
 
-    ids = torch.randint(0, 4096, shape[1], device="cuda")
+    ids = torch.randint(0, 4096, tokens, device="cuda")
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         micro_batch(model, ids, False)
         torch.cuda.synchronize()
     return sum(e.count for e in prof.key_averages() if e.device_type.name == "CUDA")
 
 
-def check_training(root: Path, label: str = "", ratio_limit: float | None = None) -> None:
-    """Checks 1, 2, 4, 5 on the current ``shape``; the step time ratio is a check only with a
+def check_training(root: Path, shape: Shape, label: str = "", ratio_limit: float | None = None) -> None:
+    """Checks 1, 2, 4, 5 on ``shape`` (SMALL or LARGE); the step time ratio is a check only with a
     ``ratio_limit`` (on the host-bound shape it is reported: it measures Python, not the GPU)."""
     gc.collect()
     torch.cuda.empty_cache()
-    base_model, base_opt, _ = make(False, root, "base")
-    train(base_model, base_opt, 2)
+    width, tokens = shape
+    base_model, base_opt, _ = make(False, root, "base", width)
+    train(base_model, base_opt, 2, tokens)
     torch.cuda.reset_peak_memory_stats()
-    base_times = train(base_model, base_opt, 5)
+    base_times = train(base_model, base_opt, 5, tokens)
     base_peak = torch.cuda.max_memory_allocated()
-    base_kernels = kernels_per_micro_batch(base_model)
+    base_kernels = kernels_per_micro_batch(base_model, tokens)
     del base_model, base_opt
     torch.cuda.empty_cache()
 
     tag = "gpu-check" + label.replace(" ", "-")
-    model, opt, mon = make(True, root, tag)
+    model, opt, mon = make(True, root, tag, width)
     try:
-        train(model, opt, 1, sync_error=True)
+        train(model, opt, 1, tokens, sync_error=True)
         report("no host sync in forward/backward" + label, True, "set_sync_debug_mode('error') raised nothing")
     except RuntimeError as exc:
         traceback.print_exc()
         report("no host sync in forward/backward" + label, False, str(exc).splitlines()[0])
-    train(model, opt, 1)
+    train(model, opt, 1, tokens)
     torch.cuda.reset_peak_memory_stats()
-    times = train(model, opt, 5)
+    times = train(model, opt, 5, tokens)
     peak = torch.cuda.max_memory_allocated()
-    kernels = kernels_per_micro_batch(model)
+    kernels = kernels_per_micro_batch(model, tokens)
     mon.close()
     import pandas as pd
 
@@ -299,14 +300,13 @@ def main() -> int:
     guarded(check_values)
     guarded(check_two_streams)
     triton = guarded(check_triton) is True
-    global shape
     with tempfile.TemporaryDirectory() as tmp:
         for shape, kind in ((SMALL, "host-bound"), (LARGE, "GPU-bound")):
             limit = 1.10 if shape is LARGE else None
-            guarded(check_training, Path(tmp), f" ({kind}{', Triton kernel' if triton else ''})", limit)
+            guarded(check_training, Path(tmp), shape, f" ({kind}{', Triton kernel' if triton else ''})", limit)
             if triton:  # the same without the kernel: which of the two is faster here
                 os.environ["TRAINMON_TRITON"] = "0"
-                guarded(check_training, Path(tmp), f" ({kind}, eager, TRAINMON_TRITON=0)", limit)
+                guarded(check_training, Path(tmp), shape, f" ({kind}, eager, TRAINMON_TRITON=0)", limit)
                 del os.environ["TRAINMON_TRITON"]
     return 0 if all(ok for _, ok, _ in results) else 1
 

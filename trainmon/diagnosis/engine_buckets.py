@@ -149,11 +149,9 @@ class StagedRun:
         ).fetchone()
         return hit is not None
 
-    def partition(
-        self, bucket_of: Mapping[tuple[str, str], int], rows_of: Mapping[tuple[str, str], int] | None = None
-    ) -> None:
+    def partition(self, bucket_of: Mapping[tuple[str, str], int], rows_of: Mapping[tuple[str, str], int]) -> None:
         """Keep the rows whose (family, name) has a bucket, stored in bucket order (``rows_of``:
-        (family, name) -> rows, from ``name_rows``; without it, one sort of every row)."""
+        (family, name) -> rows, from ``name_rows``)."""
         ids = {f: i for i, f in enumerate(self.families)}
         code = {name: i for i, name in enumerate(self.texts["name"])}
         p = self.prefix
@@ -168,7 +166,7 @@ class StagedRun:
         # One sort of the whole run needs memory that grows with it (DuckDB ran out of a 256 MB cap
         # sorting 100.8M rows): sort runs of consecutive buckets of about SORT_ROWS rows, appended in
         # order, so the table is still in bucket order and each sort is bounded.
-        for lo, hi in _sort_runs(bucket_of, rows_of or {}, SORT_ROWS):
+        for lo, hi in _sort_runs(bucket_of, rows_of, SORT_ROWS):
             self.con.execute(f"INSERT INTO {p}_rows {select} WHERE b.bucket BETWEEN {lo} AND {hi} ORDER BY b.bucket")
         self.con.execute(f"DROP TABLE {p}_staged")
 

@@ -411,8 +411,7 @@ class DeviceRows:
         the row's adjacent count columns (``nans, infs``: 3 ops instead of 4)."""
         n = t.numel()
         if not _MASKS_OUT:
-            for k, col in enumerate(self.counts):
-                torch.sum(self._mask(t, col), dim=None, out=c[k])
+            self._count_transient(t, c)
             return
         if n > min(_SLICE, _SCRATCH_MAX):
             self._count_in_slices(t, c, min(_SLICE, _SCRATCH_MAX))
@@ -429,8 +428,7 @@ class DeviceRows:
         does not fill one span (strided, expanded) takes one transient mask per count instead."""
         flat = _span(t)
         if flat is None:
-            for k, col in enumerate(self.counts):
-                torch.sum(self._mask(t, col), dim=None, out=c[k])
+            self._count_transient(t, c)
             return
         n = flat.numel()
         masks = self._masks(size)
@@ -442,6 +440,11 @@ class DeviceRows:
                 self._mask(piece, col, masks[k, :m])
             torch.sum(masks[:, :m], dim=1, out=parts[i])
         torch.sum(parts, dim=0, out=c)
+
+    def _count_transient(self, t: torch.Tensor, c: torch.Tensor) -> None:
+        """One full-size mask per count, freed after its ``sum`` (no scratch can hold ``t``'s masks)."""
+        for k, col in enumerate(self.counts):
+            torch.sum(self._mask(t, col), dim=None, out=c[k])
 
     def _mask(self, t: torch.Tensor, col: str, out: torch.Tensor | None = None) -> torch.Tensor:
         if col == "nans":
