@@ -131,8 +131,12 @@ def test_the_engine_running_out_of_its_memory_cap_is_named_as_such_not_as_a_dama
     assert "Out of Memory" in line and "damaged" not in line
 
 
-def test_a_full_spill_directory_is_named_as_such_not_as_memory_or_a_damaged_file(tmp_path):
-    """A real full disk: a 4 MiB tmpfs as TMPDIR (needs root and mount; skipped elsewhere)."""
+@pytest.mark.parametrize("size, cap", [
+    ("4M", "16MB"),   # DuckDB's spill of its sorts fills it ("failed to offload data block")
+    ("1M", "256MB"),  # no spill: the staged Parquet files fill it (an IO error, errno 28)
+])
+def test_a_full_spill_directory_is_named_as_such_not_as_memory_or_a_damaged_file(tmp_path, size, cap):
+    """A real full disk: a small tmpfs as TMPDIR (needs root and mount; skipped elsewhere)."""
     pytest.importorskip("duckdb")
     import os
     import subprocess
@@ -144,10 +148,10 @@ def test_a_full_spill_directory_is_named_as_such_not_as_memory_or_a_damaged_file
     SyntheticRun(ranks=4, steps=200, params=60).write(run, "parquet")  # 288,000 rows, ~40 MB staged
     tiny = tmp_path / "tiny"
     tiny.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4M", "tmpfs", str(tiny)], capture_output=True).returncode:
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(tiny)], capture_output=True).returncode:
         pytest.skip("needs a small filesystem of its own (mount as root)")
     try:
-        env = dict(os.environ, TMPDIR=str(tiny), TRAINMON_ENGINE_MEMORY="16MB")
+        env = dict(os.environ, TMPDIR=str(tiny), TRAINMON_ENGINE_MEMORY=cap)
         proc = subprocess.run([sys.executable, "-m", "trainmon", "ranks", str(run), "--engine", "duckdb", "--json"],
                               capture_output=True, text=True, env=env, timeout=300)
     finally:

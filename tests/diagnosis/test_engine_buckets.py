@@ -70,17 +70,41 @@ def test_ranks_and_compare_staged_one_step_window_at_a_time_find_the_same(edge_r
 
 
 def test_ranks_sorting_the_run_in_bounded_runs_of_buckets_finds_the_same(edge_run, monkeypatch):
-    # a sort per bucket (SORT_ROWS 1): the rows table is still in bucket order, each bucket whole
+    # a sort per bucket (SORT_ROWS 1): every bucket read from its own sorted file, each whole
     from trainmon.diagnosis import engine_buckets
-    from trainmon.diagnosis.engine_buckets import _sort_runs
 
     want = _issues(check_ranks(load_run(edge_run)))
     monkeypatch.setattr(engine_buckets, "SORT_ROWS", 1)
     assert _issues(engine_ranks(engine.run_files(edge_run), rows_per_bucket=TINY_BUCKET)) == want
-    bucket_of = {("f", "a"): 0, ("f", "b"): 0, ("g", "a"): 1, ("f", "c"): 2, ("f", "d"): 3}
-    rows_of = {("f", "a"): 4, ("f", "b"): 4, ("g", "a"): 20, ("f", "c"): 5, ("f", "d"): 5}
-    assert _sort_runs(bucket_of, rows_of, 10) == [(0, 0), (1, 1), (2, 3)]  # 8 | 20 (alone) | 5 + 5
-    assert _sort_runs(bucket_of, {}, 10) == [(0, 3)]  # no counts: one sort, as before
+
+
+def test_a_partitioned_run_hands_over_every_row_once_by_name_code_ranges(edge_run):
+    # Truth: the staged rows themselves; after ``partition`` the buckets are read from the sorted
+    # files alone (the staged files are gone), and together hold each row exactly once.
+    from trainmon.diagnosis.engine_buckets import Engine, StagedRun, consecutive_runs
+
+    with Engine() as eng:
+        run = StagedRun(eng, engine.run_files(edge_run), "r", by_name=True)
+        cols = "fam, rank, name, step, micro_step, position, occurrence"
+        staged = sorted(eng.con.execute(f"SELECT {cols} FROM r_staged").fetchall())
+        per_name = run.code_rows()
+        assert sum(n for _, n in per_name) == len(staged) and len(per_name) > 4
+        # the run lives in files: DuckDB's own tables hold only codes and file lists
+        tables = dict(eng.con.execute("SELECT table_name, estimated_size FROM duckdb_tables()").fetchall())
+        assert sum(tables.values()) < len(staged) / 10, (tables, len(staged))
+        ranges = consecutive_runs(per_name, TINY_BUCKET)
+        run.partition([(ranges[0][0], ranges[1][1]), *ranges[2:]])  # two buckets share a sorted file
+        assert not list(eng.dir.glob("r-[0-9]*.parquet"))
+        got = []
+        for first, last in ranges:
+            frame = run.bucket(first, last).frame
+            codes = {name: i for i, name in enumerate(run.texts["name"])}
+            assert {codes[n] for n in frame["name"]} <= set(range(first, last + 1))
+            fams = frame["family_order"].tolist()
+            got += zip(fams, frame["rank"], frame["name"].map(codes), frame["step"], frame["micro_step"],
+                       frame["position"], frame["occurrence"])
+    assert sorted(tuple(int(v) for v in row) for row in got) == staged
+    assert consecutive_runs([(0, 5), (1, 5), (2, 30), (3, 5), (4, 5)], 10) == [(0, 1), (2, 2), (3, 4)]
 
 
 @pytest.mark.parametrize("options", [
@@ -132,7 +156,7 @@ def test_every_command_stays_bounded_in_memory_where_the_in_memory_path_needs_mu
     synth = SyntheticRun(ranks=4, steps=60, params=500, steps_per_file=25)  # 720,000 rows
     run = synth.write(tmp_path / "run", "parquet")
     # measured (VmHWM of the command's process; a 128 MB engine cap, 50k-row buckets): engine
-    # 253 / 339 / 321 MB for anomalies / ranks / compare, in-memory 597 / 597 / 734 MB
+    # 258 / 324 / 266 MB for anomalies / ranks / compare, in-memory 600 / 594 / 929 MB (2026-12-04)
     limit_mb = 480
     for argv in (["anomalies", str(run)], ["ranks", str(run)], ["compare", str(run), str(run)]):
         engine_mb, engine_doc = peak_mb(argv, "duckdb", TRAINMON_ENGINE_BUCKET_ROWS="50000")
@@ -161,9 +185,9 @@ def test_staged_positions_are_the_readers_whether_or_not_a_steps_rows_are_one_ru
         (tmp_path / f"rank{rank}" / "grad_reduced_0-1.csv").write_text(header + lines)
     frame = load_run(tmp_path).frame
     want = sorted(zip(frame["rank"], frame["step"], frame["name"], frame["position"]))
-    with Engine() as con:
-        run = StagedRun(con, engine.run_files(tmp_path), "b")
-        got = con.execute("SELECT rank, step, name, position FROM b_staged").fetchall()
+    with Engine() as eng:
+        run = StagedRun(eng, engine.run_files(tmp_path), "b")
+        got = eng.con.execute("SELECT rank, step, name, position FROM b_staged").fetchall()
         names = run.texts["name"]
     assert sorted((r, s, names[n], p) for r, s, n, p in got) == want
     assert {p for *_, p in want} == {0, 1, 2}

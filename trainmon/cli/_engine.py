@@ -73,11 +73,13 @@ def engine_errors(path: object) -> Iterator[None]:
 def _engine_problem(path: object, kind: str, message: str) -> str:
     """What went wrong in DuckDB, in the user's terms: its own limits are not damaged files."""
     first_line = message.splitlines()[0] if message else kind
-    if kind == "OutOfMemoryException" and "max_temp_directory_size" in message:
-        # DuckDB reports a full spill directory as out of memory ("failed to offload data block").
+    full_spill = kind == "OutOfMemoryException" and "max_temp_directory_size" in message
+    if full_spill or "No space left on device" in message:
+        # DuckDB reports a full spill directory as out of memory ("failed to offload data block");
+        # a staged run's own files that no longer fit fail as an IO error naming the errno.
         return (
             f"{path}: the analysis engine's temporary directory is full: {first_line} "
-            "(it spills staged rows under TMPDIR, about 140 bytes per row; point TMPDIR at a disk with room)"
+            "(it keeps staged rows under TMPDIR, 20-110 bytes per row; point TMPDIR at a disk with room)"
         )
     if kind == "OutOfMemoryException":
         return (

@@ -5,16 +5,18 @@ over steps, never across names.  So it can run on all rows of a set of names at 
 pandas logic unchanged (``compare`` stages runs here too, then aligns them in SQL:
 ``engine_compare``):
 
-1. **stage**: every family's files are read by DuckDB once (``engine._Family``: CSV typed, with
-   the bad-cell check, Parquet natively), with the ordering columns the in-memory reader computes
-   (``position`` in the rank's (step, micro_step), ``occurrence`` of a repeated name, both from the
-   files' row order), into one table; DuckDB spills it beyond its memory cap;
-2. **partition**: the caller gives each (family, name) a bucket (all families of a name in one
-   bucket, so a bucket holds ``ROWS_PER_BUCKET`` rows or one name), the table is rewritten in
-   bucket order, so a bucket's rows are one contiguous range;
-3. **bucket(k)**: a :class:`~trainmon.diagnosis.reader.RunTable` of those rows with the columns and
-   dtypes the checks read from ``load_run``'s table, sorted by ``FLOW_KEYS`` (unique per row, so
-   the order is the in-memory one whatever order DuckDB returns).
+1. **stage**: every family's files are read by DuckDB one unit at a time (``engine._Family``:
+   CSV typed, with the bad-cell check, Parquet natively), with the ordering columns the
+   in-memory reader computes (``position`` in the rank's (step, micro_step), ``occurrence`` of a
+   repeated name, both from the files' row order), and written as a Parquet file of the
+   engine's work directory (names, shapes and dtypes as integer codes);
+2. **partition**: buckets are runs of consecutive name codes (all families of a name in one
+   bucket, so a bucket holds ``ROWS_PER_BUCKET`` rows or one name); the staged rows are written
+   again sorted by name, one file per run of buckets of about ``SORT_ROWS`` rows;
+3. **bucket(first, last)**: a :class:`~trainmon.diagnosis.reader.RunTable` of those names' rows
+   (their row groups of one file) with the columns and dtypes the checks read from
+   ``load_run``'s table, sorted by ``FLOW_KEYS`` (unique per row, so the order is the in-memory
+   one whatever order DuckDB returns).
 
 Python then holds one bucket at a time: its memory is bounded by the bucket size, not the run.
 """
@@ -24,68 +26,108 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
 from trainmon.diagnosis import engine
-from trainmon.diagnosis.engine import POSITION, RunFiles, _Family, _q
+from trainmon.diagnosis.engine import POSITION, RunFiles, _Family, _lit, _q
 from trainmon.diagnosis.flow import FLOW_KEYS, PHASES, phase_of
 from trainmon.diagnosis.reader import EXTRA_PREFIX, RunTable, numel_column
 
-__all__ = ["ROWS_PER_BUCKET", "GROUP", "Engine", "StagedRun", "pack_buckets", "consecutive_runs", "engine_ranks"]
+__all__ = ["ROWS_PER_BUCKET", "GROUP", "Engine", "StagedRun", "Span", "consecutive_runs", "engine_ranks"]
 
 # Rows handed to Python at once (all families, ranks and steps of a set of names).
 ROWS_PER_BUCKET = int(os.environ.get("TRAINMON_ENGINE_BUCKET_ROWS", "250000"))
-# Rows ``ranks`` sorts at once when it stores a run in bucket order (see ``StagedRun.partition``).
+# Rows ``ranks`` sorts at once when it stores a run by name (see ``StagedRun.partition``).
 SORT_ROWS = int(os.environ.get("TRAINMON_ENGINE_SORT_ROWS", "10000000"))
 # The ``extra`` column compare reads (a hyperparams row's optimizer param group).
 GROUP = EXTRA_PREFIX + "group"
 
 
 class Engine:
-    """One DuckDB connection with its spill directory; ``with Engine() as con:``."""
+    """One DuckDB connection and its work directory (DuckDB's spill files, staged runs' files);
+    ``with Engine() as eng:``, then ``eng.con``."""
 
     def __init__(self, threads: int | None = None):
         self.threads = threads
 
-    def __enter__(self):
-        self.spill_dir = tempfile.mkdtemp(prefix="trainmon-engine-")
-        self.con = engine._connect(self.threads, self.spill_dir)
-        return self.con
+    def __enter__(self) -> Engine:
+        self.dir = Path(tempfile.mkdtemp(prefix="trainmon-engine-"))
+        self.con = engine._connect(self.threads, str(self.dir / "spill"))
+        return self
 
     def __exit__(self, *exc) -> None:
         self.con.close()
-        shutil.rmtree(self.spill_dir, ignore_errors=True)
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 # Text columns stored as integer codes (few distinct values, many rows): the staged rows are fixed
 # width, which DuckDB sorts and hands over fast; Python turns codes back into shared strings.
 _CODED = ("name", "shape", "dtype")
+# How staged rows are written: small row groups, so that a query for some names or some ranks
+# reads little beyond them (each row group's min/max prunes it); lz4 is the cheapest to write.
+_PARQUET = "(FORMAT parquet, COMPRESSION lz4_raw, ROW_GROUP_SIZE 16384)"
 
 
 class StagedRun:
-    """The rows of one run's families (``files``) in the table ``<prefix>_rows``."""
+    """The rows of one run's families (``files``), staged as Parquet files in the engine's work
+    directory: the view ``<prefix>_staged`` holds them all, ``<prefix>_f<i>`` those of family
+    ``families[i]``.  Files, not DuckDB tables: a table keeps ~0.7 MB of bookkeeping per million
+    rows in memory beyond the engine's cap (70 MB a copy at 100M rows), a file nothing.
+    ``by_name``: each unit's file sorted by name code, for ``partition``."""
 
-    def __init__(self, con, files: RunFiles, prefix: str, *, families: Iterable[str] | None = None, progress=None):
-        self.con, self.files, self.prefix = con, files, prefix
+    def __init__(
+        self,
+        eng: Engine,
+        files: RunFiles,
+        prefix: str,
+        *,
+        families: Iterable[str] | None = None,
+        progress=None,
+        by_name: bool = False,
+    ):
+        self.con, self.files, self.prefix, self.by_name = eng.con, files, prefix, by_name
+        self.dir = eng.dir
         chosen = set(files.family_stats if families is None else families)
         self.family_stats = {f: s for f, s in files.family_stats.items() if f in chosen}
         self.families = list(self.family_stats)
         self.stat_columns = list(dict.fromkeys(s for stats in self.family_stats.values() for s in stats))
         stats = "".join(f", {_q(s)} DOUBLE" for s in self.stat_columns)
+        con = self.con
         for col in _CODED:
             con.execute(f"CREATE OR REPLACE TEMP TABLE {prefix}_{col}s(text VARCHAR, code INTEGER)")
-        con.execute(f"""CREATE OR REPLACE TEMP TABLE {prefix}_staged (fam SMALLINT, rank INTEGER, vpp_stage BIGINT,
+        # The schema of the staged rows, and their view while no file holds any.
+        con.execute(f"""CREATE OR REPLACE TEMP TABLE {prefix}_none (fam SMALLINT, rank INTEGER, vpp_stage BIGINT,
             name INTEGER, step BIGINT, micro_step BIGINT, occurrence BIGINT, position BIGINT, shape INTEGER,
             dtype INTEGER, {_q(GROUP)} DOUBLE{stats})""")
+        self.parts: list[list[Path]] = [[] for _ in self.families]
+        # Each part's (first rank, last rank, first step, last step): a query for some ranks and
+        # steps reads only the parts that hold them (``source``).
+        self.extents: dict[Path, tuple[int, int, int, int]] = {}
         for i, family in enumerate(self.families):
             self._stage(i, family, progress)
+        self._views()
         self.texts = {
             col: [t for (t,) in con.execute(f"SELECT text FROM {prefix}_{col}s ORDER BY code").fetchall()]
             for col in _CODED
         }
+        self.sorted: list[tuple[int, int, Path]] = []
+
+    def _views(self) -> None:
+        p = self.prefix
+        for i, paths in enumerate(self.parts):
+            self.con.execute(f"CREATE OR REPLACE TEMP VIEW {p}_f{i} AS {self._read(paths)}")
+        every = [f for paths in self.parts for f in paths]
+        self.con.execute(f"CREATE OR REPLACE TEMP VIEW {p}_staged AS {self._read(every)}")
+
+    def _read(self, paths: Sequence[Path]) -> str:
+        if not paths:
+            return f"SELECT * FROM {self.prefix}_none"
+        return "SELECT * FROM read_parquet([" + ", ".join(_lit(str(f)) for f in paths) + "])"
 
     def _stage(self, fam_id: int, family: str, progress) -> None:
         for unit in self.files.units(family):  # position and occurrence stay within a rank's step
@@ -101,16 +143,24 @@ class StagedRun:
             known = self.con.execute(f"SELECT count(*) FROM {p}_{col}s").fetchone()[0]
             self.con.execute(f"""INSERT INTO {p}_{col}s SELECT text, {known} + row_number() OVER () - 1 FROM (
                 SELECT DISTINCT COALESCE({col}, '') AS text FROM o EXCEPT SELECT text FROM {p}_{col}s)""")
-        present = "".join(f", {_q(s)}" for s in fam.present)
+        stats_sql = "".join(
+            f", o.{_q(s)}" if s in fam.present else f", NULL::DOUBLE AS {_q(s)}" for s in self.stat_columns
+        )
         position, firsts = self._position()
-        self.con.execute(f"""INSERT INTO {p}_staged BY NAME
-            SELECT {fam_id}::SMALLINT AS fam, rank, vpp_stage, n.code AS name, step, micro_step, occurrence,
-                   {position} AS position, s.code AS shape, d.code AS dtype, "group" AS {_q(GROUP)}{present}
+        path = self.dir / f"{p}-{fam_id}-{len(self.parts[fam_id])}.parquet"
+        self.con.execute(f"""COPY (
+            SELECT {fam_id}::SMALLINT AS fam, rank::INTEGER AS rank, vpp_stage::BIGINT AS vpp_stage, n.code AS name,
+                   step::BIGINT AS step, micro_step::BIGINT AS micro_step, occurrence::BIGINT AS occurrence,
+                   ({position})::BIGINT AS position, s.code AS shape, d.code AS dtype,
+                   "group"::DOUBLE AS {_q(GROUP)}{stats_sql}
             FROM o JOIN {p}_names n ON n.text = COALESCE(o.name, '') JOIN {p}_shapes s ON s.text = o.shape
-                   JOIN {p}_dtypes d ON d.text = o.dtype{firsts}""")
+                   JOIN {p}_dtypes d ON d.text = o.dtype{firsts}{" ORDER BY n.code" if self.by_name else ""}
+            ) TO {_lit(str(path))} {_PARQUET}""")
+        self.parts[fam_id].append(path)
         self.con.execute("DROP TABLE IF EXISTS firsts")
+        n, *extent = self.con.execute("SELECT count(*), min(rank), max(rank), min(step), max(step) FROM o").fetchone()
+        self.extents[path] = tuple(int(v) if v is not None else 0 for v in extent)  # type: ignore[assignment]
         if progress is not None:
-            n = self.con.execute("SELECT count(*) FROM o").fetchone()[0]
             progress.update(files=len(unit), rows=n)
         self.con.execute("DROP VIEW o")
         self.con.execute("DROP TABLE IF EXISTS o1")
@@ -128,11 +178,24 @@ class StagedRun:
             return POSITION, ""
         return "o.g - f.first", " JOIN firsts f USING (rank, step, micro_step)"
 
+    def source(self, family: str, span: Span | None = None) -> str:
+        """``family``'s staged rows: the view of them all, or a read of the parts that hold rows
+        of ``span`` (which still need the span's condition, ``span.sql()``)."""
+        fam_id = self.families.index(family)
+        if span is None:
+            return f"{self.prefix}_f{fam_id}"
+        return f"({self._read([f for f in self.parts[fam_id] if span.overlaps(*self.extents[f])])})"
+
     def name_rows(self) -> dict[tuple[str, str], int]:
         """(family, name) -> its number of rows."""
         found = self.con.execute(f"SELECT fam, name, count(*) FROM {self.prefix}_staged GROUP BY fam, name").fetchall()
         names = self.texts["name"]
         return {(self.families[f], names[code]): int(n) for f, code, n in found}
+
+    def code_rows(self) -> list[tuple[int, int]]:
+        """(name code, its rows in every family), in code order."""
+        found = self.con.execute(f"SELECT name, count(*) FROM {self.prefix}_staged GROUP BY name ORDER BY name")
+        return found.fetchall()
 
     def names(self) -> dict[str, list[str]]:
         """family -> its distinct names."""
@@ -143,37 +206,33 @@ class StagedRun:
 
     def grouped(self, family: str) -> bool:
         """Whether some row of ``family`` has an optimizer param group (an ``extra:group`` value)."""
-        hit = self.con.execute(
-            f"SELECT 1 FROM {self.prefix}_staged WHERE fam = ? AND {_q(GROUP)} IS NOT NULL LIMIT 1",
-            [self.families.index(family)],
-        ).fetchone()
-        return hit is not None
+        hit = self.con.execute(f"SELECT 1 FROM {self.source(family)} WHERE {_q(GROUP)} IS NOT NULL LIMIT 1")
+        return hit.fetchone() is not None
 
-    def partition(self, bucket_of: Mapping[tuple[str, str], int], rows_of: Mapping[tuple[str, str], int]) -> None:
-        """Keep the rows whose (family, name) has a bucket, stored in bucket order (``rows_of``:
-        (family, name) -> rows, from ``name_rows``)."""
-        ids = {f: i for i, f in enumerate(self.families)}
-        code = {name: i for i, name in enumerate(self.texts["name"])}
+    def partition(self, runs: Sequence[tuple[int, int]]) -> None:
+        """Store the rows again, one file per run of name codes (first, last), sorted by name, so
+        that ``bucket`` reads a range of names from its run's file alone.  Each run is one bounded
+        sort (one sort of 100.8M rows ran out of a 256 MB cap); with ``by_name`` it reads only the
+        row groups of its names from every staged file.  The staged files are removed after."""
         p = self.prefix
-        engine._fill(
-            self.con,
-            f"{p}_bk",
-            {"fam": "SMALLINT", "name": "INTEGER", "bucket": "INTEGER"},
-            [(ids[f], code[name], k) for (f, name), k in bucket_of.items() if f in ids],
-        )
-        select = f"SELECT s.*, b.bucket FROM {p}_staged s JOIN {p}_bk b USING (fam, name)"
-        self.con.execute(f"CREATE OR REPLACE TEMP TABLE {p}_rows AS {select} LIMIT 0")
-        # One sort of the whole run needs memory that grows with it (DuckDB ran out of a 256 MB cap
-        # sorting 100.8M rows): sort runs of consecutive buckets of about SORT_ROWS rows, appended in
-        # order, so the table is still in bucket order and each sort is bounded.
-        for lo, hi in _sort_runs(bucket_of, rows_of, SORT_ROWS):
-            self.con.execute(f"INSERT INTO {p}_rows {select} WHERE b.bucket BETWEEN {lo} AND {hi} ORDER BY b.bucket")
-        self.con.execute(f"DROP TABLE {p}_staged")
+        for first, last in runs:
+            path = self.dir / f"{p}-names-{first}-{last}.parquet"
+            self.con.execute(f"""COPY (SELECT * FROM {p}_staged
+                WHERE name BETWEEN {int(first)} AND {int(last)} ORDER BY name) TO {_lit(str(path))} {_PARQUET}""")
+            self.sorted.append((int(first), int(last), path))
+        for paths in self.parts:
+            for f in paths:
+                f.unlink()
+            paths.clear()
+        self._views()
 
-    def bucket(self, k: int) -> RunTable:
-        """Bucket ``k`` as a run table (``load_run``'s columns); ``family_stats`` holds the families
-        with rows in it."""
-        frame = self.con.execute(f"SELECT * EXCLUDE (bucket) FROM {self.prefix}_rows WHERE bucket = ?", [k]).fetchdf()
+    def bucket(self, first: int, last: int) -> RunTable:
+        """The rows of name codes ``first`` to ``last`` (within one run of ``partition``) as a run
+        table (``load_run``'s columns); ``family_stats`` holds the families with rows in it."""
+        path = next(f for lo, hi, f in self.sorted if lo <= first and last <= hi)
+        frame = self.con.execute(
+            f"SELECT * FROM read_parquet({_lit(str(path))}) WHERE name BETWEEN {int(first)} AND {int(last)}"
+        ).fetchdf()
         fam = frame.pop("fam").to_numpy(dtype=np.int64)
         numels = numel_column(pd.Series(self.texts["shape"], dtype=object)).to_numpy(dtype=float)
         frame["numel"] = numels[frame["shape"].to_numpy(dtype=np.int64)]
@@ -202,31 +261,6 @@ def _texts(texts: list[str], codes: np.ndarray) -> pd.Series:
     return pd.Series(np.asarray(texts, dtype=object)[codes], dtype=object)
 
 
-def pack_buckets(rows_of_key: Mapping[str, int], rows_per_bucket: int = 0) -> dict[str, int]:
-    """key -> bucket: keys in sorted order, a new bucket once one would pass ``rows_per_bucket``
-    (a key bigger than that gets a bucket of its own)."""
-    limit = rows_per_bucket or ROWS_PER_BUCKET
-    out: dict[str, int] = {}
-    bucket, filled = 0, 0
-    for key in sorted(rows_of_key):
-        n = rows_of_key[key]
-        if filled and filled + n > limit:
-            bucket, filled = bucket + 1, 0
-        out[key] = bucket
-        filled += n
-    return out
-
-
-def _sort_runs(
-    bucket_of: Mapping[tuple[str, str], int], rows_of: Mapping[tuple[str, str], int], limit: int
-) -> list[tuple[int, int]]:
-    """Consecutive bucket ranges (first, last) of about ``limit`` rows each (a bigger bucket alone)."""
-    rows: dict[int, int] = {}
-    for key, k in bucket_of.items():
-        rows[k] = rows.get(k, 0) + rows_of.get(key, 0)
-    return consecutive_runs(sorted(rows.items()), limit)
-
-
 def consecutive_runs(counts: Iterable[tuple[int, int]], limit: int) -> list[tuple[int, int]]:
     """(first, last) key of consecutive runs of ``counts`` ((key, rows), in key order) holding
     about ``limit`` rows each: a new run once the next key would pass it (a bigger key alone)."""
@@ -241,19 +275,27 @@ def consecutive_runs(counts: Iterable[tuple[int, int]], limit: int) -> list[tupl
     return [(first, last) for first, last in runs]
 
 
-def _rows_by_key(counts: Mapping[tuple[str, str], int], key_of: Mapping[tuple[str, str], str | None]) -> dict[str, int]:
-    """Rows per bucket key, from rows per (family, name) and each one's key (None: left out)."""
-    out: dict[str, int] = {}
-    for pair, n in counts.items():
-        key = key_of[pair]
-        if key is not None:
-            out[key] = out.get(key, 0) + n
-    return out
+@dataclass(frozen=True)
+class Span:
+    """Ranks ``first_rank``..``last_rank`` and, where given, only steps ``first_step``..``last_step``."""
 
+    first_rank: int
+    last_rank: int
+    first_step: int | None = None
+    last_step: int | None = None
 
-def buckets(bucket_of: Mapping[str, int]) -> Iterator[int]:
-    """The bucket numbers in use, in order."""
-    yield from sorted(set(bucket_of.values()))
+    def sql(self) -> str:
+        ranks = f"rank BETWEEN {self.first_rank} AND {self.last_rank}"
+        if self.first_step is None:
+            return ranks
+        return f"{ranks} AND step BETWEEN {self.first_step} AND {self.last_step}"
+
+    def overlaps(self, first_rank: int, last_rank: int, first_step: int, last_step: int) -> bool:
+        if last_rank < self.first_rank or first_rank > self.last_rank:
+            return False
+        if self.first_step is None or self.last_step is None:
+            return True
+        return not (last_step < self.first_step or first_step > self.last_step)
 
 
 # ----------------------------------------------------------------------------- the commands
@@ -264,11 +306,16 @@ def engine_ranks(files: RunFiles, *, rows_per_bucket: int = 0, threads: int | No
     from trainmon.diagnosis.ranks import check_ranks, issue_order
 
     issues = []
-    with Engine(threads) as con:
-        run = StagedRun(con, files, "r", progress=progress)
-        counts = run.name_rows()
-        bucket_of = pack_buckets(_rows_by_key(counts, {key: key[1] for key in counts}), rows_per_bucket)
-        run.partition({key: bucket_of[key[1]] for key in counts}, counts)
-        for k in buckets(bucket_of):
-            issues += check_ranks(run.bucket(k), ranks=files.ranks, **checks)
+    with Engine(threads) as eng:
+        run = StagedRun(eng, files, "r", progress=progress, by_name=True)
+        # Buckets: runs of consecutive name codes (a name's rows of every family in one bucket);
+        # sorts: runs of consecutive buckets of about SORT_ROWS rows.
+        per_name = run.code_rows()
+        bucket_ranges = consecutive_runs(per_name, rows_per_bucket or ROWS_PER_BUCKET)
+        rows = dict(per_name)
+        sizes = [sum(rows.get(c, 0) for c in range(lo, hi + 1)) for lo, hi in bucket_ranges]
+        sorts = consecutive_runs(enumerate(sizes), SORT_ROWS)
+        run.partition([(bucket_ranges[a][0], bucket_ranges[b][1]) for a, b in sorts])
+        for first, last in bucket_ranges:
+            issues += check_ranks(run.bucket(first, last), ranks=files.ranks, **checks)
     return sorted(issues, key=issue_order)

@@ -27,7 +27,7 @@ from trainmon.diagnosis.compare import (
     stage_of,
 )
 from trainmon.diagnosis.engine import RunFiles, _q
-from trainmon.diagnosis.engine_buckets import GROUP, Engine, StagedRun, consecutive_runs
+from trainmon.diagnosis.engine_buckets import GROUP, Engine, Span, StagedRun, consecutive_runs
 from trainmon.diagnosis.flow import FLOW_KEYS, PHASES, phase_of
 from trainmon.diagnosis.reader import numel_column
 from trainmon.families import NOT_SCALAR
@@ -50,10 +50,11 @@ def engine_compare(
     progress=None,
 ) -> Comparison:
     """``compare.compare_runs`` of two runs' files, aligned in the engine."""
-    with Engine(threads) as con:
-        b = StagedRun(con, base, "b", families=[f for f in base.family_stats if f not in NOT_SCALAR], progress=progress)
+    with Engine(threads) as eng:
+        con = eng.con
+        b = StagedRun(eng, base, "b", families=[f for f in base.family_stats if f not in NOT_SCALAR], progress=progress)
         t = StagedRun(
-            con, target, "t", families=[f for f in target.family_stats if f not in NOT_SCALAR], progress=progress
+            eng, target, "t", families=[f for f in target.family_stats if f not in NOT_SCALAR], progress=progress
         )
         b_names, t_names = b.names(), t.names()
         plans = plan_families(b.family_stats, t.family_stats, ops, lambda f: (b_names[f], t_names[f]), b.grouped)
@@ -61,17 +62,17 @@ def engine_compare(
         total = SliceResult()
         for family in b.families:
             if family not in t.families:
-                total.only_in_base += _count(con, "b", b.families.index(family))
+                total.only_in_base += _count(con, b.source(family))
             elif family in plans:
                 total.add(_family(con, b, t, family, plans[family], rtol=rtol, atol=atol, top=top))
         for family in t.families:
             if family not in b.families:
-                total.only_in_target += _count(con, "t", t.families.index(family))
+                total.only_in_target += _count(con, t.source(family))
     return finish_comparison(total, plans, base.path, target.path, rtol=rtol, atol=atol, top=top)
 
 
-def _count(con, prefix: str, fam: int) -> int:
-    return int(con.execute(f"SELECT count(*) FROM {prefix}_staged WHERE fam = ?", [fam]).fetchone()[0])
+def _count(con, source: str) -> int:
+    return int(con.execute(f"SELECT count(*) FROM {source}").fetchone()[0])
 
 
 def _numels(con, prefix: str, shapes: list[str]) -> None:
@@ -92,7 +93,6 @@ def _family(
     con, b: StagedRun, t: StagedRun, family: str, plan: FamilyPlan, *, rtol: float, atol: float, top: int
 ) -> SliceResult:
     """One family's part of the comparison, aligned one group of rows at a time (``_align_groups``)."""
-    fb, ft = b.families.index(family), t.families.index(family)
     code_b = {name: i for i, name in enumerate(b.texts["name"])}
     code_t = {name: i for i, name in enumerate(t.texts["name"])}
     engine._fill(
@@ -102,40 +102,52 @@ def _family(
         [(code_t[tn], code_b[bn]) for tn, bn in plan.names.items() if tn in code_t and bn in code_b],
     )
     out = SliceResult()
-    for group in _align_groups(con, fb):
-        out.add(_group_part(con, b, t, family, plan, group, rtol=rtol, atol=atol, top=top))
-    out.only_in_base = _count(con, "b", fb) - out.aligned_rows
-    mapped = con.execute(f"SELECT count(*) FROM t_staged s SEMI JOIN name_map m ON m.tname = s.name WHERE s.fam = {ft}")
+    for k, group in enumerate(_align_groups(con, b.source(family))):
+        out.add(_group_part(con, b, t, family, plan, group, rtol=rtol, atol=atol, top=top, first=k == 0))
+    if out.aligned_rows:
+        # The family's top rows and each rank's first diverged row, from the groups' candidates:
+        # one frame each (a frame per group held ~0.1 MB a group in Python: 480 groups at 100.8M rows).
+        frame = lambda sql: _frame(con.execute(sql).fetchdf(), b, t, family, list(plan.ops))  # noqa: E731
+        out.largest[family] = [frame(f"SELECT * FROM top_rows ORDER BY rel_diff DESC, {_ORDER} LIMIT {int(top)}")]
+        if out.diverged_rows:
+            out.firsts.append(
+                frame(f"""SELECT * FROM first_rows
+                QUALIFY row_number() OVER (PARTITION BY rank ORDER BY {_ORDER}) = 1 ORDER BY {_ORDER}""")
+            )
+    con.execute("DROP TABLE IF EXISTS top_rows")
+    con.execute("DROP TABLE IF EXISTS first_rows")
+    out.only_in_base = _count(con, b.source(family)) - out.aligned_rows
+    mapped = con.execute(f"SELECT count(*) FROM {t.source(family)} s SEMI JOIN name_map m ON m.tname = s.name")
     out.only_in_target = int(mapped.fetchone()[0]) - out.aligned_rows
     return out
 
 
-def _align_groups(con, fam: int) -> list[str]:
-    """The base's rows of family ``fam`` in groups of about ``engine.UNIT_ROWS`` rows, each as a
-    SQL condition on ``rank`` and ``step``: whole ranks together while they fit, and a bigger rank
-    in runs of its steps.  Rows align only on equal (rank, step), so a group's join is exact, and
-    its hash table follows the group, not the run: a rank of the 100.8M-row run holds 1.05M rows
-    of a family, which did not fit a 256 MB cap in one join."""
-    counts = con.execute(f"SELECT rank, step, count(*) FROM b_staged WHERE fam = {fam} GROUP BY ALL ORDER BY ALL")
+def _align_groups(con, source: str) -> list[Span]:
+    """The base's rows of one family (the view ``source``) in groups of about ``engine.UNIT_ROWS``
+    rows: whole ranks together while they fit, and a bigger rank in runs of its steps.  Rows
+    align only on equal (rank, step), so a group's join is exact, and its hash table follows the
+    group, not the run: a rank of the 100.8M-row run holds 1.05M rows of a family, which did not
+    fit a 256 MB cap in one join."""
+    counts = con.execute(f"SELECT rank, step, count(*) FROM {source} GROUP BY ALL ORDER BY ALL")
     per_rank: dict[int, list[tuple[int, int]]] = {}
     for rank, step, n in counts.fetchall():
         per_rank.setdefault(int(rank), []).append((int(step), int(n)))
-    groups: list[str] = []
+    groups: list[Span] = []
     ranks: list[int] = []  # whole ranks waiting to be a group
     filled = 0
     for rank, steps in per_rank.items():
         rows = sum(n for _, n in steps)
         if ranks and filled + rows > engine.UNIT_ROWS:
-            groups.append(f"rank BETWEEN {ranks[0]} AND {ranks[-1]}")
+            groups.append(Span(ranks[0], ranks[-1]))
             ranks, filled = [], 0
         if rows <= engine.UNIT_ROWS:
             ranks.append(rank)
             filled += rows
             continue
         for first, last in consecutive_runs(steps, engine.UNIT_ROWS):
-            groups.append(f"rank = {rank} AND step BETWEEN {first} AND {last}")
+            groups.append(Span(rank, rank, first, last))
     if ranks:
-        groups.append(f"rank BETWEEN {ranks[0]} AND {ranks[-1]}")
+        groups.append(Span(ranks[0], ranks[-1]))
     return groups
 
 
@@ -145,15 +157,16 @@ def _group_part(
     t: StagedRun,
     family: str,
     plan: FamilyPlan,
-    within: str,
+    span: Span,
     *,
     rtol: float,
     atol: float,
     top: int,
+    first: bool,
 ) -> SliceResult:
-    """The family's rows where ``within`` (a condition on ``rank`` and ``step``) aligned in the table
-    ``cmp``, then their counts, largest differences and each rank's first diverged row."""
-    fb, ft = b.families.index(family), t.families.index(family)
+    """The family's rows of ``span`` (some ranks, maybe some of their steps) aligned in the table
+    ``cmp``, then their counts; its largest differences and each rank's first diverged row go into
+    the tables ``top_rows`` and ``first_rows`` (made by the ``first`` group of the family)."""
     ops = list(plan.ops)
     num = lambda run, op: f"COALESCE({run}.{_q(op)}, 'NaN'::DOUBLE)"  # noqa: E731 - empty cells are NaN
     rms = (
@@ -163,13 +176,6 @@ def _group_part(
     )
     group = f"COALESCE(CAST(bb.{_q(GROUP)} AS BIGINT), -1)" if plan.grouped else "-2"
     cols = ", ".join(f"{num('bb', op)} AS b{i}, {num('tt', op)} AS t{i}" for i, op in enumerate(ops))
-    con.execute(f"""CREATE OR REPLACE TEMP TABLE aligned AS
-        SELECT bb.step, bb.micro_step, bb.position, bb.rank, bb.occurrence, bb.vpp_stage, bb.name,
-               tt.tname, {group} AS grp, {rms} AS scale, {cols}
-        FROM (SELECT * FROM b_staged WHERE fam = {fb} AND {within}) bb
-        LEFT JOIN b_numel n ON n.shape = bb.shape
-        JOIN (SELECT s.* EXCLUDE (name), m.name, s.name AS tname FROM t_staged s JOIN name_map m ON m.tname = s.name
-              WHERE s.fam = {ft} AND {within}) tt USING ({", ".join(ALIGN_KEYS)})""")
     rel = [_rel(f"b{i}", f"t{i}", "0.0" if op == "norm" else "scale") for i, op in enumerate(ops)]
     over = [f"(r{i} > {float(rtol)!r} AND NOT (abs(t{i} - b{i}) <= {float(atol)!r}))" for i in range(len(ops))]
     score = [
@@ -183,7 +189,15 @@ def _group_part(
     def chosen(prefix: str) -> str:
         return "CASE k " + " ".join(f"WHEN {i} THEN {prefix}{i}" for i in range(n)) + " END"
 
-    con.execute(f"""CREATE OR REPLACE TEMP TABLE cmp AS
+    joined = f"""
+        SELECT bb.step, bb.micro_step, bb.position, bb.rank, bb.occurrence, bb.vpp_stage, bb.name,
+               tt.tname, {group} AS grp, {rms} AS scale, {cols}
+        FROM (SELECT * FROM {b.source(family, span)} WHERE {span.sql()}) bb
+        LEFT JOIN b_numel n ON n.shape = bb.shape
+        JOIN (SELECT s.* EXCLUDE (name), m.name, s.name AS tname FROM {t.source(family, span)} s
+              JOIN name_map m ON m.tname = s.name WHERE {span.sql()}) tt USING ({", ".join(ALIGN_KEYS)})"""
+    # One statement: the aligned rows are never a table of their own (a group's copy less in memory).
+    con.execute(f"""CREATE OR REPLACE TEMP TABLE cmp AS WITH aligned AS ({joined})
         SELECT step, micro_step, position, rank, occurrence, vpp_stage, name, tname, grp, k,
                {chosen("b")} AS base, {chosen("t")} AS target, {chosen("r")} AS rel_diff, diverged
         FROM (SELECT *, {pick} AS k FROM (
@@ -191,7 +205,6 @@ def _group_part(
             FROM (SELECT *, {", ".join(f"{x} AS s{i}" for i, x in enumerate(score))} FROM (
                 SELECT *, {", ".join(f"{x} AS o{i}" for i, x in enumerate(over))} FROM (
                     SELECT *, {", ".join(f"{x} AS r{i}" for i, x in enumerate(rel))} FROM aligned)))))""")
-    con.execute("DROP TABLE aligned")
     out = SliceResult()
     per_rank = con.execute("SELECT rank, count(*), count(*) FILTER (WHERE diverged) FROM cmp GROUP BY rank").fetchall()
     aligned = sum(int(n) for _, n, _ in per_rank)
@@ -199,14 +212,11 @@ def _group_part(
     out.diverged_rows = sum(int(d) for _, _, d in per_rank)
     for rank, n, _ in per_rank:
         out.aligned[(stage_of(family), int(rank))] = int(n)
-    if aligned:
-        frame = lambda sql: _frame(con.execute(sql).fetchdf(), b, t, family, ops)  # noqa: E731
-        out.largest[family] = [frame(f"SELECT * FROM cmp ORDER BY rel_diff DESC, {_ORDER} LIMIT {int(top)}")]
-        if out.diverged_rows:
-            out.firsts.append(
-                frame(f"""SELECT * FROM cmp WHERE diverged
-                QUALIFY row_number() OVER (PARTITION BY rank ORDER BY {_ORDER}) = 1 ORDER BY {_ORDER}""")
-            )
+    # This group's candidates for the family's top rows and each rank's first diverged row.
+    make = "CREATE OR REPLACE TEMP TABLE {} AS" if first else "INSERT INTO {}"
+    con.execute(f"{make.format('top_rows')} SELECT * FROM cmp ORDER BY rel_diff DESC, {_ORDER} LIMIT {int(top)}")
+    con.execute(f"""{make.format("first_rows")} SELECT * FROM cmp WHERE diverged
+        QUALIFY row_number() OVER (PARTITION BY rank ORDER BY {_ORDER}) = 1""")
     con.execute("DROP TABLE cmp")
     return out
 
