@@ -118,6 +118,7 @@ class StagedRun:
         self.sorted: list[tuple[int, int, Path]] = []
 
     def _views(self) -> None:
+        """The views of the staged files: ``<prefix>_f<i>`` per family, ``<prefix>_staged`` of all."""
         p = self.prefix
         for i, paths in enumerate(self.parts):
             self.con.execute(f"CREATE OR REPLACE TEMP VIEW {p}_f{i} AS {self._read(paths)}")
@@ -158,8 +159,10 @@ class StagedRun:
             ) TO {_lit(str(path))} {_PARQUET}""")
         self.parts[fam_id].append(path)
         self.con.execute("DROP TABLE IF EXISTS firsts")
-        n, *extent = self.con.execute("SELECT count(*), min(rank), max(rank), min(step), max(step) FROM o").fetchone()
-        self.extents[path] = tuple(int(v) if v is not None else 0 for v in extent)  # type: ignore[assignment]
+        n, r0, r1, s0, s1 = self.con.execute(
+            "SELECT count(*), min(rank), max(rank), min(step), max(step) FROM o"
+        ).fetchone()
+        self.extents[path] = (r0, r1, s0, s1) if n else (0, -1, 0, -1)  # an empty part overlaps nothing
         if progress is not None:
             progress.update(files=len(unit), rows=n)
         self.con.execute("DROP VIEW o")
