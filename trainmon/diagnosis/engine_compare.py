@@ -106,7 +106,7 @@ def _family(
         out.add(_group_part(con, b, t, family, plan, group, rtol=rtol, atol=atol, top=top, first=k == 0))
     if out.aligned_rows:
         # The family's top rows and each rank's first diverged row, from the groups' candidates:
-        # one frame each (a frame per group held ~0.1 MB a group in Python: 480 groups at 100.8M rows).
+        # one frame each, not one per group (a run of billions of rows has tens of thousands of groups).
         frame = lambda sql: _frame(con.execute(sql).fetchdf(), b, t, family, list(plan.ops))  # noqa: E731
         out.largest[family] = [frame(f"SELECT * FROM top_rows ORDER BY rel_diff DESC, {_ORDER} LIMIT {int(top)}")]
         if out.diverged_rows:
