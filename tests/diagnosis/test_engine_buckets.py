@@ -191,3 +191,32 @@ def test_staged_positions_are_the_readers_whether_or_not_a_steps_rows_are_one_ru
         names = run.texts["name"]
     assert sorted((r, s, names[n], p) for r, s, n, p in got) == want
     assert {p for *_, p in want} == {0, 1, 2}
+
+
+def test_ranks_and_compare_show_progress_after_staging_too(edge_run):
+    # Staging is the first third of the time at 100.8M rows; the sorts, buckets and alignment
+    # groups after it are counted too, each phase to its end.
+    import io
+    import re
+
+    from trainmon.cli._progress import Progress
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    files = engine.run_files(edge_run)
+    out = Tty()
+    progress = Progress("ranks", sum(len(v) for v in files.files.values()), out=out, interval_s=0)
+    engine_ranks(files, rows_per_bucket=TINY_BUCKET, progress=progress)
+    drawn = out.getvalue()
+    staged = progress.rows
+    assert f"{len(files.rows)}/{len(files.rows)} files, {staged:,} rows" in drawn
+    sorts = re.findall(r"ranks: sorting \[#*\s*\] (\d+)/(\d+) runs of names", drawn)
+    checks = re.findall(r"ranks: checking \[#*\s*\] (\d+)/(\d+) buckets", drawn)
+    assert sorts[-1][0] == sorts[-1][1] == "1" and int(checks[-1][0]) == int(checks[-1][1]) > 2
+    out = Tty()
+    progress = Progress("compare", 0, out=out, interval_s=0)
+    engine_compare(files, files, progress=progress)
+    groups = re.findall(r"compare: aligning \[#*\s*\] (\d+)/(\d+) groups", out.getvalue())
+    assert groups[0][0] == "0" and int(groups[-1][0]) == int(groups[-1][1]) >= 1

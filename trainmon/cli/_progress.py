@@ -14,7 +14,8 @@ __all__ = ["Progress"]
 
 
 class Progress:
-    """``update(files=..., rows=...)`` while working, ``done()`` at the end (clears the line)."""
+    """``update(files=..., rows=...)`` while reading files, ``phase(...)`` and ``advance()`` for a
+    later step counted in other units (buckets, groups), ``done()`` at the end (clears the line)."""
 
     def __init__(
         self, label: str, total_files: int, *, quiet: bool = False, out: TextIO | None = None, interval_s: float = 0.2
@@ -23,6 +24,7 @@ class Progress:
         self.enabled = not quiet and bool(getattr(self.out, "isatty", lambda: False)())
         self.label, self.total = label, total_files
         self.files = self.rows = 0
+        self.unit = "files"  # what ``files`` counts: the files read, or a later phase's units
         self._interval, self._last, self._width = interval_s, 0.0, 0
 
     def update(self, files: int = 0, rows: int = 0) -> None:
@@ -33,10 +35,20 @@ class Progress:
             self._last = now
             self._draw()
 
+    def phase(self, label: str, total: int, unit: str) -> None:
+        """Count a new step of the work: ``total`` ``unit`` (e.g. "buckets") from none done."""
+        self.label, self.total, self.unit, self.files, self._last = label, total, unit, 0, 0.0
+        self.update()
+
+    def advance(self, n: int = 1) -> None:
+        """``n`` more units of the current phase done."""
+        self.update(files=n)
+
     def _draw(self) -> None:
         share = self.files / self.total if self.total else 1.0
         bar = "#" * int(share * 20)
-        text = f"{self.label} [{bar:<20}] {self.files}/{self.total} files, {self.rows:,} rows"
+        rows = f", {self.rows:,} rows" if self.unit == "files" else ""
+        text = f"{self.label} [{bar:<20}] {self.files}/{self.total} {self.unit}{rows}"
         self.out.write("\r" + text.ljust(self._width))
         self.out.flush()
         self._width = len(text)

@@ -212,7 +212,7 @@ class StagedRun:
         hit = self.con.execute(f"SELECT 1 FROM {self.source(family)} WHERE {_q(GROUP)} IS NOT NULL LIMIT 1")
         return hit.fetchone() is not None
 
-    def partition(self, runs: Sequence[tuple[int, int]]) -> None:
+    def partition(self, runs: Sequence[tuple[int, int]], progress=None) -> None:
         """Store the rows again, one file per run of name codes (first, last), sorted by name, so
         that ``bucket`` reads a range of names from its run's file alone.  Each run is one bounded
         sort (one sort of 100.8M rows ran out of a 256 MB cap); with ``by_name`` it reads only the
@@ -223,6 +223,8 @@ class StagedRun:
             self.con.execute(f"""COPY (SELECT * FROM {p}_staged
                 WHERE name BETWEEN {int(first)} AND {int(last)} ORDER BY name) TO {_lit(str(path))} {_PARQUET}""")
             self.sorted.append((int(first), int(last), path))
+            if progress is not None:
+                progress.advance()
         for paths in self.parts:
             for f in paths:
                 f.unlink()
@@ -318,7 +320,13 @@ def engine_ranks(files: RunFiles, *, rows_per_bucket: int = 0, threads: int | No
         rows = dict(per_name)
         sizes = [sum(rows.get(c, 0) for c in range(lo, hi + 1)) for lo, hi in bucket_ranges]
         sorts = consecutive_runs(enumerate(sizes), SORT_ROWS)
-        run.partition([(bucket_ranges[a][0], bucket_ranges[b][1]) for a, b in sorts])
+        if progress is not None:
+            progress.phase("ranks: sorting", len(sorts), "runs of names")
+        run.partition([(bucket_ranges[a][0], bucket_ranges[b][1]) for a, b in sorts], progress)
+        if progress is not None:
+            progress.phase("ranks: checking", len(bucket_ranges), "buckets")
         for first, last in bucket_ranges:
             issues += check_ranks(run.bucket(first, last), ranks=files.ranks, **checks)
+            if progress is not None:
+                progress.advance()
     return sorted(issues, key=issue_order)

@@ -59,12 +59,18 @@ def engine_compare(
         b_names, t_names = b.names(), t.names()
         plans = plan_families(b.family_stats, t.family_stats, ops, lambda f: (b_names[f], t_names[f]), b.grouped)
         _numels(con, "b", b.texts["shape"])
+        groups = {f: _align_groups(con, b.source(f)) for f in b.families if f in t.families and f in plans}
+        if progress is not None:
+            progress.phase("compare: aligning", sum(len(g) for g in groups.values()), "groups")
         total = SliceResult()
         for family in b.families:
             if family not in t.families:
                 total.only_in_base += _count(con, b.source(family))
             elif family in plans:
-                total.add(_family(con, b, t, family, plans[family], rtol=rtol, atol=atol, top=top))
+                part = _family(
+                    con, b, t, family, plans[family], groups[family], rtol=rtol, atol=atol, top=top, progress=progress
+                )
+                total.add(part)
         for family in t.families:
             if family not in b.families:
                 total.only_in_target += _count(con, t.source(family))
@@ -90,9 +96,20 @@ def _rel(b: str, t: str, scale: str) -> str:
 
 
 def _family(
-    con, b: StagedRun, t: StagedRun, family: str, plan: FamilyPlan, *, rtol: float, atol: float, top: int
+    con,
+    b: StagedRun,
+    t: StagedRun,
+    family: str,
+    plan: FamilyPlan,
+    groups: list[Span],
+    *,
+    rtol: float,
+    atol: float,
+    top: int,
+    progress=None,
 ) -> SliceResult:
-    """One family's part of the comparison, aligned one group of rows at a time (``_align_groups``)."""
+    """One family's part of the comparison, aligned one group of rows at a time (``groups``, from
+    ``_align_groups``)."""
     code_b = {name: i for i, name in enumerate(b.texts["name"])}
     code_t = {name: i for i, name in enumerate(t.texts["name"])}
     engine._fill(
@@ -102,8 +119,10 @@ def _family(
         [(code_t[tn], code_b[bn]) for tn, bn in plan.names.items() if tn in code_t and bn in code_b],
     )
     out = SliceResult()
-    for k, group in enumerate(_align_groups(con, b.source(family))):
+    for k, group in enumerate(groups):
         out.add(_group_part(con, b, t, family, plan, group, rtol=rtol, atol=atol, top=top, first=k == 0))
+        if progress is not None:
+            progress.advance()
     if out.aligned_rows:
         # The family's top rows and each rank's first diverged row, from the groups' candidates:
         # one frame each, not one per group (a run of billions of rows has tens of thousands of groups).
