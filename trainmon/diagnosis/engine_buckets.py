@@ -69,7 +69,8 @@ class Engine:
 # width, which DuckDB sorts and hands over fast; Python turns codes back into shared strings.
 _CODED = ("name", "shape", "dtype")
 # How staged rows are written: small row groups, so that a query for some names or some ranks
-# reads little beyond them (each row group's min/max prunes it); lz4 is the cheapest to write.
+# reads little beyond them (each row group's min/max prunes it); lz4 wrote 2.5M staged rows as
+# fast as snappy and faster than zstd or no compression at all (less to write).
 _PARQUET = "(FORMAT parquet, COMPRESSION lz4_raw, ROW_GROUP_SIZE 16384)"
 
 
