@@ -57,7 +57,11 @@ class Engine:
 
     def __enter__(self) -> Engine:
         self.dir = Path(tempfile.mkdtemp(prefix="trainmon-engine-"))
-        self.con = engine._connect(self.threads, str(self.dir / "spill"))
+        try:
+            self.con = engine._connect(self.threads, str(self.dir / "spill"))
+        except BaseException:
+            shutil.rmtree(self.dir, ignore_errors=True)  # no connection, no __exit__: leave no directory
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
