@@ -81,7 +81,8 @@ def test_ranks_sorting_the_run_in_bounded_runs_of_buckets_finds_the_same(edge_ru
 def test_a_partitioned_run_hands_over_every_row_once_by_name_code_ranges(edge_run):
     # Truth: the staged rows themselves; after ``partition`` the buckets are read from the sorted
     # files alone (the staged files are gone), and together hold each row exactly once.
-    from trainmon.diagnosis.engine_buckets import Engine, StagedRun, consecutive_runs
+    from trainmon.diagnosis.engine import Engine
+    from trainmon.diagnosis.engine_buckets import StagedRun, consecutive_runs
 
     with Engine() as eng:
         run = StagedRun(eng, engine.run_files(edge_run), "r", by_name=True)
@@ -173,7 +174,8 @@ def test_every_command_stays_bounded_in_memory_where_the_in_memory_path_needs_mu
 def test_staged_positions_are_the_readers_whether_or_not_a_steps_rows_are_one_run(tmp_path, interleaved):
     # The sinks write a step's rows together (positions from the group's first row); a file whose
     # steps interleave takes the numbering window instead.  Truth: load_run's own positions.
-    from trainmon.diagnosis.engine_buckets import Engine, StagedRun
+    from trainmon.diagnosis.engine import Engine
+    from trainmon.diagnosis.engine_buckets import StagedRun
 
     header = "vpp_stage,name,step,norm,mean,shape,dtype\n"
     rows = [(step, name) for step in (0, 1) for name in ("b", "a", "c")]

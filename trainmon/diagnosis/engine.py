@@ -31,12 +31,13 @@ from pathlib import Path
 from trainmon.diagnosis.flow import family_rank
 from trainmon.diagnosis.reader import FamilyStatsView, RunDirError, ranked_dirs, resolve_run_dir
 from trainmon.diagnosis.rules import COUNT_OPS, RATIO_FAMILIES, Anomaly, Rules
+from trainmon.diagnosis.workdir import WorkDir
 from trainmon.errors import DamagedFileError
 from trainmon.output import runs
 from trainmon.output.cells import NAN_SPELLINGS, BadCellError
 from trainmon.output.layout import FamilyFile
 
-__all__ = ["available", "RunFiles", "run_files", "engine_scan", "MEMORY_LIMIT"]
+__all__ = ["available", "RunFiles", "run_files", "engine_scan", "Engine", "MEMORY_LIMIT"]
 
 # The engine's working-memory cap; beyond it DuckDB spills to a temp directory.
 MEMORY_LIMIT = os.environ.get("TRAINMON_ENGINE_MEMORY", "256MB")
@@ -578,25 +579,40 @@ def _connect(threads: int | None, spill_dir: str):
     return con
 
 
+class Engine:
+    """One DuckDB connection and its work directory (DuckDB's spill files, staged runs' files:
+    ``workdir.WorkDir``, which also removes what killed commands left); ``with Engine() as eng:``,
+    then ``eng.con`` and ``eng.dir``."""
+
+    def __init__(self, threads: int | None = None):
+        self.threads = threads
+
+    def __enter__(self) -> Engine:
+        self._work = WorkDir()
+        self.dir = self._work.path
+        try:
+            self.con = _connect(self.threads, str(self.dir / "spill"))
+        except BaseException:
+            self._work.close()  # no connection, no __exit__: leave no directory
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.con.close()
+        self._work.close()
+
+
 def engine_scan(files: RunFiles, rules: Rules = Rules(), *, threads: int | None = None, progress=None) -> list[Anomaly]:
     """Every anomaly of the run's files, in training-flow order: ``scan.scan`` of the same run."""
-    import shutil
-    import tempfile
-
-    spill_dir = tempfile.mkdtemp(prefix="trainmon-engine-")
-    con = _connect(threads, spill_dir)
     # Ties in flow order keep the in-memory scan's order: every nonfinite, then spikes, then thresholds.
     found: dict[str, list[Anomaly]] = {"nonfinite": [], "spike": [], "threshold": []}
-    try:
+    with Engine(threads) as eng:
         for family, stats in files.family_stats.items():
             units = files.units(family)
             for k, unit in enumerate(units):
-                fam = _Family(con, family, unit.files, stats, headers=files.headers)
+                fam = _Family(eng.con, family, unit.files, stats, headers=files.headers)
                 then = k + 1 < len(units) and units[k + 1].continues  # the next part needs the windows' tails
                 _scan_unit(fam, rules, found, progress, carried=unit.continues, keep=then)
-    finally:
-        con.close()
-        shutil.rmtree(spill_dir, ignore_errors=True)
     return sorted([a for part in found.values() for a in part], key=Anomaly.sort_key)
 
 

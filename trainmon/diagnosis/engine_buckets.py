@@ -24,8 +24,6 @@ Python then holds one bucket at a time: its memory is bounded by the bucket size
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,12 +31,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from trainmon.diagnosis import engine
-from trainmon.diagnosis.engine import POSITION, RunFiles, _Family, _lit, _q
+from trainmon.diagnosis.engine import POSITION, Engine, RunFiles, _Family, _lit, _q
 from trainmon.diagnosis.flow import FLOW_KEYS, PHASES, phase_of
 from trainmon.diagnosis.reader import EXTRA_PREFIX, RunTable, numel_column
 
-__all__ = ["ROWS_PER_BUCKET", "GROUP", "Engine", "StagedRun", "Span", "consecutive_runs", "engine_ranks"]
+__all__ = ["ROWS_PER_BUCKET", "GROUP", "StagedRun", "Span", "consecutive_runs", "engine_ranks"]
 
 # Rows handed to Python at once (all families, ranks and steps of a set of names).
 ROWS_PER_BUCKET = int(os.environ.get("TRAINMON_ENGINE_BUCKET_ROWS", "250000"))
@@ -46,27 +43,6 @@ ROWS_PER_BUCKET = int(os.environ.get("TRAINMON_ENGINE_BUCKET_ROWS", "250000"))
 SORT_ROWS = int(os.environ.get("TRAINMON_ENGINE_SORT_ROWS", "10000000"))
 # The ``extra`` column compare reads (a hyperparams row's optimizer param group).
 GROUP = EXTRA_PREFIX + "group"
-
-
-class Engine:
-    """One DuckDB connection and its work directory (DuckDB's spill files, staged runs' files);
-    ``with Engine() as eng:``, then ``eng.con``."""
-
-    def __init__(self, threads: int | None = None):
-        self.threads = threads
-
-    def __enter__(self) -> Engine:
-        self.dir = Path(tempfile.mkdtemp(prefix="trainmon-engine-"))
-        try:
-            self.con = engine._connect(self.threads, str(self.dir / "spill"))
-        except BaseException:
-            shutil.rmtree(self.dir, ignore_errors=True)  # no connection, no __exit__: leave no directory
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.con.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 # Text columns stored as integer codes (few distinct values, many rows): the staged rows are fixed

@@ -26,8 +26,8 @@ from trainmon.diagnosis.compare import (
     plan_families,
     stage_of,
 )
-from trainmon.diagnosis.engine import RunFiles, _q
-from trainmon.diagnosis.engine_buckets import GROUP, Engine, Span, StagedRun, consecutive_runs
+from trainmon.diagnosis.engine import Engine, RunFiles, _q
+from trainmon.diagnosis.engine_buckets import GROUP, Span, StagedRun, consecutive_runs
 from trainmon.diagnosis.flow import FLOW_KEYS, PHASES, phase_of
 from trainmon.diagnosis.reader import numel_column
 from trainmon.families import NOT_SCALAR
