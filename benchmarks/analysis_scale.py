@@ -11,7 +11,12 @@ finding is checked against the planted fault, so a fast wrong answer cannot pass
 must find the spike first and the NaN, ``ranks`` exactly the NaN on its one rank, ``compare``
 (the run against a copy whose ``param_updated`` drifts from step ``steps // 4``: written beside
 it, ``<size>-<format>-drift``) the drift's first step and its every row.  rows/s counts the rows
-a command reads (both runs for ``compare``).  Sizes:
+a command reads (both runs for ``compare``).
+
+``--read-floor`` measures, per size and format, what no command can go below: a fresh interpreter
+importing what the commands import, and DuckDB reading every column of every family file of the
+run once (CSV typed as the engine reads it), with nothing computed.  Its CSV/Parquet ratio is the
+largest speedup Parquet can give any command that reads its whole run through DuckDB.  Sizes:
 
 =====  =====================================  ===========
 size   ranks x steps x params x families      rows
@@ -123,6 +128,58 @@ def _one(command: str, runs: list[Path], synth: SyntheticRun, engine: str) -> di
     }
 
 
+def _floor_read(run: str, fmt: str) -> None:
+    """(Child process of ``_read_floor``) prints the seconds DuckDB takes to read every column of
+    every family file of ``run`` once (CSV typed as ``engine._Family`` reads it), and the rows."""
+    import duckdb
+    import pyarrow.parquet as pq
+
+    con = duckdb.connect(config={"memory_limit": "256MB"})
+    con.execute("SET enable_progress_bar = false")  # its bar goes to stdout past 2 s
+    by_header: dict[tuple[str, ...], list[str]] = {}  # one scan per header, as the engine reads
+    for f in sorted(Path(run).glob(f"rank*/*.{fmt}")):
+        header = pq.read_schema(f).names if fmt == "parquet" else f.open().readline().strip().split(",")
+        by_header.setdefault(tuple(header), []).append(str(f))
+    t0, rows = time.perf_counter(), 0
+    for header, paths in by_header.items():
+        listing = "[" + ", ".join(repr(f) for f in paths) + "]"
+        if fmt == "parquet":
+            src = f"read_parquet({listing})"
+        else:
+            kind = {c: "VARCHAR" if c in ("name", "shape", "dtype") else "DOUBLE" for c in header}
+            columns = "{" + ", ".join(f"'{c}': '{t}'" for c, t in kind.items()) + "}"
+            src = f"read_csv({listing}, header=true, auto_detect=false, columns={columns})"
+        every = ", ".join(f'"{c}"' for c in header)  # every column consumed: neither format skips one
+        rows += con.execute(f"SELECT count(*), bit_xor(hash({every})) FROM {src}").fetchone()[0]
+    print(time.perf_counter() - t0, rows)
+
+
+def _read_floor(run: Path, fmt: str) -> tuple[float, float, int]:
+    """(interpreter start and imports, DuckDB's read of every column, rows read), in seconds."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import duckdb, pandas, trainmon.cli"], check=True, env=env)
+    start = time.perf_counter() - t0
+    child = f"import analysis_scale as a; a._floor_read({str(run)!r}, {fmt!r})"
+    env["PYTHONPATH"] += os.pathsep + str(REPO / "benchmarks")
+    out = subprocess.run([sys.executable, "-c", child], check=True, capture_output=True, text=True, env=env)
+    read, rows = out.stdout.split()
+    return start, float(read), int(rows)
+
+
+def read_floor(sizes: list[str], formats: list[str], root: Path) -> None:
+    print("size  rows        format   start s  read s  floor s  CSV/Parquet floor")
+    for size in sizes:
+        synth, floor = SIZES[size], {}
+        for fmt in formats:
+            start, read, rows = _read_floor(_run_dir(root, size, fmt, synth), fmt)
+            assert rows == synth.rows, (rows, synth.rows)
+            floor[fmt] = start + read
+            ratio = f"{floor['csv'] / floor['parquet']:.2f}x" if len(floor) == 2 else ""
+            cells = f"{size:<5} {rows:<11,} {fmt:<8} {start:>7.2f}  {read:>6.2f}  {start + read:>7.2f}"
+            print(f"{cells}  {ratio}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="1m", help=f"comma list of {', '.join(SIZES)}")
@@ -130,7 +187,11 @@ def main() -> None:
     ap.add_argument("--engines", default="duckdb,memory", help="--engine values to measure")
     ap.add_argument("--commands", default="anomalies", help="comma list of anomalies, ranks, compare")
     ap.add_argument("--root", type=Path, default=Path("/tmp/trainmon-scale"))
+    ap.add_argument("--read-floor", action="store_true", help="only the read floor of each size and format")
     args = ap.parse_args()
+    if args.read_floor:
+        read_floor(args.sizes.split(","), sorted(args.formats.split(",")), args.root)
+        return
     print(
         "command    size  rows        format   MB on disk  engine  wall s  rows/s      peak RSS MB  findings  first ok"
     )
