@@ -130,28 +130,21 @@ def _one(command: str, runs: list[Path], synth: SyntheticRun, engine: str) -> di
 
 def _floor_read(run: str, fmt: str) -> None:
     """(Child process of ``_read_floor``) prints the seconds DuckDB takes to read every column of
-    every family file of ``run`` once (CSV typed as ``engine._Family`` reads it), and the rows."""
-    import duckdb
-    import pyarrow.parquet as pq
+    every family file of ``run`` once, through the engine's own scan of each header's files (CSV
+    typed as ``anomalies`` reads it), and the rows."""
+    from trainmon.diagnosis import engine
 
-    con = duckdb.connect(config={"memory_limit": "256MB"})
-    con.execute("SET enable_progress_bar = false")  # its bar goes to stdout past 2 s
-    by_header: dict[tuple[str, ...], list[str]] = {}  # one scan per header, as the engine reads
-    for f in sorted(Path(run).glob(f"rank*/*.{fmt}")):
-        header = pq.read_schema(f).names if fmt == "parquet" else f.open().readline().strip().split(",")
-        by_header.setdefault(tuple(header), []).append(str(f))
-    t0, rows = time.perf_counter(), 0
-    for header, paths in by_header.items():
-        listing = "[" + ", ".join(repr(f) for f in paths) + "]"
-        if fmt == "parquet":
-            src = f"read_parquet({listing})"
-        else:
-            kind = {c: "VARCHAR" if c in ("name", "shape", "dtype") else "DOUBLE" for c in header}
-            columns = "{" + ", ".join(f"'{c}': '{t}'" for c, t in kind.items()) + "}"
-            src = f"read_csv({listing}, header=true, auto_detect=false, columns={columns})"
-        every = ", ".join(f'"{c}"' for c in header)  # every column consumed: neither format skips one
-        rows += con.execute(f"SELECT count(*), bit_xor(hash({every})) FROM {src}").fetchone()[0]
-    print(time.perf_counter() - t0, rows)
+    files = engine.run_files(run)
+    with engine.Engine() as eng:
+        scans = []  # (the scan of one header's files, that header)
+        for family, stats in files.family_stats.items():
+            fam = engine._Family(eng.con, family, files.files[family], stats, headers=files.headers)
+            scans += [(fam._scan(header, paths, filename=False), header) for header, paths in fam.groups.items()]
+        t0, rows = time.perf_counter(), 0
+        for scan, header in scans:
+            every = ", ".join(engine._q(c) for c in header)  # every column consumed: neither format skips one
+            rows += eng.con.execute(f"SELECT count(*), bit_xor(hash({every})) FROM {scan}").fetchone()[0]
+        print(time.perf_counter() - t0, rows)
 
 
 def _read_floor(run: Path, fmt: str) -> tuple[float, float, int]:

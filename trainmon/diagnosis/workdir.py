@@ -35,7 +35,7 @@ class WorkDir:
     """A fresh private directory under ``TMPDIR``, locked as this process's while it is open."""
 
     def __init__(self) -> None:
-        self.removed_stale = remove_stale()
+        remove_stale()
         self.path = Path(tempfile.mkdtemp(prefix=PREFIX))
         self._lock_fd: int | None = None
         try:
