@@ -40,7 +40,8 @@ def _holder(tmp: Path) -> tuple[subprocess.Popen, Path]:
     return proc, Path(line)
 
 
-def test_a_killed_commands_work_directory_is_removed_by_the_next_command_a_live_ones_kept(tmp_path):
+@pytest.mark.parametrize("engine", ["duckdb", "memory"])  # memory: what --engine auto picks for a small run
+def test_a_killed_commands_work_directory_is_removed_by_the_next_command_a_live_ones_kept(tmp_path, engine):
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     run = tmp_path / "run"
@@ -56,7 +57,7 @@ def test_a_killed_commands_work_directory_is_removed_by_the_next_command_a_live_
         assert (killed_dir / "staged.parquet").is_file() and (killed_dir / LOCK).is_file()  # SIGKILL left it
         env = dict(os.environ, TMPDIR=str(tmp))
         proc = subprocess.run(
-            [sys.executable, "-m", "trainmon", "anomalies", str(run), "--engine", "duckdb", "--json"],
+            [sys.executable, "-m", "trainmon", "anomalies", str(run), "--engine", engine, "--json"],
             capture_output=True,
             text=True,
             env=env,

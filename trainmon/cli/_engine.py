@@ -14,6 +14,7 @@ from pathlib import Path
 
 from trainmon.cli import CommandError
 from trainmon.diagnosis import engine
+from trainmon.diagnosis.workdir import remove_stale
 from trainmon.output import runs
 from trainmon.output.cells import BadCellError
 
@@ -39,6 +40,9 @@ def add_engine_argument(parser: argparse.ArgumentParser, work: str) -> None:
 
 def use_engine(choice: str, *run_dirs: str) -> bool:
     """Whether ``--engine choice`` runs in DuckDB for these runs (auto: their files together)."""
+    # Every engine-capable command starts here, whichever engine it picks: the next one a user runs
+    # removes the work directories of killed ones (``workdir``), even when it reads in memory.
+    remove_stale()
     if choice == "duckdb" and not engine.available():
         raise CommandError("--engine duckdb needs duckdb: pip install trainmon[engine]")
     if choice != "auto":

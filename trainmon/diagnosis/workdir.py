@@ -5,8 +5,9 @@ stage (gigabytes at 100M rows: ``docs/analysis_at_scale.md``).  It is removed wh
 ends, but a command that is killed (SIGKILL, the OOM killer, a node draining) cannot remove it,
 and repeated kills would fill the disk.  So each directory holds ``owner.lock``, locked
 (``flock``) by its command for as long as it runs; the kernel drops the lock when the process
-dies, however it dies.  Every new work directory first removes the directories whose lock it can
-take: their command is gone.  Nothing is removed on a guess: a directory without the lock file
+dies, however it dies.  Each analysis command (``cli._engine.use_engine``, whichever engine it
+then picks: a small run is read in memory) first removes the directories whose lock it can take:
+their command is gone.  Nothing is removed on a guess: a directory without the lock file
 (made by an older trainmon, or not ours), or one in a file system where ``flock`` does not work,
 is left alone, and another user's directories cannot be opened at all (``mkdtemp`` makes them
 private).  The lock file is locked before it gets its name, so no command can find it unlocked
@@ -35,7 +36,6 @@ class WorkDir:
     """A fresh private directory under ``TMPDIR``, locked as this process's while it is open."""
 
     def __init__(self) -> None:
-        remove_stale()
         self.path = Path(tempfile.mkdtemp(prefix=PREFIX))
         self._lock_fd: int | None = None
         try:
