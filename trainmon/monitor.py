@@ -44,6 +44,8 @@ class TrainerMon:
         process_group: the group whose ranks share one run directory (default: world).
         params_have_main_grad: read ``param.main_grad`` (Megatron) instead of ``param.grad``;
             ``None`` detects it (every trainable param carries ``main_grad``).
+        opt_ty: accepted for msprobe's four-argument call and ignored: the optimizer's kind
+            is read from the optimizer itself (``docs/msprobe_migration.md``).
     """
 
     def __init__(
@@ -51,6 +53,7 @@ class TrainerMon:
         config_file_path: str | os.PathLike[str],
         process_group: Any = None,
         params_have_main_grad: bool | None = None,
+        opt_ty: str | None = None,
     ):
         self.config_file_path = Path(config_file_path)
         # DYNAMIC_MONITOR is read once, here (as msprobe does); see runtime.dynamic_driver.
@@ -91,6 +94,7 @@ class TrainerMon:
     def set_monitor(
         self,
         model: nn.Module | Sequence[nn.Module],
+        *positional: Any,
         grad_acc_steps: int | Callable[[], int] = 1,
         optimizer: Any = None,
         dp_group: Any = None,
@@ -103,7 +107,17 @@ class TrainerMon:
         optimizers, accelerate's and Lightning's wrappers, DeepSpeed's and Megatron's optimizers;
         with a closure, grads are read after the closure's backward); ``grad_acc_steps`` (an int, or a callable
         read once per step) says how many backward passes make one step.
+
+        Positional arguments after ``model`` follow msprobe's order, ``(optimizer,
+        grad_acc_steps, tp_group, dp_group, start_iteration)``, when the first is an optimizer,
+        else trainmon's earlier order ``(grad_acc_steps, optimizer, dp_group, tp_group,
+        start_iteration)``; keywords mean the same either way.
         """
+        if positional:
+            named = {"grad_acc_steps": grad_acc_steps, "optimizer": optimizer, "dp_group": dp_group,
+                     "tp_group": tp_group, "start_iteration": start_iteration}  # fmt: skip
+            named.update(_positional_arguments(positional, named))
+            grad_acc_steps, optimizer, dp_group, tp_group, start_iteration = named.values()
         self.close()
         if optimizer is not None:
             optimizer = step_optimizer(optimizer)  # accelerate's / Lightning's facades -> the torch optimizer
@@ -174,6 +188,37 @@ class TrainerMon:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_MSPROBE_ORDER = ("optimizer", "grad_acc_steps", "tp_group", "dp_group", "start_iteration")
+_OWN_ORDER = ("grad_acc_steps", "optimizer", "dp_group", "tp_group", "start_iteration")
+
+
+_DEFAULTS: dict[str, Any] = {"grad_acc_steps": 1, "optimizer": None, "dp_group": None, "tp_group": None,
+                              "start_iteration": 0}  # fmt: skip
+
+
+def _positional_arguments(values: tuple[Any, ...], keywords: dict[str, Any]) -> dict[str, Any]:
+    """``set_monitor``'s positional arguments by name: msprobe's order when the first is an
+    optimizer (``set_monitor(model, optimizer, 8)``), else trainmon's own earlier order."""
+    order = _MSPROBE_ORDER if _is_optimizer(values[0]) else _OWN_ORDER
+    if len(values) > len(order):
+        raise TypeError(f"set_monitor() takes at most {len(order) + 1} positional arguments ({len(values) + 1} given)")
+    given = dict(zip(order, values))
+    for name in given:
+        default = _DEFAULTS[name]
+        if keywords[name] is not default and not (default is not None and keywords[name] == default):
+            raise TypeError(f"set_monitor() got multiple values for argument '{name}'")
+    return given
+
+
+def _is_optimizer(value: Any) -> bool:
+    """An optimizer in ``grad_acc_steps``' place (msprobe's argument order), never an int or a
+    callable returning one.  Torch, DeepSpeed and Megatron optimizers have ``step`` and are not
+    callable."""
+    if value is None or isinstance(value, int):
+        return False
+    return callable(getattr(value, "step", None)) and (hasattr(value, "param_groups") or not callable(value))
 
 
 def _register_exit_close(monitor: TrainerMon) -> None:

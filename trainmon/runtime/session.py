@@ -116,6 +116,7 @@ class Session:
             [Meta(Family.STEPS, "optimizer", 0, (), "")],
             [torch.cat([flag, scale])],
             ("skipped", "loss_scale"),
+            integers=("skipped",),
         )
 
     def _emit(self, step: int, skipped: bool = False) -> None:

@@ -90,6 +90,7 @@ class _Pending:
     micro_step: int | None = None
     extra: dict[str, Any] | None = None
     is_values: bool = False
+    integers: tuple[int, ...] = ()  # value columns recorded as ints (flags, counts)
     group: Any = None  # process group to merge over (sharded tensors)
     slot: Any = None  # (device, index) of this capture's tensors in the step's copy
     scale: Any = None  # divide the partials by this (float, or a device 0-d tensor)
@@ -277,11 +278,17 @@ class StatsEngine:
         pending.append(_Pending(family, [item], [row], self.columns, micro_step, extendable=True))
 
     def capture_values(
-        self, family: str, metas: Sequence[Meta], values: Sequence[torch.Tensor], columns: Sequence[str]
+        self,
+        family: str,
+        metas: Sequence[Meta],
+        values: Sequence[torch.Tensor],
+        columns: Sequence[str],
+        integers: Sequence[str] = (),
     ) -> None:
         """Record values already computed on the device (one ``[len(columns)]`` row per meta;
         the rows share the first meta's ``micro_step`` and ``extra``).  Kept as they are (no fp64
-        on the device); they reach the host with the step's one copy."""
+        on the device); they reach the host with the step's one copy.  ``integers``: the columns
+        written as ints (a flag or a count travels as a float with the step's copy)."""
         if metas and values and (self.seam or not values[0].is_cpu) and stream_capturing(values[0].device):
             self._warn_capturing()
             return
@@ -295,6 +302,7 @@ class StatsEngine:
                     metas[0].micro_step,
                     metas[0].extra or None,
                     is_values=True,
+                    integers=tuple(i for i, c in enumerate(columns) if c in integers),
                 )
             )
 
@@ -358,6 +366,8 @@ def _build_blocks(
         partials = [row for _, mat in run for row in mat]
         stats = columns if is_values else ops
         rows = partials if is_values else derive_block(ops, columns, partials)
+        if is_values and run[0][0].integers:
+            rows = [_as_ints(row, run[0][0].integers) for row in rows]
         names, vpps, shapes, dts = [], [], [], []
         for name, vpp, shape, dtype in items:
             dt = dtypes.get(dtype)
@@ -369,6 +379,13 @@ def _build_blocks(
             dts.append(dt)
         blocks.append(RowBlock(family, step, micro, extra, tuple(stats), names, vpps, shapes, dts, rows))
     return blocks
+
+
+def _as_ints(row: list[float], columns: tuple[int, ...]) -> list[Any]:
+    out: list[Any] = list(row)
+    for j in columns:
+        out[j] = int(out[j]) if out[j] == out[j] else out[j]  # a NaN stays NaN
+    return out
 
 
 def _runs(pending: list[_Pending], values: list[list[list[float]]]):
