@@ -12,8 +12,8 @@ import torch
 from tests._support.runs import only_run_dir, read_family, reference_stats
 from trainmon import ConfigError, TrainerMon
 from trainmon.config import load_config
-from trainmon.testing.tiny_gpt import GPTConfig, TinyGPT, synthetic_batches
 from trainmon.dynamic import ConfigStager, WatchSettings, dynamic_requested
+from trainmon.testing.tiny_gpt import GPTConfig, TinyGPT, synthetic_batches
 
 SMALL = GPTConfig(vocab=32, seq=8, dim=16, heads=2, layers=2)
 
@@ -39,6 +39,16 @@ def test_bad_environment_values_are_errors_naming_the_variable():
     s = WatchSettings.from_env({"TRAINMON_WATCH_POLLING": "1", "TRAINMON_WATCH_INTERVAL": "0.5",
                                 "TRAINMON_WATCH_SETTLE": "2", "TRAINMON_DYNAMIC_TIMEOUT": "30"})
     assert s == WatchSettings(polling=True, interval_s=0.5, settle_s=2.0, timeout_s=30.0)
+
+
+def test_polling_is_decided_by_the_file_system_unless_set_and_the_step_check_has_a_default():
+    assert WatchSettings.from_env({}).polling is None                 # unset: by the file system
+    assert WatchSettings.from_env({"TRAINMON_WATCH_POLLING": ""}).polling is None
+    assert WatchSettings.from_env({"TRAINMON_WATCH_POLLING": "false"}).polling is False
+    assert WatchSettings.from_env({}).step_check_s == 2.0
+    assert WatchSettings.from_env({"TRAINMON_WATCH_STEP_CHECK": "0.5"}).step_check_s == 0.5
+    with pytest.raises(ConfigError, match=r"TRAINMON_WATCH_STEP_CHECK: 'often' is not a number of seconds"):
+        WatchSettings.from_env({"TRAINMON_WATCH_STEP_CHECK": "often"})
 
 
 def test_trainer_mon_rejects_a_bad_dynamic_monitor_value(monkeypatch, make_config, output_root):
@@ -195,6 +205,7 @@ def test_off_on_change_off_with_real_steps_and_values(dynamic, make_config, capl
     job.train(3)
     assert job.grad_hooks() == 0 and len(job.opt._optimizer_step_pre_hooks) == 1
     with caplog.at_level(logging.INFO, logger="trainmon"):
+        caplog.clear()                           # set_monitor's "staying off" is not asked about here
         job.edit({"dynamic_on": True, "wg_distribution": True, "ops": ["norm"]})
         job.train(1)                             # the boundary after step 3 applies it
         assert job.grad_hooks() > 0
@@ -245,8 +256,9 @@ def test_config_that_does_not_fit_the_model_keeps_the_state(dynamic, make_config
     with caplog.at_level(logging.ERROR, logger="trainmon"):
         job.edit({"dynamic_on": True, "wg_distribution": True, "targets": ["layers.7"]})
         job.edit({"dynamic_on": True, "xy_distribution": True})
-    assert "'layers.7' matches no module or parameter of the model" in caplog.records[0].getMessage()
-    assert "xy_distribution: true needs targets (the modules to record) or all_xy: true" in caplog.records[1].getMessage()
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert "'layers.7' matches no module or parameter of the model" in errors[0]
+    assert "xy_distribution: true needs targets (the modules to record) or all_xy: true" in errors[1]
     job.train(2)
     job.mon.close()
     assert steps_of(dynamic, "param_origin") == [0, 1, 2, 3]

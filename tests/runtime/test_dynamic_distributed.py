@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests._support.runs import read_family
 from tests._support.distributed import run_distributed
+from tests._support.runs import read_family
 from tests.runtime.test_dynamic_e2e import write_by_replace, write_in_place
 from trainmon.testing.tiny_gpt import GPTConfig, TinyGPT, synthetic_batches
 

@@ -180,7 +180,10 @@ def test_edits_switch_collection_at_the_expected_steps(tmp_path, output_root, ob
         if trainer.proc.poll() is None:
             trainer.proc.kill()
     log = trainer.drain_log()
-    assert not [line for line in log if "Traceback" in line or line.startswith("WARNING")], log
+    warnings = [line for line in log if line.startswith("WARNING")]
+    assert not [line for line in log if "Traceback" in line], log
+    # the only warnings are the switches themselves (logged so to reach scripts without logging)
+    assert all(w.startswith("WARNING trainmon: dynamic: step ") for w in warnings), warnings
     errors = [line for line in log if line.startswith("ERROR")]
     assert len(errors) == 1, errors  # the bad JSON: one message naming the file and the problem
     assert "the edited config is NOT applied" in errors[0] and str(config) in errors[0]
@@ -216,3 +219,69 @@ def test_edits_switch_collection_at_the_expected_steps(tmp_path, output_root, ob
 def read_family_file(path: Path):
     import pandas as pd
     return pd.read_csv(path)
+
+
+QUIET_SCRIPT = textwrap.dedent("""
+    # A training script that configures no logging at all, as most do.
+    import json, sys, time, torch
+    torch.set_num_threads(1)
+    from trainmon import TrainerMon
+    from trainmon.testing.tiny_gpt import GPTConfig, TinyGPT, synthetic_batches
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig(vocab=32, seq=8, dim=16, heads=2, layers=2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = synthetic_batches(model.cfg, 2, 100_000)
+    config = sys.argv[1]
+    mon = TrainerMon(config)
+    mon.set_monitor(model, optimizer=opt)
+    driver = mon._driver
+
+    def train_until(done):
+        deadline = time.monotonic() + 60
+        while not done():
+            assert time.monotonic() < deadline, "the edit was never applied"
+            model.loss(next(data)).backward()
+            opt.step()
+            opt.zero_grad()
+            time.sleep(0.01)
+
+    def write(text):
+        with open(config, "w") as fh:
+            fh.write(text)
+
+    write(json.dumps({"dynamic_on": True, "wg_distribution": True, "ops": ["norm"]}))
+    train_until(lambda: driver.session is not None)
+    write('{"dynamic_on": false, "ops": [')                # rejected: stays on
+    start = time.monotonic()
+    train_until(lambda: time.monotonic() - start > 1.5)     # read (and rejected) meanwhile
+    assert driver.session is not None
+    write(json.dumps({"dynamic_on": False}))
+    train_until(lambda: driver.session is None)
+    mon.close()
+    print("done", flush=True)
+""")
+
+
+def test_switches_and_a_rejected_config_reach_stderr_without_any_logging_setup(tmp_path, output_root):
+    """Issue 34, item 23: a script that configures no logging still tells its user, once per
+    change, that monitoring switched on or off and that an edited config was rejected."""
+    config = tmp_path / "monitor_config.json"
+    config.write_text(cfg(dynamic_on=False, wg_distribution=True))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), DYNAMIC_MONITOR="true",
+               TRAINMON_WATCH_SETTLE="0.05", MONITOR_OUTPUT_DIR=str(output_root))
+    done = subprocess.run([sys.executable, "-c", QUIET_SCRIPT, str(config)], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0 and done.stdout.strip() == "done", done.stderr
+    lines = done.stderr.splitlines()
+
+    def said(text: str) -> list[str]:
+        return [line for line in lines if text in line]
+
+    assert len(said("step 0: config version 1 has dynamic_on false: staying off")) == 1, lines
+    on = said("collecting with config version 2")
+    assert len(on) == 1 and on[0].startswith("trainmon: dynamic: step "), lines
+    rejected = said("the edited config is NOT applied")
+    assert len(rejected) == 1 and rejected[0].startswith("trainmon: ") and str(config) in rejected[0], lines
+    off = said("monitoring stopped (config version 3 sets dynamic_on false)")
+    assert len(off) == 1 and off[0].startswith("trainmon: dynamic: step "), lines
+    assert not said("Traceback"), lines

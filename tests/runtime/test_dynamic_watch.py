@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from trainmon.config import load_config
-from trainmon.dynamic import ConfigStager, ConfigWatcher, WatchSettings, resolution_chain
+from trainmon.dynamic import ConfigStager, ConfigWatcher, WatchSettings, resolution_chain, shared_observer_count
 
 pytestmark = pytest.mark.slow
 
@@ -234,3 +234,129 @@ def test_an_edit_reported_twice_is_one_version_and_saving_again_is_another(tmp_p
         assert w.quiet() == 3
     finally:
         w.close()
+
+
+def test_a_late_event_of_the_same_save_does_not_lose_the_edit(tmp_path, observer):
+    """An event of the save arriving between the watcher's "rested" check and the read defers the
+    read; the deferred read must still happen (it used to be dropped as "already read")."""
+    path = tmp_path / "config.json"
+    path.write_text(text(False, ["norm"]))
+    w = Watched(path, observer)
+    real_settle, late = w.stager.settle, []
+
+    def late_event_first(now: float):
+        if not late:
+            late.append(now)
+            w.stager.note_change(time.monotonic())  # the late event, just before the read
+        return real_settle(now)
+
+    w.stager.settle = late_event_first
+    try:
+        path.write_text(text(True, ["min"]))
+        assert _ops(w.wait_version(2)) == ("min",) and late
+        assert w.quiet() == 2
+    finally:
+        w.close()
+
+
+def _write_in_place(path: Path, content: str) -> None:
+    with open(path, "r+") as fh:
+        fh.truncate(0)
+        fh.write(content)
+
+
+def _write_by_replace(path: Path, content: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(content)
+    os.replace(tmp, path)
+
+
+@pytest.mark.timeout(600)
+def test_two_hundred_watchers_of_one_file_follow_every_edit_through_one_observer(tmp_path):
+    """Issue 34, item 10: one observer per folder and process, however many monitors watch it
+    (an observer each ran out of inotify instances: 16 of 120 monitors never switched on).  The
+    watchers' own periodic check is made too rare to help, so every edit must come as events."""
+    path = tmp_path / "conf" / "config.json"
+    path.parent.mkdir()
+    path.write_text(text(False, ["norm"]))
+    before = shared_observer_count()
+    settings = WatchSettings(polling=False, interval_s=600.0, settle_s=0.1)
+    watchers: list[ConfigWatcher] = []
+    try:
+        for _ in range(200):
+            stager = ConfigStager(path, load_config, settle_s=settings.settle_s)
+            watchers.append(ConfigWatcher(stager, settings).start())
+            stager.stage_now(fallback=load_config(path))
+        assert {w.kind for w in watchers} == {"native"}
+        assert shared_observer_count() == before + 1           # one for the folder, shared by all
+        edits = [(_write_in_place, True, ["min"]), (_write_by_replace, False, ["norm"]),
+                 (_write_by_replace, True, ["max"]), (_write_in_place, False, ["min"])]
+        for version, (edit, on, ops) in enumerate(edits, start=2):
+            edit(path, text(on, ops))
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                lagging = [w for w in watchers if w.stager.decision.version < version]
+                if not lagging:
+                    break
+                time.sleep(0.05)
+            assert not lagging, f"edit {version}: {len(lagging)} of 200 watchers never read it"
+            decisions = [w.stager.decision for w in watchers]
+            assert {(d.version, d.on) for d in decisions} == {(version, on)}
+            if on:
+                assert {tuple(d.config.ops) for d in decisions} == {tuple(ops)}
+    finally:
+        for w in watchers:
+            w.stop()
+    assert shared_observer_count() == before                   # the last one out stopped it
+
+
+def test_a_shared_observer_whose_thread_died_is_started_again(tmp_path, observer, caplog):
+    import trainmon.dynamic as dynamic_module
+
+    path = tmp_path / "config.json"
+    path.write_text(text(False, ["norm"]))
+    w = Watched(path, observer)
+    try:
+        [key] = {k for f, k in w.watcher._subscriptions.items() if f == str(tmp_path)}
+        dead = dynamic_module._observers[key].observer
+        with caplog.at_level(logging.WARNING, logger="trainmon"):
+            dead.stop()
+            dead.join(timeout=5)
+            deadline = time.monotonic() + 10
+            while dynamic_module._observers[key].observer is dead and time.monotonic() < deadline:
+                time.sleep(0.05)
+        assert dynamic_module._observers[key].observer.is_alive()
+        assert any("had stopped; it is watching again" in r.getMessage() for r in caplog.records)
+        path.write_text(text(True, ["max"]))
+        assert _ops(w.wait_version(2)) == ("max",)
+    finally:
+        w.close()
+
+
+def test_a_forked_child_watches_with_observers_of_its_own(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(text(False, ["norm"]))
+    parent = Watched(path, "native")
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: the parent's observer threads are not here
+            code = 1
+            try:
+                if shared_observer_count() == 0:
+                    child = Watched(path, "native")
+                    path.write_text(text(True, ["min"]))
+                    code = 0 if _ops(child.wait_version(2)) == ("min",) else 1
+                    child.close()
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + 60
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if done[0] == 0:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            raise AssertionError("the child hung")
+        assert os.waitstatus_to_exitcode(done[1]) == 0
+        assert _ops(parent.wait_version(2)) == ("min",)  # the parent saw the child's edit too
+    finally:
+        parent.close()

@@ -4,7 +4,8 @@
 ``DynamicDriver``, which keeps one step-boundary wrapper for
 its whole life and owns no hook besides it while idle.  At each boundary:
 
-1. the ``Session`` that is collecting (if any) finishes its step;
+1. the ``Session`` that is collecting (if any) finishes its step; rank 0 stats the config file
+   now and then (``ConfigWatcher.check_file``, rate-limited) for an edit no observer reported;
 2. if that session reached ``collect_times`` it is closed (all its hooks go);
 3. rank 0 of the monitor's group shares the staged version number (and its step number) with
    the other ranks: one broadcast of two int64 on a dedicated gloo group.  Only when the version
@@ -13,6 +14,9 @@ its whole life and owns no hook besides it while idle.  At each boundary:
    config builds a new session from the next step, every rank votes that it could (one
    all-reduce), and only then is the old session replaced.  A failure anywhere leaves every
    rank as it was.
+
+Switches the user caused by editing the file are logged at WARNING (:meth:`DynamicDriver._tell`),
+so they reach stderr in scripts that configure no logging.
 
 The group has its own timeout: if a peer never reaches the boundary, the collective fails after
 ``TRAINMON_DYNAMIC_TIMEOUT`` seconds and dynamic mode switches itself off on that rank instead of
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -112,9 +117,19 @@ class DynamicDriver:
         if session is not None:
             session.after_step()
         self.step += 1
+        if self.watcher is not None:
+            self._check_file(self.watcher)
         if session is not None and session.clock.finished:
             self._stop(f"collect_times ({session.ctx.config.collect_times}) reached")
         self._decide()
+
+    def _check_file(self, watcher: ConfigWatcher) -> None:
+        """The boundary's look for an edit no observer reported; a failure costs only that look
+        (this runs inside the optimizer step: it must never raise into training)."""
+        try:
+            watcher.check_file(time.monotonic())
+        except Exception:
+            log.debug("trainmon: dynamic: checking %s at the step boundary failed", self.config_file, exc_info=True)
 
     def _decide(self) -> None:
         if self.broken:
@@ -144,7 +159,7 @@ class DynamicDriver:
             if self.session is not None:
                 self._stop(f"config version {decision.version} sets dynamic_on false")
             else:
-                self._log("step %d: config version %d has dynamic_on false: staying off", self.step, decision.version)
+                self._tell("step %d: config version %d has dynamic_on false: staying off", self.step, decision.version)
             return
         cfg = decision.config
         assert cfg is not None  # decision.on
@@ -154,7 +169,7 @@ class DynamicDriver:
         if not self.agreement.all_true(new is not None):
             if new is not None:
                 new.close()
-            self._log(
+            self._tell(
                 "config version %d is NOT applied: it failed on some rank (see that rank's "
                 "log); monitoring continues as it was",
                 decision.version,
@@ -164,7 +179,7 @@ class DynamicDriver:
         if self.session is not None:
             self.session.close()
         self.session, self.config = new, cfg
-        self._log(
+        self._tell(
             "step %d: collecting with config version %d of %s: %s; into %s",
             self.step,
             decision.version,
@@ -190,7 +205,7 @@ class DynamicDriver:
             return
         collected = session.clock.collected
         session.close()
-        self._log(
+        self._tell(
             "step %d: monitoring stopped (%s) after %d collected step(s); idle until the config file changes",
             self.step,
             reason,
@@ -212,6 +227,13 @@ class DynamicDriver:
     def _log(self, msg: str, *args: Any) -> None:
         if self.agreement.is_source:
             log.info("trainmon: dynamic: " + msg, *args)
+
+    def _tell(self, msg: str, *args: Any) -> None:
+        """A switch the user asked for by editing the file: at WARNING, so it reaches stderr
+        even in a script that configured no logging (Python's last-resort handler prints
+        WARNING and above); once per change, on rank 0 only."""
+        if self.agreement.is_source:
+            log.warning("trainmon: dynamic: " + msg, *args)
 
     def _stop_watching(self) -> None:
         if self.watcher is not None:
