@@ -16,6 +16,7 @@ if TYPE_CHECKING:  # type checkers see the real objects; at run time they load o
     from trainmon.collectors import register_collector
     from trainmon.config import load_config
     from trainmon.monitor import TrainerMon
+    from trainmon.output.load import load_run
     from trainmon.runtime.seed import seed_all
     from trainmon.sinks.base import register_sink
 
@@ -27,6 +28,7 @@ __all__ = [
     "load_config",
     "register_collector",
     "register_sink",
+    "load_run",
     "__version__",
 ]
 
@@ -53,4 +55,8 @@ def __getattr__(name: str) -> Any:
         from trainmon.sinks.base import register_sink
 
         return register_sink
+    if name == "load_run":  # pandas is imported when it runs, not here
+        from trainmon.output.load import load_run
+
+        return load_run
     raise AttributeError(f"module 'trainmon' has no attribute {name!r}")

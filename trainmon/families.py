@@ -11,7 +11,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-__all__ = ["Family", "FamilyInfo", "FAMILIES", "MOMENTS", "NOT_SCALAR", "Phase", "PHASES", "family_info"]
+__all__ = [
+    "Family",
+    "FamilyInfo",
+    "FAMILIES",
+    "MOMENTS",
+    "NOT_SCALAR",
+    "OPTIMIZER_STATE",
+    "Phase",
+    "PHASES",
+    "family_info",
+]
 
 
 class _StrEnum(str, Enum):
@@ -56,6 +66,17 @@ class Family(_StrEnum):
     PARAM_ORIGIN = "param_origin"
     EXP_AVG = "exp_avg"
     EXP_AVG_SQ = "exp_avg_sq"
+    MAX_EXP_AVG_SQ = "max_exp_avg_sq"
+    EXP_INF = "exp_inf"
+    MOMENTUM_BUFFER = "momentum_buffer"
+    SQUARE_AVG = "square_avg"
+    GRAD_AVG = "grad_avg"
+    ACC_DELTA = "acc_delta"
+    ADAGRAD_SUM = "adagrad_sum"
+    RPROP_PREV = "rprop_prev"
+    RPROP_STEP_SIZE = "rprop_step_size"
+    ASGD_AX = "asgd_ax"
+    ADAFACTOR_VARIANCE = "adafactor_variance"
     PARAM_UPDATED = "param_updated"
     UPDATE_RATIO = "update_ratio"
     STEPS = "steps"
@@ -69,7 +90,9 @@ class FamilyInfo:
     ``record_loss``); ``per_micro_step``: one row per
     micro-batch (a ``micro_step`` column); ``replicated``: equal on every data-parallel rank
     under plain DDP (rank checks compare them); ``own_stats``: value columns of its own instead
-    of the ``ops``; ``moment``: an optimizer state tensor.
+    of the ``ops``; ``moment``: an optimizer state tensor (``mv_distribution``);
+    ``state_key``: the key of ``torch.optim`` optimizers' per-param ``optimizer.state[param]``
+    it records (the family name unless that key is a generic word such as Adagrad's ``sum``).
     """
 
     phase: Phase
@@ -80,6 +103,12 @@ class FamilyInfo:
     moment: bool = False
     ratio: bool = False
     scalar: bool = True
+    state_key: str | None = None
+
+
+def _state(key: str) -> FamilyInfo:
+    """An optimizer state tensor of a param (same shape), read after the step."""
+    return FamilyInfo(Phase.OPTIMIZER, "mv_distribution", replicated=True, moment=True, state_key=key)
 
 
 # In training-flow order: the order is the tie-break between families of one phase.
@@ -96,8 +125,20 @@ FAMILIES: dict[Family, FamilyInfo] = {
     Family.GRAD_PROBE: FamilyInfo(Phase.POST_REDUCE, "grad_probe"),
     Family.GRAD_DIRECTION: FamilyInfo(Phase.POST_REDUCE, "grad_probe", scalar=False),
     Family.PARAM_ORIGIN: FamilyInfo(Phase.OPTIMIZER, "param_distribution", replicated=True),
-    Family.EXP_AVG: FamilyInfo(Phase.OPTIMIZER, "mv_distribution", replicated=True, moment=True),
-    Family.EXP_AVG_SQ: FamilyInfo(Phase.OPTIMIZER, "mv_distribution", replicated=True, moment=True),
+    # Optimizer state after the step (docs/output_files.md names the optimizers keeping each).
+    Family.EXP_AVG: _state("exp_avg"),
+    Family.EXP_AVG_SQ: _state("exp_avg_sq"),
+    Family.MAX_EXP_AVG_SQ: _state("max_exp_avg_sq"),
+    Family.EXP_INF: _state("exp_inf"),
+    Family.MOMENTUM_BUFFER: _state("momentum_buffer"),
+    Family.SQUARE_AVG: _state("square_avg"),
+    Family.GRAD_AVG: _state("grad_avg"),
+    Family.ACC_DELTA: _state("acc_delta"),
+    Family.ADAGRAD_SUM: _state("sum"),
+    Family.RPROP_PREV: _state("prev"),
+    Family.RPROP_STEP_SIZE: _state("step_size"),
+    Family.ASGD_AX: _state("ax"),
+    Family.ADAFACTOR_VARIANCE: _state("variance"),
     Family.PARAM_UPDATED: FamilyInfo(Phase.OPTIMIZER, "param_distribution", replicated=True),
     Family.UPDATE_RATIO: FamilyInfo(
         Phase.OPTIMIZER, "ur_distribution", replicated=True, own_stats=("update_ratio",), ratio=True
@@ -109,7 +150,10 @@ FAMILIES: dict[Family, FamilyInfo] = {
 }
 
 NOT_SCALAR: frozenset[str] = frozenset(str(f) for f, i in FAMILIES.items() if not i.scalar)
-MOMENTS: tuple[Family, ...] = tuple(f for f, i in FAMILIES.items() if i.moment)
+# Adam's two moments: what framework optimizers (Megatron, DeepSpeed) are asked for.
+MOMENTS: tuple[Family, ...] = (Family.EXP_AVG, Family.EXP_AVG_SQ)
+# Every optimizer state family (``mv_distribution``), in training-flow order.
+OPTIMIZER_STATE: tuple[Family, ...] = tuple(f for f, i in FAMILIES.items() if i.moment)
 
 
 def family_info(family: str) -> FamilyInfo | None:

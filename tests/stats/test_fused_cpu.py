@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from trainmon.stats import _fused_cpu
-from trainmon.stats.partials import _cpu_row, _chunked_partials, compute_partials
+from trainmon.stats.partials import _chunked_partials, _cpu_row, compute_partials
 
 REPO = Path(__file__).resolve().parents[2]
 COLS = ("count", "sum", "sumsq", "min", "max")
@@ -141,7 +141,7 @@ def _enabled_in_subprocess(env_extra: dict, tmp_path: Path) -> subprocess.Comple
 
 
 @pytest.mark.slow  # child processes that compile the kernel
-def test_on_by_default_and_a_missing_compiler_is_quiet(tmp_path):
+def test_on_by_default_and_a_missing_compiler_is_one_warning(tmp_path):
     built = _enabled_in_subprocess({"TRAINMON_CACHE_DIR": str(tmp_path / "c1")}, tmp_path)
     if built.stdout.strip() != "True":
         pytest.skip(f"no working C compiler here: {built.stderr[-300:]}")
@@ -150,13 +150,15 @@ def test_on_by_default_and_a_missing_compiler_is_quiet(tmp_path):
     again = _enabled_in_subprocess({"TRAINMON_CACHE_DIR": str(tmp_path / "c1"),
                                     "CC": str(tmp_path / "no-such-compiler")}, tmp_path)
     assert again.stdout.strip() == "True", again.stderr
-    # Nothing cached and no compiler, not asked for explicitly: eager path, no warning.
+    # Nothing cached and no compiler, not asked for explicitly: eager path and one warning (a
+    # slower path nobody chose is said, issue 34 item 19); TRAINMON_FUSED_CPU=0 is the quiet choice.
     none = _enabled_in_subprocess({"TRAINMON_CACHE_DIR": str(tmp_path / "c2"),
                                    "CC": str(tmp_path / "no-such-compiler")}, tmp_path)
-    assert none.returncode == 0 and none.stdout.strip() == "False" and "WARNING" not in none.stderr
+    assert none.returncode == 0 and none.stdout.strip() == "False" and none.stderr.count("WARNING") == 1
     off = _enabled_in_subprocess({"TRAINMON_CACHE_DIR": str(tmp_path / "c3"), "TRAINMON_FUSED_CPU": "0"},
                                  tmp_path)
     assert off.stdout.strip() == "False" and not (tmp_path / "c3").exists(), "off: nothing is built"
+    assert "WARNING" not in off.stderr
 
 
 @pytest.mark.slow  # child processes that compile the kernel

@@ -57,14 +57,16 @@ from trainmon.collectors.module_io import (
     in_backward,
     io_names,
     is_recordable,
+    model_files,
     pick,
     replace_tensors,
     select_modules,
+    standalone_forwards,
     tensors_of,
     uses_compile,
 )
 from trainmon.core.dtensor import dtensor_parts
-from trainmon.core.hooks import Handle
+from trainmon.core.hooks import Handle, replace_recompile_warnings, skip_standalone_frames
 from trainmon.families import Family
 from trainmon.stats.engine import Tracked
 
@@ -169,6 +171,13 @@ class ActivationCollector(Collector):
         self._hooked = _HookedTensors()
         self._counts: list[int] = [0] * len(self.ctx.chunks)
         self._count_step = self.ctx.clock.step
+        # True from the start of a model forward without autograd (torch.no_grad, inference_mode:
+        # an evaluation) to the start of the next forward: its modules record nothing.
+        self._eval_pass = False
+        # chunk -> engine.mark() at the start of its forward, until the forward returns: a
+        # forward still open when the next one starts (or the step ends) raised.
+        self._open: dict[int, tuple[int, int]] = {}
+        self._warned_raise = False
         if cfg.module_ranks and self.ctx.rank not in cfg.module_ranks:
             return  # this rank writes nothing: hook nothing
         self._warned: set = set()
@@ -183,11 +192,13 @@ class ActivationCollector(Collector):
                 "more pieces (select fewer modules with targets to keep it fast)",
                 len(self.modules),
             )
+        if self.modules:  # whether the model is compiled before or after set_monitor
+            self.handles.append(skip_standalone_frames(standalone_forwards(self.modules)))
+            self.handles.append(replace_recompile_warnings(model_files(self.ctx.chunks)))
         wrap = lambda fn: hook_fn(self._gated(fn), compiled)  # noqa: E731
         for vpp, chunk in enumerate(self.ctx.chunks):  # first: counting runs before recording
             self._hook(chunk.register_forward_pre_hook(wrap(functools.partial(self._chunk_begins, vpp))))
-            if self._backward:
-                self._hook(chunk.register_forward_hook(wrap(self._chunk_ends)))
+            self._hook(chunk.register_forward_hook(wrap(functools.partial(self._chunk_ends, vpp))))
         for hm in self.modules:
             self._hook(hm.module.register_forward_pre_hook(wrap(functools.partial(self._inputs, hm)), with_kwargs=True))
             self._hook(hm.module.register_forward_hook(wrap(functools.partial(self._outputs, hm))))
@@ -202,23 +213,64 @@ class ActivationCollector(Collector):
     def _hook(self, handle: Any) -> None:
         self.handles.append(Handle(handle.remove))
 
+    def on_params_joined(self, params: list) -> None:
+        """A module added after set_monitor brings params (runtime.param_watch): hook the
+        modules the config selects now that are not hooked yet, before this forward reaches them."""
+        if not hasattr(self, "modules"):
+            return  # this rank hooks nothing (module_ranks)
+        cfg, known = self.ctx.config, {id(hm.module) for hm in self.modules}
+        specs = [(raw, cfg.spec_of(raw)) for raw, _ in cfg.target_specs]
+        now = select_modules(self.ctx.chunks, self.ctx.matcher, cfg.all_xy, cfg.squash_name, specs)
+        compiled = uses_compile(self.ctx.chunks)
+        for hm in [hm for hm in now if id(hm.module) not in known]:
+            self.modules.append(hm)
+            pre = hook_fn(self._gated(functools.partial(self._inputs, hm)), compiled)
+            post = hook_fn(self._gated(functools.partial(self._outputs, hm)), compiled)
+            self._hook(hm.module.register_forward_pre_hook(pre, with_kwargs=True))
+            self._hook(hm.module.register_forward_hook(post))
+
     # -- forward ---------------------------------------------------------------------------
     def _chunk_begins(self, vpp: int, module: nn.Module, _args: Any) -> None:
         clock = self.ctx.clock
         if module is not self.ctx.chunks[vpp] or not clock.collecting or in_backward():
             return  # not the monitored chunk: a copy of the model (copy.deepcopy) carries the hook
+        # Decided once per forward, here, not per module: a reentrant checkpoint runs its
+        # segment's real forward with grad off inside a training forward.
+        self._eval_pass = not torch.is_grad_enabled()
+        if self._eval_pass:
+            return  # an evaluation is no training micro-batch: no row, no micro_step taken
         if self._count_step != clock.step:
             self._count_step = clock.step
             self._counts = [0] * len(self._counts)
+            self._open.clear()
+        elif vpp in self._open:
+            self._drop_unfinished(vpp)
         self._counts[vpp] += 1
+        self._open[vpp] = self.ctx.engine.mark()
         self._cache.clear()
 
-    def _chunk_ends(self, module: nn.Module, _args: Any, output: Any) -> None:
-        """Mark the start of backward on the model's output, so the backward-pass count is
-        kept by the outermost backward even when checkpointed segments run nested ones."""
-        if not self.ctx.clock.collecting or in_backward() or not torch.is_grad_enabled():
+    def _drop_unfinished(self, vpp: int) -> None:
+        """The last forward of chunk ``vpp`` raised before returning (caught by the training
+        loop): its rows belong to no micro-batch, and the next forward takes its micro_step."""
+        dropped = self.ctx.engine.drop_since(self._open.pop(vpp), Family.ACTV, vpp)
+        self._counts[vpp] -= 1
+        if not self._warned_raise:
+            self._warned_raise = True
+            log.warning(
+                "trainmon: a forward of the model raised before returning (step %d); its %d actv "
+                "rows are dropped and the next forward takes its micro_step. Warned once",
+                self.ctx.clock.step,
+                dropped,
+            )
+
+    def _chunk_ends(self, vpp: int, module: nn.Module, _args: Any, output: Any) -> None:
+        """Close the forward; mark the start of backward on the model's output, so the
+        backward-pass count is kept by the outermost backward even when checkpointed segments
+        run nested ones."""
+        if module is not self.ctx.chunks[vpp] or not self.ctx.clock.collecting or in_backward():
             return
-        if not any(module is c for c in self.ctx.chunks):
+        self._open.pop(vpp, None)
+        if not self._backward or not torch.is_grad_enabled():
             return
         for t in tensors_of(output):
             if t.requires_grad:
@@ -232,8 +284,8 @@ class ActivationCollector(Collector):
     def _inputs(self, hm: HookedModule, module: nn.Module, args: Any, kwargs: Any) -> Any:
         """Records the inputs; returns (args, kwargs) with aliases of the inputs whose grads are
         recorded (None: the module's arguments unchanged)."""
-        if module is not hm.module:
-            return None  # a copy of the model (copy.deepcopy) carries the hook: not monitored
+        if module is not hm.module or self._eval_pass:
+            return None  # a copy of the model (copy.deepcopy) carries the hook, or an evaluation
         if not kwargs and len(args) == 1 and type(args[0]) in _PLAIN and not hm.spec and is_recordable(args[0]):
             return self._one_input(hm, args[0])  # the common call: one plain tensor, fewer frames
         tensors = tensors_of(kwargs, tensors_of(args)) if kwargs else tensors_of(args)
@@ -289,8 +341,8 @@ class ActivationCollector(Collector):
         return (a,), {}
 
     def _outputs(self, hm: HookedModule, module: nn.Module, _args: Any, output: Any) -> None:
-        if module is not hm.module:
-            return  # a copy of the model (copy.deepcopy) carries the hook: not monitored
+        if module is not hm.module or self._eval_pass:
+            return  # a copy of the model (copy.deepcopy) carries the hook, or an evaluation
         if type(output) in _PLAIN and not hm.spec and is_recordable(output):  # the common call
             name = io_names(hm.label, "output", 1)[0]
             if self._forward and not in_backward():
@@ -419,11 +471,14 @@ class ActivationCollector(Collector):
             self.ctx.engine.capture(family, [Tracked(name, local, vpp, shape)], micro_step=micro, group=group)
 
     def on_step_end(self) -> None:
+        for vpp in list(self._open):  # still open at the step's end: that forward raised
+            self._drop_unfinished(vpp)
         self._cache.clear()
         self._hooked.clear()
 
     def detach(self) -> None:
         self._live = False  # grad hooks already on tensors of this step become no-ops
+        self._open.clear()
         self._cache.clear()
         self._hooked.clear()
         super().detach()

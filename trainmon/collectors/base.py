@@ -128,6 +128,11 @@ class Collector(ABC):
     def on_step_end(self) -> None:
         pass
 
+    def on_params_joined(self, params: list[TrackedParam]) -> None:
+        """``params`` were just added to ``ctx.params`` (unfrozen, or handed to the optimizer
+        after ``set_monitor``: ``runtime.param_watch``), before a collected step's forward or at
+        its optimizer step entry.  Collectors that hook params one by one hook these."""
+
     def detach(self) -> None:
         for h in self.handles:
             h.remove()
@@ -150,7 +155,12 @@ def collector_classes() -> list[type[Collector]]:
 
 
 class Guard:
-    """Runs collector code so that a failure switches that collector off, never the training."""
+    """Runs collector code so that a failure switches that collector off, never the training.
+
+    A tensor the statistics cannot be computed for never gets here: the engine retries a failed
+    batch one tensor at a time and skips only that tensor, with one warning naming it
+    (``stats.odd_tensors``), so one bad tensor cannot switch a collector off or take its batch's
+    other rows with it."""
 
     def __init__(self, on_failure: Callable[[Collector], None]):
         self._on_failure = on_failure

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +33,8 @@ __all__ = [
     "is_container",
     "uses_compile",
     "hook_fn",
+    "standalone_forwards",
+    "model_files",
     "replace_tensors",
     "pick",
 ]
@@ -210,6 +213,36 @@ def uses_compile(chunks: Sequence[nn.Module]) -> bool:
             if getattr(m, "_compiled_call_impl", None) is not None or hasattr(m, "_orig_mod"):
                 return True
     return False
+
+
+def _forward_code(module: nn.Module) -> types.CodeType | None:
+    return getattr(getattr(type(module), "forward", None), "__code__", None)
+
+
+def standalone_forwards(modules: Sequence[HookedModule]) -> list[types.CodeType]:
+    """The forwards of recorded ``torch.nn`` modules without children (Linear, Conv, LayerNorm,
+    GELU, Dropout, Embedding...): under ``torch.compile`` the hooks at their boundary make each
+    such forward a frame of its own, which is one or two ATen kernels with nothing to fuse, yet
+    takes one compile per shape against a limit that all instances of the class share (see
+    ``core.hooks.skip_standalone_frames``).  Modules of the user's own classes keep their frames
+    compiled: their body may hold real work to fuse (an RMSNorm, a rotary embedding)."""
+    leaves: set[types.CodeType] = set()
+    parents: set[types.CodeType] = set()
+    for hm in modules:
+        code = _forward_code(hm.module)
+        if code is None:
+            continue
+        if next(iter(hm.module.children()), None) is None and type(hm.module).__module__.startswith("torch."):
+            leaves.add(code)
+        else:
+            parents.add(code)
+    return [c for c in leaves if c not in parents]
+
+
+def model_files(chunks: Sequence[nn.Module]) -> set[str]:
+    """The source files of the forwards of every module class in ``chunks`` (where Dynamo's
+    frames for them, resumed ones included, say they are)."""
+    return {code.co_filename for _, _, m in walk_modules(chunks) if (code := _forward_code(m)) is not None}
 
 
 def hook_fn(fn: Callable[..., None], compiled: bool) -> Callable[..., None]:

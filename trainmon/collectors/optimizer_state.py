@@ -1,19 +1,36 @@
-"""Adam moments after the optimizer step (``mv_distribution``).
+"""Optimizer state after the optimizer step (``mv_distribution``).
 
-Emits (one row per selected param that has state, per collected step):
+Emits (one row per selected param that has that state, per collected step), each the tensor the
+step just produced (step 0 has it):
 
-=========== ============== ===============================================================
-family      when           value
-=========== ============== ===============================================================
-exp_avg     after the step first moment the step just produced (step 0 has it)
-exp_avg_sq  after the step second moment the step just produced
-=========== ============== ===============================================================
+==================== ===================================== =====================================
+family               ``optimizer.state[param]`` key        kept by (``torch.optim``)
+==================== ===================================== =====================================
+exp_avg              ``exp_avg``                           Adam, AdamW, Adamax, NAdam, RAdam,
+                                                           SparseAdam
+exp_avg_sq           ``exp_avg_sq``                        Adam, AdamW, NAdam, RAdam, SparseAdam
+max_exp_avg_sq       ``max_exp_avg_sq``                    Adam, AdamW with ``amsgrad=True``
+exp_inf              ``exp_inf``                           Adamax
+momentum_buffer      ``momentum_buffer``                   SGD (momentum > 0), RMSprop
+                                                           (momentum > 0), Muon
+square_avg           ``square_avg``                        RMSprop, Adadelta
+grad_avg             ``grad_avg``                          RMSprop with ``centered=True``
+acc_delta            ``acc_delta``                         Adadelta
+adagrad_sum          ``sum``                               Adagrad
+rprop_prev           ``prev``                              Rprop
+rprop_step_size      ``step_size``                         Rprop
+asgd_ax              ``ax``                                ASGD
+adafactor_variance   ``variance``                          Adafactor (params of < 2 dims)
+==================== ===================================== =====================================
 
-Config: ``{"mv_distribution": true}``.  Moments are found through the session's integration, which
-by default asks a ``MomentAdapter``: torch optimizers that keep ``exp_avg``/``exp_avg_sq`` in
-``optimizer.state`` (Adam, AdamW, NAdam,
-RAdam, ...) work as they are; framework wrappers register their own adapter with
-``register_moment_adapter``.  An optimizer no adapter understands gets one warning, not a crash.
+Config: ``{"mv_distribution": true}``.  State is found through the session's integration, which
+by default asks a ``MomentAdapter``: torch optimizers keep it in ``optimizer.state`` and work as
+they are; framework wrappers register their own adapter with ``register_moment_adapter``
+(Megatron's and DeepSpeed's give ``exp_avg``/``exp_avg_sq``).  Not recorded: scalar state
+(``step``, NAdam's ``mu_product``, ASGD's ``eta``/``mu``), Adafactor's factored ``row_var`` /
+``col_var`` (a row and a column vector, not the param's shape) and the keys of optimizers outside
+``torch.optim`` (one INFO line names the param-shaped ones).  An optimizer no adapter
+understands gets one warning, not a crash.
 """
 
 from __future__ import annotations
@@ -26,7 +43,7 @@ from typing import Any, Protocol
 import torch
 
 from trainmon.collectors.base import Collector, capture_views, register_collector
-from trainmon.families import MOMENTS
+from trainmon.families import FAMILIES, OPTIMIZER_STATE
 
 __all__ = [
     "OptimizerStateCollector",
@@ -38,12 +55,16 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-MOMENT_FAMILIES = tuple(str(f) for f in MOMENTS)
+# Every family an adapter may return, in training-flow order.
+MOMENT_FAMILIES = tuple(str(f) for f in OPTIMIZER_STATE)
+# torch.optim's per-param state key -> the family recording it.
+_FAMILY_OF_KEY: dict[str, str] = {FAMILIES[f].state_key or str(f): str(f) for f in OPTIMIZER_STATE}
 
 
 class MomentAdapter(Protocol):
     def moments(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
-        """``{"exp_avg": t, "exp_avg_sq": t}`` for a model param (a subset, or {} if none yet)."""
+        """``{family: t}`` for a model param, families of ``MOMENT_FAMILIES`` (e.g. ``{"exp_avg": t,
+        "exp_avg_sq": t}``; a subset, or {} if none yet)."""
 
 
 class TorchStateAdapter:
@@ -54,7 +75,21 @@ class TorchStateAdapter:
 
     def moments(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
         state = self.optimizer.state.get(param, {})
-        return {k: state[k] for k in MOMENT_FAMILIES if isinstance(state.get(k), torch.Tensor)}
+        # the state's few keys, not every family: this runs once per param per collected step
+        return {
+            family: value
+            for key, value in state.items()
+            if (family := _FAMILY_OF_KEY.get(key)) is not None and isinstance(value, torch.Tensor)
+        }
+
+    def unrecorded_keys(self, param: torch.Tensor) -> list[str]:
+        """Keys of ``param``'s state holding a tensor of its shape that no family records."""
+        state = self.optimizer.state.get(param, {})
+        return sorted(
+            k
+            for k, v in state.items()
+            if k not in _FAMILY_OF_KEY and isinstance(v, torch.Tensor) and v.shape == param.shape and v.dim() > 0
+        )
 
 
 # Factories tried in order; each returns an adapter or None if it does not know the optimizer.
@@ -91,12 +126,12 @@ class OptimizerStateCollector(Collector):
 
     def attach(self) -> None:
         self._warned = False
+        self._listed = False
         if not self.ctx.integration.has_moments():
             self._warned = True
             log.warning(
                 "trainmon: mv_distribution: no moment adapter for optimizer type %s "
-                "(built in: torch optimizers with exp_avg/exp_avg_sq state); exp_avg* not "
-                "recorded",
+                "(built in: torch.optim optimizers' state); no optimizer state is recorded",
                 type(self.ctx.optimizer).__name__,
             )
 
@@ -108,14 +143,38 @@ class OptimizerStateCollector(Collector):
                 # common case, a moment shaped like its param, needs no new View.
                 if not view.shape and not (view.shape is None and view.tensor.shape == tp.param.shape):
                     view = replace(view, shape=tuple(tp.param.shape))
-                found[family].append((tp, view))
+                found.setdefault(family, []).append((tp, view))
         for family, pairs in found.items():
-            capture_views(self.ctx, family, pairs)
+            if pairs:
+                capture_views(self.ctx, family, pairs)
         if self.ctx.params and not any(found.values()) and not self._warned:  # no params: nothing to look for
             self._warned = True
             log.warning(
-                "trainmon: mv_distribution: optimizer %s has no exp_avg/exp_avg_sq state "
-                "after step %d (not an Adam-like optimizer?); nothing recorded",
+                "trainmon: mv_distribution: optimizer %s has no exp_avg/exp_avg_sq state nor other "
+                "recorded state (momentum_buffer, square_avg, adagrad_sum, ...) after step %d "
+                "(e.g. SGD without momentum); nothing recorded",
                 type(self.ctx.optimizer).__name__,
                 self.ctx.clock.step,
+            )
+        if not self._listed:
+            self._list_unrecorded()
+
+    def _list_unrecorded(self) -> None:
+        """One INFO line naming param-shaped state keys no family records (optimizers outside
+        torch.optim), once the optimizer has state."""
+        adapter = adapter_for(self.ctx.optimizer)
+        if not isinstance(adapter, TorchStateAdapter):
+            self._listed = True  # a framework adapter: its optimizer's state is its own business
+            return
+        tp = next((tp for tp in self.ctx.params if adapter.optimizer.state.get(tp.param)), None)
+        if tp is None:
+            return  # no state yet: look again after the next step
+        self._listed = True
+        keys = adapter.unrecorded_keys(tp.param)
+        if keys:
+            log.info(
+                "trainmon: mv_distribution: optimizer %s keeps per-param state %s that no trainmon "
+                "family records (docs/output_files.md lists them); not recorded",
+                type(self.ctx.optimizer).__name__,
+                ", ".join(repr(k) for k in keys),
             )

@@ -84,15 +84,38 @@ class WeightGradCollector(Collector):
                 )
             return
         self._generic = True
+        self._hook_params(self.ctx.params)
+
+    def _hook_params(self, params: list[TrackedParam]) -> None:
+        """The generic route's per-param grad hooks."""
         guard = self.ctx.guard
         mbs = self.ctx.config.monitor_mbs_grad
-        for tp in self.ctx.params:
+        for tp in params:
             if mbs:
                 body = guard.wrap(self, lambda g, tp=tp: self._on_micro_grad(tp, g))
                 self.handles.append(Handle(tp.param.register_hook(body).remove))
             else:  # one frame per param per backward on collected steps, one flag check otherwise
                 body = guard.gated(self, functools.partial(self._on_grad_ready, tp), self.ctx.clock)
                 self.handles.append(post_accumulate_grad_hook(tp.param, body))
+
+    def on_params_joined(self, params: list[TrackedParam]) -> None:
+        # Joined at step entry, their grads of this step went by unseen: not "missed" grads.
+        self._captured.update(id(tp.param) for tp in params)
+        if self._generic:
+            self._hook_params(params)
+            if self._at_entry:
+                return
+        if not getattr(self, "_warned_joined", False):
+            self._warned_joined = True
+            missing = ("" if self._generic else "grad_unreduced") + ("" if self._at_entry else " grad_reduced")
+            log.warning(
+                "trainmon: integration '%s' reads %s at points set up at set_monitor; the %d params "
+                "that joined later (e.g. %s) have none of those rows until the next set_monitor",
+                self.ctx.integration.name,
+                " and ".join(missing.split()),
+                len(params),
+                params[0].name,
+            )
 
     def _attach_applied(self) -> None:
         """Read grad_reduced where the stack applies it (after its clip), if it says where."""

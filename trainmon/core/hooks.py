@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, cast
 
 import torch
@@ -20,6 +20,8 @@ __all__ = [
     "step_optimizer",
     "wrap_optimizer_step",
     "post_accumulate_grad_hook",
+    "skip_standalone_frames",
+    "replace_recompile_warnings",
 ]
 
 
@@ -197,18 +199,30 @@ def _hint_compiled() -> None:
         )
 
 
-def _compile_probes() -> tuple[Callable[[], Any], Callable[[Any], None]]:
-    """(is Dynamo's frame callback set now, mark a code object never-compiled); no-ops if this
-    torch lacks them (then hooks are traced as before, which is slower but right)."""
+def _compile_probes() -> tuple[Callable[[], Any], Callable[[types.CodeType, bool], None]]:
+    """(is Dynamo's frame callback set now, set whether a code object is compiled when it starts
+    a frame); no-ops if this torch lacks them (then hooks are traced as before, which is slower but
+    right).  Both live in torch's C extension: importing ``torch._dynamo`` (seconds) is left to
+    scripts that compile."""
     try:
-        from torch._C._dynamo.eval_frame import get_eval_frame_callback
-        from torch._dynamo.eval_frame import skip_code
+        from torch._C._dynamo.eval_frame import (
+            _FrameAction,
+            _FrameExecStrategy,
+            get_eval_frame_callback,
+            set_code_exec_strategy,
+        )
     except ImportError:  # pragma: no cover - other torch versions
-        return (lambda: None), (lambda code: None)
-    return get_eval_frame_callback, skip_code
+        return (lambda: None), (lambda code, skip: None)
+    skip = _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.DEFAULT)  # what torch._dynamo's skip_code sets
+    default = _FrameExecStrategy(_FrameAction.DEFAULT, _FrameAction.DEFAULT)
+
+    def set_skipped(code: types.CodeType, skipped: bool) -> None:
+        set_code_exec_strategy(code, skip if skipped else default)
+
+    return get_eval_frame_callback, set_skipped
 
 
-_dynamo_callback, _skip_code = _compile_probes()
+_dynamo_callback, _set_frame_skipped = _compile_probes()
 # True while Dynamo traces (its own constant there), a plain False otherwise: tracing never reaches
 # the callback probe, which Dynamo cannot trace.
 _is_dynamo_compiling = getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling)
@@ -237,22 +251,106 @@ def outside_compiled_graphs(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def eager_only(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` run with Dynamo off (nested calls included), after our one hint: what a hook does
-    while a compiled model runs (see ``outside_compiled_graphs``)."""
+    while a compiled model runs (see ``outside_compiled_graphs``).  ``torch.compiler.disable``
+    imports ``torch._dynamo``, so it is built at the first call: only a compiled model gets
+    here, and Dynamo is loaded by then."""
+    disabled: Callable[..., Any] | None = None
 
     def eager(*args: Any) -> Any:
-        _hint_compiled()
-        return fn(*args)
+        nonlocal disabled
+        if disabled is None:
 
-    return torch.compiler.disable(eager, recursive=True)
+            def hinted(*inner: Any) -> Any:
+                _hint_compiled()
+                return fn(*inner)
+
+            disabled = torch.compiler.disable(hinted, recursive=True)
+        return disabled(*args)
+
+    return never_traced(eager)
 
 
 def never_traced(hook: Callable[..., Any]) -> Callable[..., Any]:
     """Mark ``hook``'s own frame never-compiled.  A hook built by hand instead of through
     ``outside_compiled_graphs`` (to save a frame on a hot path) starts with the same test:
     ``if dynamo_compiling() or dynamo_frame_callback() is not None: return eager_only(fn)(*args)``."""
-    _skip_code(cast(types.FunctionType, hook).__code__)
+    _set_frame_skipped(cast(types.FunctionType, hook).__code__, True)
     return hook
 
 
 dynamo_compiling = _is_dynamo_compiling
 dynamo_frame_callback = _dynamo_callback
+
+
+_standalone_skips: dict[types.CodeType, int] = {}  # code -> monitors that asked: the last one restores
+
+
+def skip_standalone_frames(codes: Iterable[types.CodeType]) -> Handle:
+    """Never compile ``codes`` as frames of their own; inside a compiled caller they are still
+    traced as before (Dynamo inlines them).  For the forwards of modules whose monitor hooks break
+    the compiled graph at their boundary: each such module's forward starts a frame that Dynamo
+    would compile on its own, once per shape, all instances of a class sharing one code object and
+    its ``recompile_limit`` (8).  One-op modules (Linear, LayerNorm, GELU...) gain nothing from
+    that and a model has more than 8 shapes of them.  Restored by the last monitor that set it."""
+    mine = list(dict.fromkeys(codes))
+    for code in mine:
+        _standalone_skips[code] = _standalone_skips.get(code, 0) + 1
+        _set_frame_skipped(code, True)
+
+    def undo() -> None:
+        for code in mine:
+            left = _standalone_skips.pop(code, 1) - 1
+            if left > 0:
+                _standalone_skips[code] = left
+            else:
+                _set_frame_skipped(code, False)
+
+    return Handle(undo)
+
+
+_DYNAMO_FRAME_LOGGER = "torch._dynamo.convert_frame"
+
+
+class _RecompileLimitHint(logging.Filter):
+    """Dynamo's recompile-limit warning for code in ``files`` (the monitored model's modules),
+    replaced by one trainmon line per function saying why the limit is reached there."""
+
+    def __init__(self, files: set[str]):
+        super().__init__()
+        self.files = files
+        self.told: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not (isinstance(record.msg, str) and record.msg.startswith("torch._dynamo hit config.")):
+            return True
+        args = record.args if isinstance(record.args, tuple) else ()
+        if len(args) < 4 or not isinstance(args[2], str):
+            return True
+        function = args[2]  # "'forward' (/path/to/file.py:130)"
+        path = function.rpartition(" (")[2].rpartition(":")[0]
+        if path not in self.files or not _compile_hint_given:
+            return True  # not the model's code, or no hook of ours ran in a compiled model yet
+        if function not in self.told:
+            self.told.add(function)
+            log.warning(
+                "trainmon: torch.compile reached %s=%s for %s (last reason: %s): trainmon's hooks "
+                "break the compiled model at each module recorded by xy_distribution, so Dynamo "
+                "compiles those modules' code piece by piece, once per shape and grad mode; further "
+                "variants run uncompiled, values unchanged. Record fewer modules ('targets') or raise "
+                "torch._dynamo.config.%s",
+                args[0],
+                args[1],
+                function,
+                args[3],
+                args[0],
+            )
+        return False
+
+
+def replace_recompile_warnings(files: Iterable[str]) -> Handle:
+    """Install ``_RecompileLimitHint`` for ``files`` on Dynamo's frame logger (by name: Dynamo
+    need not be imported) until the handle is removed."""
+    hint = _RecompileLimitHint(set(files))
+    logger = logging.getLogger(_DYNAMO_FRAME_LOGGER)
+    logger.addFilter(hint)
+    return Handle(lambda: logger.removeFilter(hint))

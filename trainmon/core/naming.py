@@ -12,7 +12,17 @@ import torch.nn as nn
 
 from trainmon.errors import ConfigError, Problem
 
-__all__ = ["unwrap_model", "clean_name", "TrackedParam", "tracked_params", "TargetMatcher", "ROOT_NAME", "squash_name"]
+__all__ = [
+    "unwrap_model",
+    "clean_name",
+    "TrackedParam",
+    "tracked_params",
+    "selected_params",
+    "frozen_params",
+    "TargetMatcher",
+    "ROOT_NAME",
+    "squash_name",
+]
 
 # The name that selects (and reports) a chunk's root module itself; named_modules() calls it "".
 ROOT_NAME = "root"
@@ -69,6 +79,23 @@ def tracked_params(chunks: Sequence[nn.Module]) -> list[TrackedParam]:
             if p.requires_grad and id(p) not in seen:
                 seen.add(id(p))
                 out.append(TrackedParam(clean_name(name), vpp, p))
+    return out
+
+
+def selected_params(chunks: Sequence[nn.Module], matcher: TargetMatcher) -> list[TrackedParam]:
+    """The trainable params ``matcher`` selects, in model order: the params a session tracks."""
+    return [p for p in tracked_params(chunks) if matcher.matches(p.name, p.vpp_stage)]
+
+
+def frozen_params(chunks: Sequence[nn.Module]) -> list[nn.Parameter]:
+    """Params of every chunk with ``requires_grad`` False now, each once."""
+    seen: set[int] = set()
+    out = []
+    for chunk in chunks:
+        for p in unwrap_model(chunk).parameters():
+            if not p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
     return out
 
 

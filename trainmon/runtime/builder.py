@@ -18,7 +18,7 @@ import torch.nn as nn
 from trainmon.collectors import CollectorContext
 from trainmon.config import MonitorConfig, load_config
 from trainmon.core import dist as _dist
-from trainmon.core.naming import TargetMatcher, module_names, tracked_params
+from trainmon.core.naming import TargetMatcher, module_names, selected_params, tracked_params
 from trainmon.core.schedule import Schedule, StepClock
 from trainmon.errors import ConfigError
 from trainmon.families import FAMILIES, Family
@@ -154,7 +154,7 @@ class SessionBuilder:
 
     def _context(self, cfg: MonitorConfig, matcher: TargetMatcher, first_step: int) -> CollectorContext:
         a = self.attachment
-        params = [p for p in tracked_params(a.chunks) if matcher.matches(p.name, p.vpp_stage)]
+        params = selected_params(a.chunks, matcher)  # runtime.param_watch adds those joining later
         use_main_grad = self.params_have_main_grad
         if use_main_grad is None:
             use_main_grad = bool(params) and all(hasattr(p.param, "main_grad") for p in params)

@@ -18,8 +18,10 @@ import torch
 from trainmon.collectors import Collector, CollectorContext, collector_classes
 from trainmon.collectors.base import Guard
 from trainmon.core.hooks import Handle
+from trainmon.core.naming import TrackedParam
 from trainmon.families import FAMILIES, Family, Phase
 from trainmon.integrations import amp
+from trainmon.runtime.param_watch import ParamWatch
 from trainmon.runtime.run_dir import record_stats_path
 from trainmon.sinks.base import Sink
 from trainmon.stats.engine import Meta
@@ -47,6 +49,8 @@ class Session:
         self._scale: Any = None  # loss scale at step entry (integrations.amp)
         for c in list(self.collectors):
             ctx.guard.run(c, c.attach)
+        # params unfrozen or added to the optimizer later join ctx.params (runtime.param_watch)
+        self._watch = ParamWatch(ctx, self._params_joined) if self.collectors else None
         if optimizer is not None:
             self._step_handle = amp.wrap_step_with_scaler(
                 optimizer, self.before_step, self.after_step, entry=self.step_entry
@@ -62,6 +66,8 @@ class Session:
         """``optimizer.step()`` was entered: no param has changed yet."""
         self._entered = True
         if self.clock.collecting:
+            if self._watch is not None:
+                self._watch.at_step_entry()
             for c in self._step_collectors(amp.skipping()):
                 self.ctx.guard.run(c, c.on_step_entry)
 
@@ -134,6 +140,10 @@ class Session:
             self._paths_recorded = dict(paths)
             record_stats_path(self.ctx.run_dir, self._paths_recorded)
 
+    def _params_joined(self, params: list[TrackedParam]) -> None:
+        for c in list(self.collectors):
+            self.ctx.guard.run(c, c.on_params_joined, params)
+
     def _drop_collector(self, collector: Collector) -> None:
         collector.detach()
         if collector in self.collectors:
@@ -144,6 +154,9 @@ class Session:
         for c in self.collectors:
             c.detach()
         self.collectors.clear()
+        if self._watch is not None:
+            self._watch.remove()
+            self._watch = None
         if self._step_handle is not None:
             self._step_handle.remove()
             self._step_handle = None

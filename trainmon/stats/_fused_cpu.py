@@ -7,7 +7,7 @@ plain C (no torch headers): the first use compiles it with the system C compiler
 library only after the ownership, mode and content-hash checks of ``_kernel_cache``, and it is called through
 ``ctypes`` with the tensor's data pointer.  On by default for
 CPU tensors; ``TRAINMON_FUSED_CPU=0`` turns it off.  No compiler, or a failed build, means one
-log line and the eager path (same values, slower).
+WARNING per process (naming the fix) and the eager path (same values, slower).
 
 Accuracy: 16 float lanes accumulate blocks of 512 elements (32 per lane), and every block's sums
 are added in float64, so the error does not grow with the tensor size (at least as accurate as the
@@ -145,7 +145,10 @@ def fill_rows(tensors: Sequence[torch.Tensor], out: torch.Tensor, start: int, co
         if not t.is_contiguous():
             with torch.no_grad():  # a copy of an activation must not record autograd history
                 t = t.contiguous()
-        if fn(t.data_ptr(), t.numel(), _KIND[t.dtype], row, width, colmap) != 0:  # type: ignore[operator]
+        ptr, n = t.data_ptr(), t.numel()
+        if not ptr and n:  # no data behind it (a FakeTensor): reading address 0 would crash the process
+            raise ValueError("the tensor has no data (its data pointer is null)")
+        if fn(ptr, n, _KIND[t.dtype], row, width, colmap) != 0:  # type: ignore[operator]
             raise ValueError(f"fused CPU kernel: unsupported dtype {t.dtype}")
         row += width * 8
 
@@ -196,14 +199,27 @@ def _function():
             _state["fn"] = fn
         except Exception as exc:
             _state["error"] = f"{type(exc).__name__}: {exc}"
-            explicit = os.environ.get(ENV, "").strip().lower() not in ("", *_OFF)
-            unsafe = isinstance(exc, _kernel_cache.UnsafeCache)
-            (log.warning if explicit or unsafe else log.info)(
-                "trainmon: the fused CPU stats kernel is unavailable (%s); CPU tensors use the "
-                "eager path (same values, slower)",
-                str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
-            )
+            _warn_unavailable(exc)
     return _state["fn"]
+
+
+def _warn_unavailable(exc: Exception) -> None:
+    """The one warning of a process without the kernel (``_function`` tries to build it once): a
+    slower path nobody asked for must be visible under Python's default logging."""
+    why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if isinstance(exc, _kernel_cache.UnsafeCache):
+        fix = "set TRAINMON_CACHE_DIR to a folder only you can write"
+    elif isinstance(exc, (FileNotFoundError, PermissionError)) or "compiler" in why or " failed:" in why:
+        fix = "install a C compiler (cc, gcc or clang) or set CC to one"
+    else:
+        fix = "see the reason above"
+    log.warning(
+        "trainmon: the fused CPU stats kernel is unavailable (%s), so CPU tensors take the eager "
+        "path: the same values, one ATen reduction per statistic instead of one pass per tensor "
+        "(slower). Fix: %s; TRAINMON_FUSED_CPU=0 chooses the eager path without this warning",
+        why,
+        fix,
+    )
 
 
 def _compiler() -> str:

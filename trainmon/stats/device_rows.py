@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from trainmon.stats import device_triton
+from trainmon.stats.odd_tensors import STRIDED, explicit_elements, with_implicit_zeros
 from trainmon.stats.table import PARTIAL
 
 __all__ = ["DeviceRows", "HostCopy", "VALUE_COLUMNS", "COUNT_COLUMNS", "gathered_partials"]
@@ -186,6 +187,7 @@ class DeviceRows:
         self.lock = threading.Lock()
         self.numels: list[int] = []
         self.kinds: list[torch.dtype] = []  # the dtype whose extremes buffer holds the row's min/max
+        self.pads: dict[int, int] = {}  # row -> implicit zeros of a sparse tensor (its values were reduced)
         self._scratch: dict[Any, torch.Tensor] = {}  # stream -> [counts, size] bool masks (see _count)
         self._layouts: dict[tuple, list[tuple[list[int], _FlatLayout]]] = {}  # seen (see _flat_groups)
         self._batchable = set(self.values) <= {"sum", "sumsq", "min", "max"}  # not m2 (std)
@@ -210,7 +212,11 @@ class DeviceRows:
         """Reduce ``tensors`` into new rows; returns their handles.  No sync, no H2D copy (but at
         the first sight of a flat layout, see ``_FlatLayout``).  Tensors that are views of one contiguous
         buffer (Megatron's/DDP's grad buckets, DeepSpeed's flat partitions, flattened params) are
-        reduced together: O(1) + O(row chunks) ops for the group instead of 3 per tensor."""
+        reduced together: O(1) + O(row chunks) ops for the group instead of 3 per tensor.  A sparse
+        tensor is reduced by its stored values; its implicit zeros join its row on the host."""
+        pads: dict[int, int] = {}
+        if any(t.layout is not STRIDED for t in tensors):
+            tensors, pads = explicit_elements(tensors)
         with self.lock:
             start = len(self.numels)
             self.numels.extend(0 for _ in tensors)
@@ -235,6 +241,8 @@ class DeviceRows:
                     rows[k] = pos
                     self._reduce(t, pos)
                     pos += 1
+            for k, n in pads.items():
+                self.pads[rows[k]] = n
         return [(self, r) for r in rows]
 
     def _write_triton(self, tensors: Sequence[torch.Tensor], rows: list[int], pos: int) -> int:
@@ -385,6 +393,8 @@ class DeviceRows:
         return self.chunks[c], r
 
     def _reduce(self, t: torch.Tensor, row: int) -> None:
+        if t.is_complex():
+            t = t.abs()  # the modulus, as ``collectors.base.capture_views`` records complex tensors
         if not (t.is_floating_point() and t.dtype.itemsize >= 2):  # ints, bool, fp8: small, rare
             t = t.to(_F32)
         self.numels[row] = t.numel()
@@ -511,8 +521,8 @@ class DeviceRows:
         """Start the step's one device->host copy (the rows, then ``extra`` tensors of this device:
         ready-made values, gathered shard rows); the buffers are reused for the next step."""
         with self.lock:
-            n, numels, kinds = len(self.numels), self.numels, self.kinds
-            self.numels, self.kinds = [], []
+            n, numels, kinds, pads = len(self.numels), self.numels, self.kinds, self.pads
+            self.numels, self.kinds, self.pads = [], [], {}
             self._scratch = {}
             if self._triton is not None:
                 self._triton.drop_scratch()
@@ -536,11 +546,11 @@ class DeviceRows:
             if parts
             else torch.empty(0, dtype=torch.uint8, device=self.device)
         )
-        return HostCopy(_copy_to_host(flat), layout, numels, kinds, self)
+        return HostCopy(_copy_to_host(flat), layout, numels, kinds, self, pads)
 
     def clear(self) -> None:
         with self.lock:
-            self.numels, self.kinds = [], []
+            self.numels, self.kinds, self.pads = [], [], {}
             self._scratch = {}
             if self._triton is not None:
                 self._triton.drop_scratch()
@@ -572,11 +582,19 @@ def _stream_key(device: torch.device) -> Any:
     return getattr(stream, "stream_id", None), getattr(stream, "cuda_stream", id(stream))
 
 
+_UNPINNED: set[str] = set()  # device types warned about (once per process)
+
+
 def _copy_to_host(flat: torch.Tensor) -> tuple[torch.Tensor, object]:
-    """One asynchronous copy into pinned memory with an event (synchronous on the CPU seam)."""
+    """One asynchronous copy into pinned memory with an event (synchronous on the CPU seam, and
+    where no pinned memory can be allocated for the device: one warning, then a plain copy)."""
     if flat.device.type == "cpu":
         return flat, None
-    host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+    try:
+        host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+    except RuntimeError as exc:
+        _warn_unpinned(flat.device, exc)
+        return flat.to("cpu"), None
     host.copy_(flat, non_blocking=True)
     backend = getattr(torch, flat.device.type, None)
     event = backend.Event() if backend is not None and hasattr(backend, "Event") else None
@@ -589,6 +607,19 @@ def _copy_to_host(flat: torch.Tensor) -> tuple[torch.Tensor, object]:
     return host, event
 
 
+def _warn_unpinned(device: torch.device, exc: Exception) -> None:
+    if device.type not in _UNPINNED:
+        _UNPINNED.add(device.type)
+        log.warning(
+            "trainmon: no pinned host memory for %s tensors (%s); each step's statistics are copied "
+            "to the host synchronously instead of asynchronously (the same values; the training "
+            "thread waits for the copy at the step end). Fix: a torch build with pinned memory "
+            "support for this device",
+            device.type,
+            str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+        )
+
+
 class HostCopy:
     """The step's device rows on their way to the host; ``rows`` waits for the copy."""
 
@@ -599,9 +630,11 @@ class HostCopy:
         numels: list[int],
         kinds: list[torch.dtype],
         owner: DeviceRows,
+        pads: dict[int, int] | None = None,
     ):
         self._host, self._event = copy
         self._layout, self.numels, self.kinds, self._owner = layout, numels, kinds, owner
+        self._pads = pads or {}
 
     def extra(self) -> list[torch.Tensor]:
         """The ``extra`` tensors given to ``snapshot``, on the host, in order."""
@@ -653,7 +686,12 @@ class HostCopy:
             f32 = np.array([k == _F32 for k in self.kinds], dtype=bool)
             values[:, j] = np.where(f32, values[:, j], mins)
             values[:, j + 1] = np.where(f32, values[:, j + 1], maxs)
-        return _partials(columns, np.asarray(self.numels, dtype=np.float64), values, counts)
+        out = _partials(columns, np.asarray(self.numels, dtype=np.float64), values, counts)
+        if self._pads:  # sparse tensors: their stored values' rows merged with their implicit zeros
+            idx = np.fromiter(self._pads, dtype=np.int64)
+            zeros = np.fromiter(self._pads.values(), dtype=np.float64)
+            out[idx] = with_implicit_zeros(out[idx], columns, zeros, self._owner.eps)
+        return out
 
 
 def gathered_partials(columns: Sequence[str], values: np.ndarray, meta: np.ndarray) -> np.ndarray:

@@ -80,7 +80,14 @@ def _kernels() -> ModuleType | None:
     try:
         from trainmon.stats import triton_kernels
     except Exception as exc:  # ImportError, or a broken install raising anything at import
-        log.debug("trainmon: Triton is not usable (%s); the eager device path is used", exc)
+        # Asked for only on a device the kernel serves (``supported``): a slower path, said once.
+        log.warning(
+            "trainmon: Triton cannot be imported (%s), so accelerator tensors take the eager device "
+            "path: the same values, several kernel launches per tensor instead of two per group "
+            "(slower). Fix: install the triton your torch build pins; TRAINMON_TRITON=0 chooses "
+            "the eager path without this warning",
+            str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+        )
         return None
     return triton_kernels
 

@@ -31,6 +31,7 @@ from trainmon.stats._fused_cpu import FUSED_DTYPES, fill_rows
 from trainmon.stats.derive import derive_block
 from trainmon.stats.device_rows import DeviceRows, HostCopy
 from trainmon.stats.host_rows import HostRows
+from trainmon.stats.odd_tensors import Skipped, reason_of, unreadable_device, warn_skipped
 from trainmon.stats.partials import device_columns, fused_columns, write_cpu_rows
 from trainmon.stats.rows import RowBlock, StepRows, paced_rows
 from trainmon.stats.table import combine, partials_for, unscale
@@ -38,7 +39,7 @@ from trainmon.stats.table import combine, partials_for, unscale
 __all__ = ["StatsEngine", "Tracked", "Meta", "SEAM_ENV", "device_path_forced", "merge_rows"]
 
 SEAM_ENV = "TRAINMON_DEVICE_PATH"
-SKIPPED = object()  # the row handle of a tensor seen while a CUDA graph was being captured
+SKIPPED = Skipped(None)  # the row handle of a tensor seen while a CUDA graph was being captured
 log = logging.getLogger(__name__)
 
 
@@ -147,6 +148,10 @@ class StatsEngine:
             if "cpu" not in self.stats_paths:
                 self.stats_paths["cpu"] = "cpu-fused" if fused is not None else "cpu-eager"
             return list(write_cpu_rows(tensors, self.columns, self.eps, self._host, fused))
+        return self._mixed_partials(tensors)
+
+    def _mixed_partials(self, tensors: Sequence[torch.Tensor]) -> list[Any]:
+        """``partials`` of tensors not all on the CPU (or under the seam): one group per device."""
         first: dict[int, int] = {}
         for i, t in enumerate(tensors):
             first.setdefault(id(t), i)
@@ -159,13 +164,31 @@ class StatsEngine:
             if (device.type != "cpu" or self.seam) and stream_capturing(device):
                 self._warn_capturing()
                 got = [SKIPPED] * len(idx)
+            elif (why := unreadable_device(device)) is not None:
+                got = [Skipped(why)] * len(idx)
             elif device.type == "cpu" and not self.seam:
                 got = list(write_cpu_rows([tensors[i] for i in idx], self.columns, self.eps, self._host, self._fused()))
             else:
-                got = self._device_rows(device).write([tensors[i] for i in idx])
+                got = self._device_write(device, [tensors[i] for i in idx])
             for i, r in zip(idx, got):
                 rows[i] = r
         return [rows[first[id(t)]] for t in tensors]
+
+    def _device_write(self, device: torch.device, tensors: list[torch.Tensor]) -> list[Any]:
+        """Rows of ``tensors`` on ``device``'s path; if the batch fails, one by one, so that a
+        tensor no reduction can read is skipped alone."""
+        rows = self._device_rows(device)
+        try:
+            return rows.write(tensors)
+        except Exception:
+            pass
+        got: list[Any] = []
+        for t in tensors:
+            try:
+                got.extend(rows.write([t]))
+            except Exception as exc:
+                got.append(Skipped(reason_of(exc)))
+        return got
 
     def partial(self, t: torch.Tensor) -> Any:
         """``partials([t])[0]`` with fewer frames: the per-hook path of activations.  Takes the
@@ -175,8 +198,11 @@ class StatsEngine:
             host = self._host
             with host.lock:
                 start = host.reserve(1)
-                fill_rows((t,), host.tensor, start, cols)
-            return start
+                try:
+                    fill_rows((t,), host.tensor, start, cols)
+                    return start
+                except Exception:
+                    pass  # no strided storage (sparse, ...): the general path below handles it
         return self.partials([t])[0]
 
     def _warn_capturing(self) -> None:
@@ -214,7 +240,10 @@ class StatsEngine:
         """Record rows from ``partials`` under the names of ``items`` (one row may serve several
         names: a tensor that is the output of one module and the input of the next); ``scale``:
         see ``capture``."""
-        if items and not any(r is SKIPPED for r in rows):
+        if items and any(isinstance(r, Skipped) for r in rows):
+            kept = [(it, r) for it, r in zip(items, rows) if not _skipped(family, it.name, r)]
+            items, rows = [it for it, _ in kept], [r for _, r in kept]
+        if items:
             self._pending.append(
                 _Pending(
                     family,
@@ -247,8 +276,11 @@ class StatsEngine:
         shape: tuple[int, ...] | None = None,
     ) -> None:
         """``capture_rows`` without ``Tracked`` objects, for hooks (activations)."""
-        if any(r is SKIPPED for r in rows):
-            return
+        if any(isinstance(r, Skipped) for r in rows):
+            kept = [k for k, r in enumerate(rows) if not _skipped(family, names[k], r)]
+            if not kept:
+                return
+            names, tensors, rows = [names[k] for k in kept], [tensors[k] for k in kept], [rows[k] for k in kept]
         self._pending.append(
             _Pending(
                 family,
@@ -265,7 +297,8 @@ class StatsEngine:
     ) -> None:
         """``capture_tensors`` of one tensor.  Consecutive hook rows of one layout share one
         pending entry (``_build_blocks`` would merge them into one block anyway)."""
-        if row is SKIPPED:
+        if isinstance(row, Skipped):
+            warn_skipped(name, family, row)
             return
         item = (name, vpp_stage, t.shape, t.dtype)
         pending = self._pending
@@ -292,6 +325,9 @@ class StatsEngine:
         if metas and values and (self.seam or not values[0].is_cpu) and stream_capturing(values[0].device):
             self._warn_capturing()
             return
+        if metas and any(not v.is_cpu and unreadable_device(v.device) for v in values):
+            kept = [k for k, v in enumerate(values) if v.is_cpu or not _unreadable_value(family, metas[k], v)]
+            metas, values = [metas[k] for k in kept], [values[k] for k in kept]
         if metas:
             self._pending.append(
                 _Pending(
@@ -305,6 +341,29 @@ class StatsEngine:
                     integers=tuple(i for i, c in enumerate(columns) if c in integers),
                 )
             )
+
+    def mark(self) -> tuple[int, int]:
+        """Where the captures stand now, for ``drop_since``: (pending entries, items of the last)."""
+        pending = self._pending
+        return len(pending), (len(pending[-1].items) if pending else 0)
+
+    def drop_since(self, mark: tuple[int, int], family: str, vpp_stage: int) -> int:
+        """Forget the rows of ``family`` and ``vpp_stage`` captured since ``mark`` (a forward that
+        raised: its rows belong to no micro-batch); other rows stay.  Their partials stay unread in
+        the step's buffers.  Returns how many rows were dropped."""
+        pending, dropped = self._pending, 0
+        at, kept = mark
+        for i in range(max(at - 1, 0), len(pending)):
+            p = pending[i]
+            start = kept if i == at - 1 else 0
+            if p.family != family or p.is_values or start >= len(p.items):
+                continue
+            keep = [j for j in range(start, len(p.items)) if p.items[j][1] != vpp_stage]
+            dropped += len(p.items) - start - len(keep)
+            p.items[start:] = [p.items[j] for j in keep]
+            p.rows[start:] = [p.rows[j] for j in keep]
+        self._pending[max(at - 1, 0) :] = [p for p in pending[max(at - 1, 0) :] if p.items]
+        return dropped
 
     def discard(self) -> None:
         self._pending.clear()
@@ -346,6 +405,22 @@ class StatsEngine:
         for p in host:
             p.rows = list(self._host.rows(p.rows).unbind(0))
         _merge_host_sharded(host)
+
+
+def _skipped(family: str, name: str, row: Any) -> bool:
+    """True for a skipped row (after its one warning)."""
+    if isinstance(row, Skipped):
+        warn_skipped(name, family, row)
+        return True
+    return False
+
+
+def _unreadable_value(family: str, meta: Meta, value: torch.Tensor) -> bool:
+    """True for a computed value on a device the host cannot read (after its one warning)."""
+    why = unreadable_device(value.device)
+    if why is not None:
+        warn_skipped(meta.name, family, Skipped(why))
+    return why is not None
 
 
 def _build_blocks(

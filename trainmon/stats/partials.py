@@ -15,6 +15,9 @@ Accuracy notes (why the code looks like this):
   accumulate in fp32 inside the kernel, so they are used directly.
 - NaN/Inf counts cost a full pass each, so they are computed only for tensors whose sum of squares
   is not finite (a NaN or Inf anywhere makes it non-finite); on the CPU that check is free.
+- Dtypes without CPU reductions (float8, ...) take the same chunked fp32 upcast as bf16/fp16 (exact:
+  every such dtype is narrower than fp32); complex tensors are reduced by their modulus; sparse
+  tensors by their stored values merged with their implicit zeros (``stats.odd_tensors``).
 - Overflow: fp32 sums of squares overflow for elements above ~1.8e19 (and sums near 3.4e38),
   though every element is finite.  A row whose sum, sum of squares or m2 is not finite while the
   tensor is all finite is recomputed in float64 chunks (``_rescued``): only such tensors pay it.
@@ -27,15 +30,23 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import cast
 
+import numpy as np
 import torch
 
 from trainmon.stats import _fused_cpu
 from trainmon.stats.host_rows import HostRows
+from trainmon.stats.odd_tensors import STRIDED, Skipped, explicit_values, reason_of, with_implicit_zeros
 from trainmon.stats.table import PARTIAL, combine
 
 __all__ = ["compute_partials", "write_cpu_rows", "device_columns"]
 
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
+# Floating dtypes reduced through an fp32 upcast (bf16/fp16 for accuracy, float8 and the like
+# because CPU reductions have no kernels for them): every floating dtype but fp32 and fp64.
+_UPCAST = frozenset(
+    d
+    for d in vars(torch).values()
+    if isinstance(d, torch.dtype) and d.is_floating_point and d not in (torch.float32, torch.float64)
+)
 _BLOCK = 1 << 10  # elements per block when reducing CPU tensors (accuracy, see above)
 _BIG = 1 << 16  # tensors larger than this take the blocked path on CPU
 _ONE_PASS_EXTREMES = 1 << 20
@@ -73,10 +84,13 @@ def compute_partials(
             dev = DeviceRows(device, columns, eps)
             dev.write(group)
             mats = list(torch.from_numpy(dev.snapshot().rows(columns)).unbind(0))  # type: ignore[union-attr]
-        elif lean and dtype in _fused_cpu.FUSED_DTYPES and _fused_cpu.enabled():
+        elif (
+            lean
+            and dtype in _fused_cpu.FUSED_DTYPES
+            and all(t.layout is STRIDED for t in group)
+            and _fused_cpu.enabled()
+        ):
             mats = _fused_rows(group, columns)
-        elif dtype in _LOW_PRECISION:
-            mats = [_chunked_partials(t, columns, eps) for t in group]
         else:
             mats = [_cpu_row(t, columns, eps) for t in group]
         for i, row in zip(idx, mats):
@@ -101,22 +115,43 @@ def fused_columns(columns: Sequence[str]) -> tuple[int, ...] | None:
 
 def write_cpu_rows(
     tensors: Sequence[torch.Tensor], columns: Sequence[str], eps: float, host: HostRows, fused: tuple[int, ...] | None
-) -> range:
+) -> range | list[int | Skipped]:
     """Partials of CPU ``tensors`` written into ``host`` (the engine's step buffer); returns their
-    row indices.  ``fused``: ``fused_columns(columns)``.  The hot path of every hook on a CPU
+    row indices, with a ``Skipped`` for a tensor no reduction could read (the others are
+    recorded).  ``fused``: ``fused_columns(columns)``.  The hot path of every hook on a CPU
     model, hence no per-row tensors and few Python frames."""
     with host.lock:
         start = host.reserve(len(tensors))
         if fused is not None and all(t.dtype in _FUSED_DTYPES for t in tensors):
-            _fused_cpu.fill_rows(tensors, host.tensor, start, fused)
-            return range(start, start + len(tensors))
-        with torch.no_grad():
-            for k, t in enumerate(tensors):
-                if fused is not None and t.dtype in _FUSED_DTYPES:
+            try:
+                _fused_cpu.fill_rows(tensors, host.tensor, start, fused)
+                return range(start, start + len(tensors))
+            except Exception:
+                pass  # a tensor without strided storage among them (sparse, ...): one by one below
+        return _rows_one_by_one(tensors, columns, eps, host, fused, start)
+
+
+def _rows_one_by_one(
+    tensors: Sequence[torch.Tensor],
+    columns: Sequence[str],
+    eps: float,
+    host: HostRows,
+    fused: tuple[int, ...] | None,
+    start: int,
+) -> range | list[int | Skipped]:
+    """``write_cpu_rows`` a tensor at a time: a tensor that fails is skipped, never its batch."""
+    skipped: dict[int, Skipped] = {}
+    with torch.no_grad():
+        for k, t in enumerate(tensors):
+            try:
+                if fused is not None and t.dtype in _FUSED_DTYPES and t.layout is STRIDED:
                     _fused_cpu.fill_rows([t], host.tensor, start + k, fused)
                 else:
                     host.array[start + k] = _cpu_values(t, columns, eps)
-        return range(start, start + len(tensors))
+            except Exception as exc:
+                skipped[k] = Skipped(reason_of(exc))
+    rows = range(start, start + len(tensors))
+    return [skipped.get(k, r) for k, r in enumerate(rows)] if skipped else rows
 
 
 def _fused_rows(group: list[torch.Tensor], columns: Sequence[str]) -> list[torch.Tensor]:
@@ -142,7 +177,11 @@ def _cpu_row(t: torch.Tensor, columns: Sequence[str], eps: float) -> torch.Tenso
 def _cpu_values(t: torch.Tensor, columns: Sequence[str], eps: float) -> list[float]:
     """One CPU tensor's partials, every reduction back to back while the tensor is in cache:
     measured 2x faster than one reduction over all tensors, then the next (40 x 1 MiB)."""
-    if t.dtype in _LOW_PRECISION:
+    if t.layout is not STRIDED:
+        return _sparse_values(t, columns, eps)
+    if t.is_complex():
+        t = t.abs()  # the modulus, as ``collectors.base.capture_views`` records complex tensors
+    if t.dtype in _UPCAST:
         return _chunked_partials(t, columns, eps).tolist()
     t = _as_float(t)
     if t.numel() == 0:
@@ -172,6 +211,13 @@ def _cpu_values(t: torch.Tensor, columns: Sequence[str], eps: float) -> list[flo
     ):
         return _chunked_partials(t, columns, eps, torch.float64).tolist()  # overflow: see the docstring
     return values
+
+
+def _sparse_values(t: torch.Tensor, columns: Sequence[str], eps: float) -> list[float]:
+    """A sparse tensor's partials: its stored values' merged with its implicit zeros'."""
+    values = explicit_values(t)
+    row = np.array([_cpu_values(values, columns, eps)])
+    return with_implicit_zeros(row, columns, np.array([t.numel() - values.numel()]), eps)[0].tolist()
 
 
 def _as_float(t: torch.Tensor) -> torch.Tensor:
