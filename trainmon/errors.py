@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["TrainmonError", "ConfigError", "Problem", "DamagedFileError"]
+__all__ = ["TrainmonError", "ConfigError", "Problem", "DamagedFileError", "EnvError", "env_int"]
 
 
 class TrainmonError(Exception):
@@ -52,3 +52,30 @@ class DamagedFileError(TrainmonError, ValueError):
             [f", {unit} {line}" if line is not None else "", f", column {column}" if column is not None else ""]
         )
         super().__init__(f"{self.path}{where}: {message}")
+
+
+class EnvError(TrainmonError, ValueError):
+    """An environment variable trainmon reads holds a value it cannot use: one line naming the
+    variable, its value and what is allowed (commands print it and exit with code 2)."""
+
+    def __init__(self, name: str, value: str, allowed: str):
+        self.name, self.value, self.allowed = name, value, allowed
+        super().__init__(f"environment variable {name}={value!r}: {allowed}")
+
+
+def env_int(name: str, default: int, minimum: int = 1) -> int:
+    """The integer ``os.environ[name]`` holds (``default`` when unset or empty), checked: an
+    :class:`EnvError` for anything but an integer >= ``minimum``.  Read when used, never at import
+    time, so a bad value is one line of the command that reads it, not a traceback."""
+    import os
+
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = int(text.replace("_", ""))
+    except ValueError:
+        raise EnvError(name, text, f"must be an integer >= {minimum} (default {default})") from None
+    if value < minimum:
+        raise EnvError(name, text, f"must be an integer >= {minimum} (default {default})")
+    return value

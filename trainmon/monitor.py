@@ -29,7 +29,7 @@ from trainmon.runtime.builder import Attachment, SessionBuilder
 from trainmon.runtime.driver import StaticDriver, StepDriver
 from trainmon.runtime.dynamic_driver import DynamicDriver
 from trainmon.runtime.features import unsupported_problems
-from trainmon.runtime.run_dir import create_run_dir, output_root
+from trainmon.runtime.run_dir import create_run_dir, first_step, output_root
 
 __all__ = ["TrainerMon"]
 
@@ -99,7 +99,7 @@ class TrainerMon:
         optimizer: Any = None,
         dp_group: Any = None,
         tp_group: Any = None,
-        start_iteration: int = 0,
+        start_iteration: int | None = None,
     ) -> TrainerMon:
         """Attach to a model (or list of virtual-pipeline chunks) and its optimizer.
 
@@ -132,6 +132,7 @@ class TrainerMon:
             builder.check_targets(self.config, str(self.config_file_path))
         self._resolve_output()
         builder.run_dir = self.run_dir
+        start_iteration = first_step(self.run_dir, self.rank, start_iteration)  # resume: run_dir.first_step
         if optimizer is None:
             log.warning(
                 "trainmon: set_monitor got no optimizer: call monitor.step() after each "
@@ -195,7 +196,7 @@ _OWN_ORDER = ("grad_acc_steps", "optimizer", "dp_group", "tp_group", "start_iter
 
 
 _DEFAULTS: dict[str, Any] = {"grad_acc_steps": 1, "optimizer": None, "dp_group": None, "tp_group": None,
-                              "start_iteration": 0}  # fmt: skip
+                              "start_iteration": None}  # fmt: skip
 
 
 def _positional_arguments(values: tuple[Any, ...], keywords: dict[str, Any]) -> dict[str, Any]:

@@ -28,7 +28,7 @@ def test_json_lists_the_blown_grad_first(capsys):
     code, out, _ = _run(capsys, "anomalies", str(named_run("blow")), "--json")
     doc = json.loads(out)
     assert code == 0 and set(doc) == {"run_dir", "ranks", "families", "count", "by_rule", "anomalies",
-                                      "escalations"}
+                                      "escalations", "duplicate_keys", "by_design", "spike_unjudged"}
     first = doc["anomalies"][0]
     assert set(first) == FIELDS
     assert (first["step"], first["phase"], first["kind"], first["name"], first["rank"], first["op"],
@@ -46,7 +46,8 @@ def test_text_output_and_limit(capsys):
                         "nans=16 (nonfinite)")
     assert lines[2].split() == ["step", "phase", "kind", "name", "rank", "micro", "op", "value", "rule",
                                 "baseline"]
-    assert len(lines) == 3 + 3 + 1 and lines[-1].startswith("... ")
+    assert len(lines) == 3 + 3 + 1 + 1 and lines[-2].startswith("... ")
+    assert lines[-1].startswith("spike rule: ") and lines[-1].endswith("at steps 0-4")   # the warm-up
     _, out, _ = _run(capsys, "anomalies", str(named_run("nan")), "--json", "--kinds", "grad_reduced",
                      "--ranks", "0")
     doc = json.loads(out)
@@ -56,7 +57,7 @@ def test_text_output_and_limit(capsys):
 
 def test_healthy_run_reports_none(capsys):
     code, out, _ = _run(capsys, "anomalies", str(named_run("healthy")))
-    assert code == 0 and out.splitlines()[-1] == "no anomalies"
+    assert code == 0 and out.splitlines()[-2] == "no anomalies" and out.splitlines()[-1].startswith("spike rule: ")
 
 
 def test_runtime_alerts_are_merged(tmp_path, capsys):
@@ -73,7 +74,7 @@ def test_runtime_alerts_are_merged(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--rules", "nan"], "unknown rule 'nan' (allowed: nonfinite, spike, threshold)"),
+    (["--rules", "nan"], "unknown rule 'nan' (allowed: nonfinite, spike, threshold, param_changed)"),
     (["--ops", "nrom"], "no stat 'nrom' in"),
     (["--kinds", "actvv"], "no family 'actvv' in"),
     (["--factor", "0.5"], "spike factor must be a finite number > 1"),

@@ -23,7 +23,7 @@ def test_json_first_divergence_for_a_different_activation(capsys):
     assert code == 0
     assert set(doc) == {"base", "target", "rtol", "atol", "first_divergence", "largest_by_family",
                         "aligned_rows", "diverged_rows", "only_in_base", "only_in_target", "renamed",
-                        "families", "stages"}
+                        "families", "stages", "duplicate_keys"}
     d = doc["first_divergence"]
     assert set(d) == DIFF_FIELDS
     assert (d["step"], d["phase"], d["kind"], d["name"], d["rank"], d["micro_step"]) == \

@@ -22,7 +22,7 @@ def _run(capsys, *argv):
 def test_json_names_the_corrupted_rank(capsys):
     code, out, _ = _run(capsys, "ranks", str(named_run("corrupt3")), "--json")
     doc = json.loads(out)
-    assert code == 0 and set(doc) == {"run_dir", "ranks", "checks", "count", "by_check", "issues"}
+    assert code == 0 and set(doc) == {"run_dir", "ranks", "checks", "count", "by_check", "issues", "duplicate_keys"}
     first = doc["issues"][0]
     assert set(first) == ISSUE_FIELDS
     assert (first["step"], first["phase"], first["kind"], first["name"], first["rank"], first["check"]) == \

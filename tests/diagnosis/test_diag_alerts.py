@@ -80,7 +80,8 @@ def test_healthy_rows_write_no_file(tmp_path):
 
 
 def _nan_rows(step, n=8):
-    return [StatRow("grad_reduced", f"p{i}", step, {"norm": math.nan, "nans": 3}, (4,), "torch.float32")
+    # NaNs that grow every step: a NaN count equal at every step from the first is by design (a mask)
+    return [StatRow("grad_reduced", f"p{i}", step, {"norm": math.nan, "nans": 3 + step}, (4,), "torch.float32")
             for i in range(n)]
 
 
@@ -111,7 +112,8 @@ def test_killed_writer_leaves_whole_lines(tmp_path):
         sink = AlertSink(SinkOptions(rank_dir=Path({str(tmp_path)!r})))
         step = 0
         while True:
-            sink.write(StepRows.of([StatRow("grad_reduced", "layer.%d.weight" % i, step, {{"norm": math.nan, "nans": 1}},
+            nans = {{"norm": math.nan, "nans": step + 1}}   # growing: not non-finite by design
+            sink.write(StepRows.of([StatRow("grad_reduced", "layer.%d.weight" % i, step, nans,
                                 (2,), "torch.float32") for i in range(200)]), step)
             if step == 20:
                 print("ready", flush=True)

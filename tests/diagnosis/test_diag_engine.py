@@ -21,7 +21,7 @@ from trainmon.cli import main
 from trainmon.diagnosis import engine
 from trainmon.diagnosis.reader import load_run
 from trainmon.diagnosis.rules import Rules, SpikeRule
-from trainmon.diagnosis.scan import scan
+from trainmon.diagnosis.scan import scan, scan_all
 from trainmon.output.layout import FamilyFile
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,12 +37,18 @@ def _found(anomalies) -> list[dict]:
     return [a.to_json(position=True) for a in anomalies]
 
 
+def _everything(findings) -> tuple:
+    """Comparable form of a whole scan: findings, by-design notes (with occurrence), warm-up."""
+    notes = [dict(n.to_json(), occurrence=n.occurrence) for n in findings.by_design]
+    return _found(findings.anomalies), notes, findings.unjudged
+
+
 def _assert_same_findings(name: str, rules: str, pq_dir: Path) -> list:
     run = named_run(name)
-    want = _found(scan(load_run(run), RULE_SETS[rules]))
-    assert _found(engine.engine_scan(engine.run_files(run), RULE_SETS[rules])) == want
-    assert _found(engine.engine_scan(engine.run_files(_as_parquet(run, pq_dir)), RULE_SETS[rules])) == want
-    return want
+    want = _everything(scan_all(load_run(run), RULE_SETS[rules]))
+    assert _everything(engine.engine_scan_all(engine.run_files(run), RULE_SETS[rules])) == want
+    assert _everything(engine.engine_scan_all(engine.run_files(_as_parquet(run, pq_dir)), RULE_SETS[rules])) == want
+    return want[0]
 
 
 def test_engine_finds_the_planted_nan_first_like_the_in_memory_scan(pq_dir, capsys):
@@ -65,11 +71,13 @@ def test_engine_finds_what_the_in_memory_scan_finds_on_every_fault_run_csv_and_p
 
 @pytest.mark.parametrize("rules", list(RULE_SETS))
 def test_engine_keeps_positions_occurrences_and_header_variants_exact(edge_run, rules, pq_dir):
-    want = scan(load_run(edge_run), RULE_SETS[rules])
-    assert any(a.occurrence for a in want) or rules == "zero-floor"
+    found = scan_all(load_run(edge_run), RULE_SETS[rules])
+    want = found.anomalies
+    # The comm call whose norm is inf at every step is non-finite by design: a note, with its occurrence.
+    assert any(a.occurrence for a in want) or any(n.occurrence for n in found.by_design)
     assert any(a.micro_step is not None for a in want)
     for run in (edge_run, _as_parquet(edge_run, pq_dir)):
-        assert _found(engine.engine_scan(engine.run_files(run), RULE_SETS[rules])) == _found(want)
+        assert _everything(engine.engine_scan_all(engine.run_files(run), RULE_SETS[rules])) == _everything(found)
 
 
 def test_units_keep_small_ranks_together_and_cut_big_ranks_only_between_step_windows(monkeypatch, tmp_path):
@@ -181,7 +189,8 @@ def test_a_spike_exactly_at_the_factor_fires_in_both_scans(tmp_path, values, bou
     rank = tmp_path / "run" / "rank0"
     rank.mkdir(parents=True)
     rows = "".join(f'0,w,{s},{v!r},0,"[2]",torch.float32\n' for s, v in enumerate(values))
-    (rank / "grad_reduced_0-9.csv").write_text("vpp_stage,name,step,norm,nans,shape,dtype\n" + rows)
+    # exp_avg_sq: a family whose drops are judged too (grads, signed, are judged upward only)
+    (rank / "exp_avg_sq_0-9.csv").write_text("vpp_stage,name,step,norm,nans,shape,dtype\n" + rows)
     rules = Rules(spike=SpikeRule(factor=10.0, floor=0.0, warmup=3, window=4))
     want = _found(scan(load_run(tmp_path / "run"), rules))
     assert [a["step"] for a in want if a["rule"] == "spike"] == [4]

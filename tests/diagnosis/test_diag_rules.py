@@ -74,7 +74,7 @@ def test_offline_scan_equals_the_online_tracker(tmp_path):
     online = {}
     trackers = {0: SpikeTracker(rule), 1: SpikeTracker(rule)}
     for rank, name, step, v in truth:
-        base = trackers[rank].observe(name, v)
+        base = trackers[rank].observe(name, v, down=False)   # grads are signed: judged upward only
         if base is not None:
             online[(rank, name, step)] = base
     offline = {(a.rank, a.name, a.step): a.baseline

@@ -18,7 +18,7 @@ from trainmon.diagnosis.workdir import remove_stale
 from trainmon.output import runs
 from trainmon.output.cells import BadCellError
 
-__all__ = ["ENGINES", "AUTO_ENGINE_BYTES", "add_engine_argument", "use_engine", "engine_errors"]
+__all__ = ["ENGINES", "AUTO_ENGINE_BYTES", "add_engine_argument", "use_engine", "check_settings", "engine_errors"]
 
 ENGINES = ("auto", "duckdb", "memory")
 # ``--engine auto`` reads runs at least this large (bytes of family files) in DuckDB; smaller ones
@@ -43,11 +43,24 @@ def use_engine(choice: str, *run_dirs: str) -> bool:
     # Every engine-capable command starts here, whichever engine it picks: the next one a user runs
     # removes the work directories of killed ones (``workdir``), even when it reads in memory.
     remove_stale()
+    check_settings()
     if choice == "duckdb" and not engine.available():
         raise CommandError("--engine duckdb needs duckdb: pip install trainmon[engine]")
     if choice != "auto":
         return choice == "duckdb"
     return engine.available() and _family_bytes(run_dirs) >= AUTO_ENGINE_BYTES
+
+
+def check_settings() -> None:
+    """Every TRAINMON_ENGINE_* value of the environment, checked once as a command starts: a bad
+    one is one line naming the variable (``errors.EnvError``, exit code 2), never a traceback nor
+    a "damaged file" of the user's run."""
+    from trainmon.diagnosis import engine_buckets
+
+    engine.memory_limit()
+    engine.unit_rows()
+    engine_buckets.bucket_rows()
+    engine_buckets.sort_rows()
 
 
 def _family_bytes(run_dirs) -> int:
@@ -86,9 +99,21 @@ def _engine_problem(path: object, kind: str, message: str) -> str:
             "(it keeps staged rows under TMPDIR, 20-110 bytes per row; point TMPDIR at a disk with room)"
         )
     if kind == "OutOfMemoryException":
+        cap = engine.memory_limit()
         return (
             f"{path}: the analysis engine needs more than its memory cap "
-            f"(TRAINMON_ENGINE_MEMORY={engine.MEMORY_LIMIT}): {first_line} "
-            "(set TRAINMON_ENGINE_MEMORY higher, e.g. 1GB)"
+            f"(TRAINMON_ENGINE_MEMORY={cap}): {first_line} "
+            f"(set TRAINMON_ENGINE_MEMORY above {cap}, e.g. {_twice(cap)}, or TRAINMON_ENGINE_UNIT_ROWS "
+            f"below {engine.unit_rows()} rows)"
         )
     return f"{path}: damaged family file: {first_line} (--engine memory names the file, line and column)"
+
+
+def _twice(cap: str) -> str:
+    """A cap twice ``cap`` in its own unit ("256MB" -> "512MB"): a suggestion above the one that
+    did not fit, whatever it was."""
+    m = engine._SIZE.match(cap)
+    if m is None:
+        return "twice that"
+    number = float(m.group(1)) * 2
+    return f"{int(number) if number.is_integer() else number:g}{m.group(2)}"

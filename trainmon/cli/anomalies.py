@@ -12,14 +12,14 @@ from trainmon.cli._engine import use_engine as use_engine_for
 from trainmon.cli._options import check_recorded, non_negative, rank_list
 from trainmon.cli._progress import Progress
 from trainmon.diagnosis import engine
-from trainmon.diagnosis.reader import RunDirError, RunTable, load_run
-from trainmon.diagnosis.report import dump_json, parse_name_list, table
-from trainmon.diagnosis.rules import Anomaly, Rules, SpikeRule
-from trainmon.diagnosis.scan import merge_runtime, scan
+from trainmon.diagnosis.reader import DuplicateKeys, RunDirError, RunTable, duplicate_keys, load_run
+from trainmon.diagnosis.report import dump_json, escape, parse_name_list, table
+from trainmon.diagnosis.rules import PARAM_CHANGED, Anomaly, ByDesign, Findings, Rules, SpikeRule, Unjudged
+from trainmon.diagnosis.scan import merge_runtime, scan_all
 from trainmon.output.runs import escalations
 
 HELP = "list NaN/Inf and spikes of a run, earliest first in training-flow order"
-_RULES = ("nonfinite", "spike", "threshold")
+_RULES = ("nonfinite", "spike", "threshold", PARAM_CHANGED)
 _TEXT_LIMIT = 30
 
 
@@ -29,8 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="machine-readable output (fields: docs/diagnosis.md)")
     parser.add_argument(
         "--rules",
-        default="nonfinite,spike",
-        help=f"comma list of {', '.join(_RULES)} (default: nonfinite,spike; --threshold adds threshold)",
+        default=f"nonfinite,spike,{PARAM_CHANGED}",
+        help=f"comma list of {', '.join(_RULES)} (default: nonfinite,spike,{PARAM_CHANGED}; "
+        "--threshold adds threshold)",
     )
     parser.add_argument("--ops", default="norm", help="stats the spike/threshold rules watch (default: norm)")
     parser.add_argument(
@@ -89,6 +90,7 @@ def _rules(args: argparse.Namespace) -> Rules:
         spike=spike,
         threshold=threshold,
         ops=tuple(parse_name_list(args.ops) or ("norm",)),
+        param_changed=PARAM_CHANGED in chosen,
     )
 
 
@@ -96,7 +98,18 @@ def _check_names(wanted, have, what: str, path) -> None:
     check_recorded(wanted, have, what, path)
 
 
-def find(args: argparse.Namespace) -> tuple[engine.RunFiles | RunTable, list[Anomaly]]:
+def find(
+    args: argparse.Namespace, repeated: DuplicateKeys | None = None
+) -> tuple[engine.RunFiles | RunTable, list[Anomaly]]:
+    """The run and its anomalies; ``repeated`` (if given) gets the run's repeated keys."""
+    run, findings = find_all(args, repeated)
+    return run, findings.anomalies
+
+
+def find_all(
+    args: argparse.Namespace, repeated: DuplicateKeys | None = None
+) -> tuple[engine.RunFiles | RunTable, Findings]:
+    """``find``, with the by-design notes and the spike rule's warm-up (``rules.Findings``)."""
     rules = _rules(args)
     non_negative(args.limit, "--limit")
     kinds, ranks = parse_name_list(args.kinds), rank_list(args.ranks)
@@ -116,12 +129,14 @@ def find(args: argparse.Namespace) -> tuple[engine.RunFiles | RunTable, list[Ano
         _check_names(rules.ops, run.stats, "stat", run.path)
     # run_files' RunFiles with the engine, load_run's RunTable without
     found = (
-        _engine_scan(cast(engine.RunFiles, run), rules, quiet=args.json)
+        _engine_scan(cast(engine.RunFiles, run), rules, quiet=args.json, repeated=repeated)
         if use_engine
-        else scan(cast(RunTable, run), rules)
+        else scan_all(cast(RunTable, run), rules)
     )
+    if repeated is not None and not use_engine:
+        repeated.extend(duplicate_keys(cast(RunTable, run)))
     if not args.no_runtime:
-        found = merge_runtime(found, run.path, kinds=kinds, ranks=ranks)
+        found.anomalies = merge_runtime(found.anomalies, run.path, kinds=kinds, ranks=ranks, by_design=found.by_design)
     return run, found
 
 
@@ -133,17 +148,19 @@ def _load_run(path, kinds, ranks, *, quiet: bool) -> RunTable:
         progress.done()
 
 
-def _engine_scan(files: engine.RunFiles, rules: Rules, *, quiet: bool) -> list[Anomaly]:
+def _engine_scan(files: engine.RunFiles, rules: Rules, *, quiet: bool, repeated=None) -> Findings:
     progress = Progress("anomalies", sum(len(v) for v in files.files.values()), quiet=quiet)
     try:
         with engine_errors(files.path):
-            return engine.engine_scan(files, rules, progress=progress)
+            return engine.engine_scan_all(files, rules, progress=progress, duplicates=repeated)
     finally:
         progress.done()
 
 
 def run(args: argparse.Namespace) -> int:
-    run_table, found = find(args)
+    repeated = DuplicateKeys()  # keys written twice (two runs in one folder): a finding of their own
+    run_table, findings = find_all(args, repeated)
+    found, notes, unjudged = findings.anomalies, findings.by_design, findings.unjudged
     limit = args.limit if args.limit is not None else (0 if args.json else _TEXT_LIMIT)
     shown = found if limit == 0 else found[:limit]
     by_rule = dict(Counter(a.rule for a in found))
@@ -157,7 +174,10 @@ def run(args: argparse.Namespace) -> int:
                 "count": len(found),
                 "by_rule": by_rule,
                 "anomalies": [a.to_json() for a in shown],
+                "by_design": [n.to_json() for n in notes],
+                "spike_unjudged": None if unjudged is None else unjudged.to_json(),
                 "escalations": windows,
+                "duplicate_keys": repeated.to_json(),
             }
         )
         return 0
@@ -167,18 +187,30 @@ def run(args: argparse.Namespace) -> int:
         f"anomalies: {len(found)}" + (f" ({rules_text})" if found else "")
     )
     _print_escalations(windows)
+    if repeated.count:
+        print(repeated.describe())
     if not found:
         print("no anomalies")
+        _print_notes(notes, unjudged)
         return 0
     a = found[0]
-    print(f"first: step {a.step}, {a.phase}, {a.kind} {a.name}, rank {a.rank}: {a.op}={a.value:.6g} ({a.rule})")
+    print(f"first: step {a.step}, {a.phase}, {a.kind} {escape(a.name)}, rank {a.rank}: {a.op}={a.value:.6g} ({a.rule})")
     table(
         ["step", "phase", "kind", "name", "rank", "micro", "op", "value", "rule", "baseline"],
         [(x.step, x.phase, x.kind, x.name, x.rank, x.micro_step, x.op, x.value, x.rule, x.baseline) for x in shown],
     )
     if len(shown) < len(found):
         print(f"... {len(found) - len(shown)} more (--limit 0 shows all; --json for machines)")
+    _print_notes(notes, unjudged)
     return 0
+
+
+def _print_notes(notes: list[ByDesign], unjudged: Unjudged | None) -> None:
+    """What the findings leave out: series non-finite by design, steps the spike rule left unjudged."""
+    for n in notes:
+        print(n.text(escape(n.name)))
+    if unjudged is not None and unjudged.values:
+        print(unjudged.text())
 
 
 def _print_escalations(windows: list[dict]) -> None:

@@ -12,8 +12,8 @@ from trainmon.cli._progress import Progress
 from trainmon.diagnosis import engine
 from trainmon.diagnosis.compare import compare_runs
 from trainmon.diagnosis.engine_compare import engine_compare
-from trainmon.diagnosis.reader import RunDirError, RunTable, load_run
-from trainmon.diagnosis.report import dump_json, parse_name_list, table
+from trainmon.diagnosis.reader import DuplicateKeys, RunDirError, RunTable, duplicate_keys, load_run
+from trainmon.diagnosis.report import dump_json, escape, parse_name_list, table
 from trainmon.families import NOT_SCALAR
 
 HELP = "compare two runs: the first module/step/rank that differs beyond tolerance"
@@ -65,6 +65,8 @@ def run(args: argparse.Namespace) -> int:
     options = {"rtol": args.rtol, "atol": args.atol, "ops": parse_name_list(args.ops), "top": args.top}
     base: RunTable | engine.RunFiles
     target: RunTable | engine.RunFiles
+    # Keys written twice in a run (two runs in one folder): a finding of their own per run.
+    repeated = {"base": DuplicateKeys(), "target": DuplicateKeys()}
     if use_engine(args.engine, args.base, args.target):
         base, target = _run_files(args.base, kinds, ranks), _run_files(args.target, kinds, ranks)
         # Packed sign bits (``trainmon similarity``) are never compared, nor read.
@@ -72,7 +74,9 @@ def run(args: argparse.Namespace) -> int:
         progress = Progress("compare", files, quiet=args.json)
         try:
             with engine_errors(f"{base.path} / {target.path}"):
-                result = engine_compare(base, target, progress=progress, **options)
+                result = engine_compare(
+                    base, target, progress=progress, duplicates=(repeated["base"], repeated["target"]), **options
+                )
         finally:
             progress.done()
     else:
@@ -82,10 +86,24 @@ def run(args: argparse.Namespace) -> int:
         )
         result = compare_runs(base_table, target_table, **options)
         base, target = base_table, target_table
+        scalar = [f for f in base_table.families if f not in NOT_SCALAR]  # the families compare reads
+        repeated["base"] = duplicate_keys(base_table, scalar)
+        repeated["target"] = duplicate_keys(target_table, [f for f in target_table.families if f not in NOT_SCALAR])
     if args.json:
-        dump_json({"base": str(base.path), "target": str(target.path), **result.to_json()})
+        dump_json(
+            {
+                "base": str(base.path),
+                "target": str(target.path),
+                **result.to_json(),
+                "duplicate_keys": {side: d.to_json() for side, d in repeated.items()},
+            }
+        )
         return 0
     print(f"base:   {base.path}\ntarget: {target.path}")
+    for side, dup in repeated.items():
+        if dup.count:
+            print(f"{side}: {dup.describe()} (their rows align once; the others count as only in {side})")
+
     print(
         f"aligned rows: {result.aligned_rows} (only in base: {result.only_in_base}, only in target: "
         f"{result.only_in_target}; names matched through wrapper prefixes: {result.renamed})"
@@ -103,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
         micro = "" if d.micro_step is None else f" micro_step {d.micro_step}"
         group = "" if d.group is None else f" group {d.group}"
         print(
-            f"first divergence (rtol {args.rtol:g}): step {d.step}, {d.phase}, {d.kind} {d.name}{group}, "
+            f"first divergence (rtol {args.rtol:g}): step {d.step}, {d.phase}, {d.kind} {escape(d.name)}{group}, "
             f"rank {d.rank}{micro}: {d.op} base {d.base:.6g} target {d.target:.6g} "
             f"(rel_diff {d.rel_diff:.3g}); {result.diverged_rows} rows diverge"
         )

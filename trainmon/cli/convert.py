@@ -4,7 +4,10 @@ Every family CSV file becomes the Parquet file of the same name (``.parquet``) w
 columns and the exact same values (floats are parsed exactly, then stored as float64 bits); every
 other file of the run (``run.json``, ``anomalies.jsonl``, TensorBoard events, ...) is copied, so
 the new run answers every command like the old one.  Files are written to a temp name and
-renamed, so an interrupted convert leaves no half file under a family name.
+renamed, so an interrupted convert leaves no half file under a family name.  A family Parquet
+file already in the run (``"format": ["csv", "parquet"]``) is checked like every file a command
+reads (a damaged one: one line, exit code 2) and copied, unless a CSV file of the same window is
+converted in its place (the CSV also holds a window a crash left open).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from trainmon.cli import CommandError
 from trainmon.cli._progress import Progress
 from trainmon.diagnosis.reader import RunDirError, resolve_run_dir
 from trainmon.diagnosis.report import dump_json
+from trainmon.errors import DamagedFileError
 from trainmon.output.cells import BadCellError, check_numeric
 from trainmon.output.layout import TMP_SUFFIX, family_file_name, parse_family_file, parse_rank_dir
 
@@ -71,6 +75,10 @@ def convert(run_dir: Path, target: Path, progress: Progress) -> dict:
         dst.parent.mkdir(parents=True, exist_ok=True)
         f = _family_csv(src)
         if f is None:
+            if _family_parquet(src):
+                _check_parquet(src)
+                if src.with_suffix(".csv").is_file():
+                    continue  # the CSV twin is converted to this name
             shutil.copy2(src, dst)
             copied += 1
             continue
@@ -87,6 +95,18 @@ def _family_csv(path: Path):
     return f if f is not None and f.ext == "csv" and parse_rank_dir(path.parent.name) is not None else None
 
 
+def _family_parquet(path: Path) -> bool:
+    f = parse_family_file(path)
+    return f is not None and f.ext == "parquet" and parse_rank_dir(path.parent.name) is not None
+
+
+def _check_parquet(path: Path) -> None:
+    """A family Parquet file of the source run, read and validated: never copied unread."""
+    from trainmon.output.parquet import read_parquet
+
+    read_parquet(path)
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         run_dir = resolve_run_dir(args.run_dir)
@@ -100,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     progress = Progress("convert", 0, quiet=args.json)
     try:
         summary = convert(run_dir, target, progress)
-    except BadCellError as exc:
+    except (BadCellError, DamagedFileError) as exc:
         raise CommandError(f"{exc} (nothing more converted; {target} is incomplete)") from None
     except OSError as exc:
         raise CommandError(f"cannot write {target}: {exc}") from None

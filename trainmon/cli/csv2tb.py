@@ -1,8 +1,12 @@
-"""``trainmon csv2tb``: turn a run's CSV files into TensorBoard event files.
+"""``trainmon csv2tb``: turn a run's CSV (or Parquet) files into TensorBoard event files.
 
-Every family of every rank is converted (activations with their micro-steps, comm with its
-extra columns) into ``<run>/tensorboard/rank<R>/`` -- the directory and tags the native
-``tensorboard`` format uses (:mod:`trainmon.output.tb_tags`), so the two are interchangeable.
+Every family of every rank is converted, each read once from one format: a family written in
+both formats (``"format": ["csv", "parquet"]``) is read from its Parquet files when they hold
+every window its CSV files hold, else from its CSV files (``runs.family_files``, the rule every
+command follows); a ``.parquet`` file is never read as CSV.  Each family is converted
+(activations with their micro-steps, comm with its extra columns) into
+``<run>/tensorboard/rank<R>/`` -- the directory and tags the native ``tensorboard`` format uses
+(:mod:`trainmon.output.tb_tags`), so the two are interchangeable.
 With ``-o DIR`` the events go to ``DIR/<run_id>/rank<R>/`` instead.
 
 Re-running never duplicates: a rank's converted events are one file with a fixed name,
@@ -30,11 +34,11 @@ from trainmon.output.runs import (
     find_runs,
     rank_dirs,
     rank_of,
-    read_csv,
+    read_family_file,
 )
 from trainmon.output.tb_tags import TB_DIRNAME, series_name
 
-HELP = "convert the CSV files of a run (or of every run of an output dir) into TensorBoard event files"
+HELP = "convert the CSV or Parquet files of a run (or of every run of an output dir) into TensorBoard event files"
 
 CONVERTED_NAME = "events.out.tfevents.trainmon-csv2tb"
 _TMP_PREFIX = ".csv2tb-"
@@ -143,7 +147,7 @@ def _report(results: list[RankResult], n_runs: int, seconds: float) -> None:
     rate = f", {scalars / seconds:,.0f} scalars/s" if seconds > 0 and scalars else ""
     where = sorted({str(r.target.parent) for r in done})
     print(
-        f"converted {len(done)} rank(s) of {n_runs} run(s): {sum(r.files for r in done)} CSV files, "
+        f"converted {len(done)} rank(s) of {n_runs} run(s): {sum(r.files for r in done)} family files, "
         f"{sum(r.rows for r in done):,} rows, {scalars:,} scalars in {seconds:.1f} s{rate}"
         + (f" -> {', '.join(where)}" if where else "")
     )
@@ -158,7 +162,7 @@ def convert_rank(rank_dir: Path, target: Path, *, progress: Callable[[int], obje
     families = family_files(rank_dir)
     files = [f for fs in families.values() for f in fs]
     if not files:
-        result.skipped = "no CSV files"
+        result.skipped = "no family files"
         return result
     native = native_event_files(target)
     if native:
@@ -206,12 +210,12 @@ class _Converter:
         import pandas as pd
 
         try:
-            df = read_csv(f.path)
-        except DamagedFileError as exc:  # names the file, line and column itself
+            df = read_family_file(f)  # by its extension: CSV or Parquet, validated
+        except DamagedFileError as exc:  # names the file, line (or row) and column itself
             result.unreadable.append(f"{exc}; skipped")
             return
         except (OSError, ValueError, UnicodeDecodeError, pd.errors.ParserError) as exc:
-            result.unreadable.append(f"{f.path}: unreadable CSV, skipped ({str(exc).splitlines()[0]})")
+            result.unreadable.append(f"{f.path}: unreadable, skipped ({str(exc).splitlines()[0]})")
             return
         result.files += 1
         if "step" not in df.columns or "name" not in df.columns:

@@ -12,8 +12,8 @@ from trainmon.cli._progress import Progress
 from trainmon.diagnosis import engine
 from trainmon.diagnosis.engine_buckets import engine_ranks
 from trainmon.diagnosis.ranks import CHECKS, check_ranks
-from trainmon.diagnosis.reader import RunDirError, RunTable, load_run
-from trainmon.diagnosis.report import dump_json, parse_name_list, table
+from trainmon.diagnosis.reader import DuplicateKeys, RunDirError, RunTable, duplicate_keys, load_run
+from trainmon.diagnosis.report import dump_json, escape, parse_name_list, table
 
 HELP = "check cross-rank consistency (reduced grads, averaging, partial NaN, outlier ranks)"
 _TEXT_LIMIT = 30
@@ -85,17 +85,19 @@ def run(args: argparse.Namespace) -> int:
     ranks = rank_list(args.ranks)
     options = {"rtol": args.rtol, "outlier_factor": args.outlier_factor, "reduce": args.reduce, "checks": checks}
     run_table: RunTable | engine.RunFiles
+    repeated = DuplicateKeys()  # keys written twice: a finding of their own (two runs in one folder)
     if use_engine(args.engine, args.run_dir):
         run_table = _run_files(args.run_dir, ranks)
         progress = Progress("ranks", sum(len(v) for v in run_table.files.values()), quiet=args.json)
         try:
             with engine_errors(run_table.path):
-                issues = engine_ranks(run_table, progress=progress, **options)
+                issues = engine_ranks(run_table, progress=progress, duplicates=repeated, **options)
         finally:
             progress.done()
     else:
         run_table = _load(args.run_dir, ranks, quiet=args.json)
         issues = check_ranks(run_table, **options)
+        repeated = duplicate_keys(run_table)
     limit = args.limit if args.limit is not None else (0 if args.json else _TEXT_LIMIT)
     shown = issues if limit == 0 else issues[:limit]
     by_check = dict(Counter(i.check for i in issues))
@@ -108,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
                 "count": len(issues),
                 "by_check": by_check,
                 "issues": [i.to_json() for i in shown],
+                "duplicate_keys": repeated.to_json(),
             }
         )
         return 0
@@ -116,6 +119,9 @@ def run(args: argparse.Namespace) -> int:
         f"run: {run_table.path}  ranks: {','.join(map(str, run_table.ranks)) or '-'}  "
         f"issues: {len(issues)}" + (f" ({counts})" if issues else "")
     )
+    if repeated.count:
+        print(repeated.describe())
+
     if len(run_table.ranks) < 2:
         print("only one rank: nothing to compare across ranks")
         return 0
@@ -123,7 +129,8 @@ def run(args: argparse.Namespace) -> int:
         print("ranks consistent")
         return 0
     i = issues[0]
-    print(f"first: step {i.step}, {i.phase}, {i.kind} {i.name}, rank {i.rank}: {i.check} ({i.detail})")
+    where = f"step {i.step}, {i.phase}, {i.kind} {escape(i.name)}, rank {i.rank}"
+    print(f"first: {where}: {i.check} ({escape(str(i.detail))})")
     table(
         ["step", "phase", "kind", "name", "rank", "check", "op", "value", "expected"],
         [(x.step, x.phase, x.kind, x.name, x.rank, x.check, x.op, x.value, x.expected) for x in shown],

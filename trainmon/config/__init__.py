@@ -184,7 +184,10 @@ class MonitorConfig:
     squash_name: bool = False
     global_layer_names: bool = False  # Megatron PP/VPP: name layers by their global layer_number
     module_ranks: tuple[int, ...] = ()
-    step_count_per_record: int = 1
+    # Steps per family file.  msprobe's default is 1 (one file per family per step: a 100k-step
+    # run is 100,000 files per family, hard on shared file systems and on every reader); a config
+    # that sets 1 keeps msprobe's layout (docs/configuration.md).
+    step_count_per_record: int = 100
     replicated_once: bool = False  # replicated families written on data-parallel rank 0 only
     dynamic_on: bool = False
     monitor_mbs_grad: bool = False  # grad_unreduced once per micro-batch (its own local grad)

@@ -257,6 +257,7 @@ def _family_diffs(
     family: str, base: pd.DataFrame, target: pd.DataFrame, plan: FamilyPlan, rtol: float, atol: float
 ) -> tuple[pd.DataFrame, int, int]:
     ops = list(plan.ops)
+    every_target = len(target)  # rows of names with no base counterpart are "only in target" too
     target = target[target["name"].isin(plan.names.keys())].copy()
     target["target_name"] = target["name"]
     target["name"] = target["name"].map(plan.names)
@@ -264,7 +265,9 @@ def _family_diffs(
     keep_b = [*ALIGN_KEYS, *(c for c in FLOW_KEYS if c not in ALIGN_KEYS), "phase", "numel", *extras, *ops]
     keep_t = [*ALIGN_KEYS, "target_name", *ops]
     merged = base[keep_b].merge(target[keep_t], on=ALIGN_KEYS, how="inner", suffixes=("", "@t"))
-    only_b, only_t = len(base) - len(merged), len(target) - len(merged)
+    # Keys are unique on each side (``occurrence`` numbers a repeated name), so the merge pairs
+    # rows one to one: what is not aligned is on one side only.
+    only_b, only_t = len(base) - len(merged), every_target - len(merged)
     if merged.empty:
         return merged, only_b, only_t
     rms = merged["norm"] / np.sqrt(merged["numel"]) if "norm" in ops else pd.Series(0.0, index=merged.index)

@@ -23,26 +23,81 @@ Exactly the same findings as ``scan.scan`` (tests compare both on the fault runs
 from __future__ import annotations
 
 import itertools
+import math
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainmon.diagnosis.flow import family_rank
 from trainmon.diagnosis.reader import FamilyStatsView, RunDirError, ranked_dirs, resolve_run_dir
-from trainmon.diagnosis.rules import COUNT_OPS, RATIO_FAMILIES, Anomaly, Rules
+from trainmon.diagnosis.rules import (
+    COUNT_OPS,
+    PARAM_AFTER,
+    PARAM_BEFORE,
+    PARAM_CHANGE_RTOL,
+    PARAM_CHANGED,
+    RATIO_FAMILIES,
+    Anomaly,
+    ByDesign,
+    Findings,
+    Rules,
+    Unjudged,
+    judges_drops,
+)
 from trainmon.diagnosis.workdir import WorkDir
-from trainmon.errors import DamagedFileError
+from trainmon.errors import DamagedFileError, EnvError, env_int
 from trainmon.output import runs
 from trainmon.output.cells import NAN_SPELLINGS, BadCellError
 from trainmon.output.layout import FamilyFile
 
-__all__ = ["available", "RunFiles", "run_files", "engine_scan", "Engine", "MEMORY_LIMIT"]
+__all__ = ["available", "RunFiles", "run_files", "engine_scan", "engine_scan_all", "Engine", "MEMORY_LIMIT"]
 
-# The engine's working-memory cap; beyond it DuckDB spills to a temp directory.
-MEMORY_LIMIT = os.environ.get("TRAINMON_ENGINE_MEMORY", "256MB")
-# Rows of one family read into the engine at a time (whole ranks: ``RunFiles.units``).
-UNIT_ROWS = int(os.environ.get("TRAINMON_ENGINE_UNIT_ROWS", "250000"))
+# The engine's working-memory cap (TRAINMON_ENGINE_MEMORY, default 256MB); beyond it DuckDB
+# spills to a temp directory.  Rows of one family read into the engine at a time
+# (TRAINMON_ENGINE_UNIT_ROWS, default 250,000; whole ranks: ``RunFiles.units``).  Both are read
+# from the environment when used (``memory_limit()``, ``unit_rows()``), checked, never at import
+# time; set here (tests), they win over the environment.
+MEMORY_LIMIT: str | None = None
+UNIT_ROWS: int | None = None
+_MEMORY_DEFAULT = "256MB"
+# The sizes DuckDB's memory_limit takes (decimal and binary units), in bytes.
+_SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_SIZE_UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]+)\s*$")
+# Files one read statement scans at most: DuckDB keeps ~0.1 MB per file of a statement until it
+# ends (100,000 one-row files of msprobe's per-step layout ran out of 1 GB in one read).
+FILES_PER_READ = 500
+
+
+def memory_limit() -> str:
+    """The engine's memory cap as DuckDB reads it (``TRAINMON_ENGINE_MEMORY``), checked."""
+    if MEMORY_LIMIT is not None:
+        return MEMORY_LIMIT
+    text = os.environ.get("TRAINMON_ENGINE_MEMORY", "").strip() or _MEMORY_DEFAULT
+    if memory_bytes(text) is None:
+        raise EnvError(
+            "TRAINMON_ENGINE_MEMORY",
+            text,
+            "must be a size such as 512MB or 2GB (units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB; "
+            f"default {_MEMORY_DEFAULT})",
+        )
+    return text
+
+
+def memory_bytes(text: str) -> int | None:
+    """Bytes of a DuckDB size ("256MB", "1.5GiB"); None when it is not one (or not > 0)."""
+    m = _SIZE.match(text)
+    unit = _SIZE_UNITS.get(m.group(2).upper()) if m else None
+    if m is None or unit is None or float(m.group(1)) <= 0:
+        return None
+    return int(float(m.group(1)) * unit)
+
+
+def unit_rows() -> int:
+    """Rows of one family the engine reads at a time (``TRAINMON_ENGINE_UNIT_ROWS``), checked."""
+    return UNIT_ROWS if UNIT_ROWS is not None else env_int("TRAINMON_ENGINE_UNIT_ROWS", 250_000)
 
 
 def available() -> bool:
@@ -78,9 +133,9 @@ class RunFiles(FamilyStatsView):
         for _rank, group in itertools.groupby(self.files[family], key=lambda rf: rf[0]):
             files = list(group)
             n = self._rows_of(files)
-            if n > UNIT_ROWS:
+            if n > unit_rows():
                 out += [Unit(part, continues=k > 0) for k, part in enumerate(self._parts(files))]
-            elif out and self._rows_of(out[-1].files) + n <= UNIT_ROWS:
+            elif out and self._rows_of(out[-1].files) + n <= unit_rows():
                 out[-1].files.extend(files)
             else:
                 out.append(Unit(files))
@@ -97,7 +152,7 @@ class RunFiles(FamilyStatsView):
         filled, last_end = 0, -1
         for rank, f in files:
             n = self.rows.get(str(f.path), 0)
-            if parts[-1] and filled + n > UNIT_ROWS and last_end < f.start:
+            if parts[-1] and filled + n > unit_rows() and last_end < f.start:
                 parts.append([])
                 filled = 0
             parts[-1].append((rank, f))
@@ -115,11 +170,11 @@ class Unit:
 
 
 def _parquet_rows_and_columns(f: FamilyFile) -> tuple[int, list[str]]:
-    """A Parquet file's row count and column names, from one read of its footer."""
-    import pyarrow.parquet as pq  # type: ignore[import-untyped]  # pyarrow ships no stubs
+    """A Parquet file's row count and column names, from one read of its footer, checked
+    (``parquet_layout``: a damaged file is a DamagedFileError naming it, never skipped)."""
+    from trainmon.output.parquet import parquet_layout
 
-    meta = pq.read_metadata(f.path)
-    return meta.num_rows, list(meta.schema.to_arrow_schema().names)
+    return parquet_layout(f.path)
 
 
 def _csv_rows(f: FamilyFile) -> int:
@@ -224,6 +279,7 @@ def _lit(text: str) -> str:
 
 # Key columns written as integers; read as numbers and cast, like the stats.
 _INT_COLUMNS = ("step", "micro_step", "vpp_stage")
+_TAIL = ("shape", "dtype")
 
 
 class _Family:
@@ -263,15 +319,20 @@ class _Family:
         # again as text (``_views(typed=False)``), where a bad stat cell is named exactly.
         self.typed = not self.parquet
         self._has_series = False  # the table ``series`` of this family's ``o`` (``spikes``)
+        # ``extra`` columns (a comm call, a param group): part of a row's key when looking for
+        # repeated keys (``duplicates``), as in ``reader.duplicate_keys``.
+        self.extras = [c for c in sorted(cols) if c not in runs.KEY_COLUMNS and c not in self.stats and c not in _TAIL]
+        self.duplicates: tuple | None = None  # (rows beyond the first of their key, first key..., copies)
         self._views()
 
-    def _views(self) -> None:
-        """The views ``raw`` (the files' rows, numbered in order) and ``t`` (their columns as the
-        commands read them)."""
+    def _views(self, sources: Sequence[str] | None = None, offset: int = 0) -> None:
+        """The views ``raw`` (the rows of ``sources``, some of ``_batches()``: the first by
+        default, numbered in order from ``offset``) and ``t`` (their columns as the commands read
+        them)."""
         con, cols, texts, numbers = self.con, self.cols, self.texts, self.numbers
         # One scan per header (the in-memory reader's grouping, in its order); no sniffing: the
         # columns are known.  UNION ALL keeps each scan's row order.
-        source = " UNION ALL BY NAME ".join(self._sources())
+        source = " UNION ALL BY NAME ".join(self._batches()[0] if sources is None else sources)
         num = ",\n".join(f"{self._num(s)} AS {_q(s)}" for s in self.present)
         micro = self._int("micro_step") if self.micro else "-1"
         carried = [f"COALESCE(CAST({_q(c)} AS VARCHAR), '')" if c in cols else "''" for c in texts]
@@ -290,7 +351,7 @@ class _Family:
         }.get(numbered, ("rank", ""))
         con.execute(f"""
             CREATE OR REPLACE TEMP VIEW raw AS
-            SELECT {"row_number() OVER () AS g, " if numbered == "text" else ""}* FROM ({source})""")
+            SELECT {f"{int(offset)} + row_number() OVER () AS g, " if numbered == "text" else ""}* FROM ({source})""")
         con.execute(f"""
             CREATE OR REPLACE TEMP VIEW t AS
             SELECT {g}, ({self._bad_text()}) AS bad,
@@ -298,26 +359,59 @@ class _Family:
                    COALESCE({micro}, -1) AS micro_step,
                    COALESCE({self._int("vpp_stage") if "vpp_stage" in cols else "NULL"}, 0) AS vpp_stage,
                    CAST(name AS VARCHAR) AS name,
-                   COALESCE(CAST(dtype AS VARCHAR), '') AS dtype{"".join(", " + c for c in carried)}{"," if num else ""}
+                   COALESCE(CAST(dtype AS VARCHAR), '') AS dtype,
+                   {self._extras_key()} AS xkey{"".join(", " + c for c in carried)}{"," if num else ""}
                    {num}
             FROM raw{join}""")
 
-    def _sources(self) -> list[str]:
-        """One scan per header (the in-memory reader's grouping, in its order).  Typed CSV: one
-        per header and rank, in the same order, each with its rank as a constant instead of the
-        file name on every row (storing the name was a third of the read)."""
-        if self._numbered == "text":
-            return [f"SELECT * FROM {self._scan(h, p)}" for h, p in self.groups.items()]
-        if self._numbered == "parquet":  # each file's number in the read order, not its name on every row
-            return [
-                f"SELECT {self.file_no[p[0]]} + file_index AS file_no, * FROM {self._scan(h, p)}"
-                for h, p in self.groups.items()
-            ]
+    def _extras_key(self) -> str:
+        """One value per distinct combination of a row's ``extra`` cells (0 without extras)."""
+        if not self.extras:
+            return "0::UBIGINT"
+        return "hash(" + ", ".join(f"CAST({_q(c)} AS VARCHAR)" for c in self.extras) + ")"
+
+    def _batches(self) -> list[list[str]]:
+        """``_sources()`` in batches of at most ``FILES_PER_READ`` files, in order: one read
+        statement each (``_read``), so that the engine's memory does not grow with the number of
+        files (msprobe's one file per family per step)."""
+        batches: list[list[str]] = [[]]
+        filled = 0
+        for sql, n in self._sources():
+            if batches[-1] and filled + n > FILES_PER_READ:
+                batches.append([])
+                filled = 0
+            batches[-1].append(sql)
+            filled += n
+        return batches
+
+    def _sources(self) -> list[tuple[str, int]]:
+        """One scan per header (the in-memory reader's grouping, in its order) and per run of at
+        most ``FILES_PER_READ`` of its files, with its number of files.  Typed CSV: one per header
+        and rank, in the same order, each with its rank as a constant instead of the file name on
+        every row (storing the name was a third of the read).  Each scan has every column of the
+        family (NULL where its header lacks one), so any batch of scans has them all."""
         out = []
         for header, paths in self.groups.items():
-            for rank, run in itertools.groupby(paths, key=self.rank_of.__getitem__):
-                out.append(f"SELECT {int(rank)} AS rank, * FROM {self._scan(header, list(run), filename=False)}")
+            pad = self._padding(header)
+            if self._numbered == "text":
+                out += [(f"SELECT *{pad} FROM {self._scan(header, p)}", len(p)) for p in _chunks(paths)]
+            elif self._numbered == "parquet":  # each file's number in the read order, not its name on every row
+                for p in _chunks(paths):
+                    number = f"{self.file_no[p[0]]} + file_index AS file_no"
+                    out.append((f"SELECT {number}, *{pad} FROM {self._scan(header, p)}", len(p)))
+            else:
+                for rank, run in itertools.groupby(paths, key=self.rank_of.__getitem__):
+                    out += [
+                        (f"SELECT {int(rank)} AS rank, *{pad} FROM {self._scan(header, p, filename=False)}", len(p))
+                        for p in _chunks(list(run))
+                    ]
         return out
+
+    def _padding(self, header: tuple[str, ...]) -> str:
+        """``, NULL AS <column>`` for each column of the family that ``header`` lacks."""
+        numeric = {*self.present, *self.numbers, *_INT_COLUMNS} if self._numbered != "text" else set()
+        missing = [c for c in sorted(self.cols) if c not in header]
+        return "".join(f", NULL::{'DOUBLE' if c in numeric else 'VARCHAR'} AS {_q(c)}" for c in missing)
 
     def _scan(self, header: tuple[str, ...], paths: list[str], *, filename: bool = True) -> str:
         listing = "[" + ", ".join(_lit(p) for p in paths) + "]"
@@ -361,8 +455,14 @@ class _Family:
             return
         filename, g = hit
         first = self.con.execute("SELECT min(g) FROM o WHERE filename = ?", [filename]).fetchone()[0]
-        row = self.con.execute(f"SELECT {', '.join(_q(s) for s in self.present)} FROM raw WHERE g = ?", [g]).fetchone()
-        for col, text in zip(self.present, row):
+        # The row's text, read again from its file alone (``raw`` holds the last batch only).
+        header = next(h for h, paths in self.groups.items() if filename in paths)
+        present = [s for s in self.present if s in header]
+        row = self.con.execute(
+            f"SELECT {', '.join(_q(s) for s in present)} FROM {self._scan(header, [filename])} "
+            f"LIMIT 1 OFFSET {int(g - first)}"
+        ).fetchone()
+        for col, text in zip(present, row):
             if text is not None and text.strip() not in NAN_SPELLINGS:
                 try:
                     float(text.strip())
@@ -384,15 +484,41 @@ class _Family:
         return "parquet" if self.parquet else "" if self.typed else "text"
 
     def _read(self) -> None:
-        """``o0``: the family's rows, read once; ``o0n``: with their order ``g`` and rank."""
+        """``o0``: the family's rows, read once, one batch of files at a time (``_batches``);
+        ``o0n``: with their order ``g`` and rank."""
         if self._numbered == "parquet":  # the order is in ``g``: no need to keep it while filling
             self.con.execute("SET preserve_insertion_order = false")
         try:
-            self.con.execute("CREATE OR REPLACE TEMP TABLE o0 AS SELECT * FROM t")
+            rows = 0
+            for k, batch in enumerate(self._batches()):
+                self._views(batch, offset=rows)
+                fill = "CREATE OR REPLACE TEMP TABLE o0 AS" if k == 0 else "INSERT INTO o0"
+                self.con.execute(f"{fill} SELECT * FROM t")
+                if self._numbered == "text":  # the next batch numbers its rows on from these
+                    rows = self.con.execute("SELECT count(*) FROM o0").fetchone()[0]
         finally:
             self.con.execute("SET preserve_insertion_order = true")
         ordered = "*" if self._numbered else "o0.rowid AS g, *"
         self.con.execute(f"CREATE OR REPLACE TEMP VIEW o0n AS SELECT {ordered} FROM o0")
+
+    def _find_duplicates(self) -> None:
+        """``duplicates``: rows whose key (and extra cells) an earlier row has, and the first such
+        key in (step, micro_step, rank, vpp_stage, name) order -- ``reader.DuplicateKeys``."""
+        self.con.execute("""CREATE OR REPLACE TEMP TABLE dup AS
+            SELECT rank, vpp_stage, name, step, micro_step, count(*) AS n FROM o0n
+            GROUP BY rank, vpp_stage, name, step, micro_step, xkey HAVING count(*) > 1""")
+        count = self.con.execute("SELECT sum(n - 1) FROM dup").fetchone()[0]
+        if count:
+            first = self.con.execute("""SELECT rank, vpp_stage, name, step, micro_step, n FROM dup
+                ORDER BY step, micro_step, rank, vpp_stage, name LIMIT 1""").fetchone()
+            self.duplicates = (int(count), *first)
+        self.con.execute("DROP TABLE dup")
+
+    def report_duplicates(self, into) -> None:
+        """Add this unit's repeated keys to ``into`` (a ``reader.DuplicateKeys``, or None)."""
+        if into is not None and self.duplicates is not None:
+            count, rank, vpp, name, step, micro, copies = self.duplicates
+            into.add(self.family, count, rank, vpp, name, step, micro, copies)
 
     def ordered_view(self) -> None:
         """``o``: the family's rows, read once; ``occurrence`` numbered only where names repeat in a step."""
@@ -410,6 +536,7 @@ class _Family:
         repeats = self.con.execute("""
             SELECT count(*) > count(DISTINCT hash(rank, step, micro_step, vpp_stage, name)) FROM o0n""").fetchone()[0]
         if repeats:
+            self._find_duplicates()
             self.con.execute("""CREATE OR REPLACE TEMP VIEW o AS SELECT *, row_number() OVER (
                 PARTITION BY rank, step, micro_step, vpp_stage, name ORDER BY g) - 1 AS occurrence FROM o0n""")
             self.con.execute("CREATE OR REPLACE TEMP TABLE o1 AS SELECT * FROM o")
@@ -417,16 +544,131 @@ class _Family:
         else:  # no copy: names are unique in every step (all but comm-like families)
             self.con.execute("CREATE OR REPLACE TEMP VIEW o AS SELECT *, 0::BIGINT AS occurrence FROM o0n")
 
-    def nonfinite(self) -> list[tuple]:
-        ops = [c for c in COUNT_OPS if c in self.stats] + [c for c in self.stats if c not in COUNT_OPS]
-        if not ops or self.family in RATIO_FAMILIES:
+    def _nonfinite_ops(self) -> list[str]:
+        if self.family in RATIO_FAMILIES:
             return []
-        cases = " ".join(f"WHEN {self._bad(op)} THEN {_lit(op)}" for op in ops)
-        values = " ".join(f"WHEN {_lit(op)} THEN {self._v(op)}" for op in ops)
+        return [c for c in COUNT_OPS if c in self.stats] + [c for c in self.stats if c not in COUNT_OPS]
+
+    def nonfinite(self, *, first_unit: bool = True) -> tuple[list[tuple], list[tuple]]:
+        """The nonfinite rule on this unit.  Whether a series is non-finite by design (``rules``
+        docstring) is known only after the family's last unit, so for the series whose first
+        row is non-finite (kept with every series' first row in table ``nf_first`` across the
+        family's units; ``first_unit``: start it) each non-finite row comes back both ways.
+        Returns (rows, maybe): the findings of the other series, and per row of those series
+        (series key, its finding as a plain row, its finding against the first row or None)."""
+        ops = self._nonfinite_ops()
+        if not ops:
+            return [], []
+        self._first_rows(ops, first_unit)
+        same = _NF_SERIES.format("o")
+        vs, ds = [self._v(op) for op in ops], [f"n.nf_d{i}" for i in range(len(ops))]
+        bad = " ".join(f"WHEN {self._bad(op)} THEN {_lit(op)}" for op in ops)
+        worse = " ".join(f"WHEN {_worse(op, v, d)} THEN {_lit(op)}" for op, v, d in zip(ops, vs, ds))
+        values = " ".join(f"WHEN {_lit(op)} THEN {v}" for op, v in zip(ops, vs))
+        base = " ".join(f"WHEN {_lit(op)} THEN nf_d{i}" for i, op in enumerate(ops))
+        found = self.con.execute(f"""
+            SELECT g, step, name, rank, op, CASE op {values} END, 'nonfinite', micro_step, vpp_stage, NULL, occurrence,
+                   nf_design, worse, CASE worse {values} END, CASE worse {base} END
+            FROM (SELECT o.*, n.*, CASE {bad} END AS op, CASE WHEN n.nf_design THEN CASE {worse} END END AS worse
+                  FROM o JOIN nf_first n ON {same} WHERE {self._tensor_rows()})
+            WHERE op IS NOT NULL""").fetchall()
+        rows, maybe = [], []
+        for r in found:
+            plain, (candidate, worse_op, worse_value, first_value) = r[:11], r[11:]
+            if not candidate:
+                rows.append(plain)
+                continue
+            against = None
+            if worse_op is not None:
+                against = plain[:4] + (worse_op, worse_value) + plain[6:9] + (first_value,) + plain[10:]
+            key = (plain[3], plain[8], plain[2], plain[7], plain[10])  # rank, vpp_stage, name, micro_step, occurrence
+            maybe.append((key, plain, against))
+        alike = " AND ".join(_same_way(op, v, d) for op, v, d in zip(ops, vs, ds))
+        any_bad = " OR ".join(self._bad(op) for op in ops)
+        self.con.execute(f"""
+            UPDATE nf_first AS n SET nf_constant = nf_constant AND x.alike, nf_last = greatest(nf_last, x.last),
+                   nf_every = nf_every AND x.every, nf_rows = nf_rows + x.n
+            FROM (SELECT o.rank, o.vpp_stage, o.name, o.micro_step, o.occurrence,
+                         bool_and({alike}) AS alike, max(o.step) AS last, bool_and({any_bad}) AS every, count(*) AS n
+                  FROM o JOIN nf_first n ON {same} WHERE n.nf_design AND {self._tensor_rows()}
+                  GROUP BY ALL) x
+            WHERE {_NF_SERIES.format("x")}""")
+        return rows, maybe
+
+    def _first_rows(self, ops: list[str], first_unit: bool) -> None:
+        """Add to ``nf_first`` the first row (earliest step, then file order) of each series of
+        this unit not seen in an earlier unit: its values of ``ops`` and whether it is non-finite."""
+        fields = ", ".join(f"'d{i}': {self._v(op)}" for i, op in enumerate(ops))
+        bad = " OR ".join(self._bad(op) for op in ops)
+        first = f"""SELECT rank AS nf_rank, vpp_stage AS nf_vpp_stage, name AS nf_name, micro_step AS nf_micro_step,
+                    occurrence AS nf_occurrence,
+                    arg_min({{'step': step, 'bad': {bad}, {fields}}}, {{'step': step, 'g': g}}) AS f
+                    FROM o WHERE {self._tensor_rows()} GROUP BY ALL"""
+        columns = ", ".join(f"f.d{i} AS nf_d{i}" for i in range(len(ops)))
+        rows = f"""SELECT nf_rank, nf_vpp_stage, nf_name, nf_micro_step, nf_occurrence, f.step AS nf_first_step,
+                   f.bad AS nf_design, true AS nf_constant, f.step AS nf_last, true AS nf_every,
+                   0::BIGINT AS nf_rows, {columns} FROM ({first}) x"""
+        if first_unit:
+            self.con.execute(f"CREATE OR REPLACE TEMP TABLE nf_first AS {rows}")
+        else:
+            self.con.execute(f"""INSERT INTO nf_first SELECT * FROM ({rows}) x
+                WHERE NOT EXISTS (SELECT 1 FROM nf_first n WHERE x.nf_rank = n.nf_rank
+                    AND x.nf_vpp_stage = n.nf_vpp_stage AND x.nf_name IS NOT DISTINCT FROM n.nf_name
+                    AND x.nf_micro_step = n.nf_micro_step AND x.nf_occurrence = n.nf_occurrence)""")
+
+    def by_design(self) -> list[ByDesign]:
+        """The family's by-design notes, from ``nf_first`` after its last unit (then dropped)."""
+        ops = self._nonfinite_ops()
+        if not ops:
+            return []
+        ds = ", ".join(f"nf_d{i}" for i in range(len(ops)))
+        found = self.con.execute(f"""
+            SELECT nf_rank, nf_vpp_stage, nf_name, nf_micro_step, nf_occurrence, nf_first_step, nf_last,
+                   nf_constant, {ds} FROM nf_first WHERE nf_design AND nf_every AND nf_rows >= 2""").fetchall()
+        self.con.execute("DROP TABLE IF EXISTS nf_first")
+        notes = []
+        for rank, vpp, name, micro, occ, first, last, constant, *firsts in found:
+            evidence = tuple(
+                (op, float(v)) for op, v in zip(ops, firsts) if (v > 0 if op in COUNT_OPS else not math.isfinite(v))
+            )
+            notes.append(
+                ByDesign(
+                    kind=self.family,
+                    name=name,
+                    rank=int(rank),
+                    first_step=int(first),
+                    last_step=int(last),
+                    evidence=evidence,
+                    constant=bool(constant),
+                    micro_step=None if int(micro) < 0 else int(micro),
+                    vpp_stage=int(vpp),
+                    occurrence=int(occ),
+                )
+            )
+        return notes
+
+    def keep_params(self, stats: Sequence[str], *, first_unit: bool) -> None:
+        """``param_changed``: this unit's ``param_updated`` rows, as of the next step, into table
+        ``param_before`` (values of ``stats`` as ``p0``, ``p1``...)."""
+        values = ", ".join(f"{self._v(op)} AS p{i}" for i, op in enumerate(stats))
+        rows = f"SELECT rank, vpp_stage, name, occurrence, step + 1 AS step, {values} FROM o"
+        if first_unit:
+            self.con.execute(f"CREATE OR REPLACE TEMP TABLE param_before AS {rows}")
+        else:
+            self.con.execute(f"INSERT INTO param_before {rows}")
+
+    def param_changes(self, stats: Sequence[str], rtol: float = PARAM_CHANGE_RTOL) -> list[tuple]:
+        """``param_changed`` on this unit of ``param_origin``: rows that differ from ``param_before``."""
+        vs, ps = [self._v(op) for op in stats], [f"b.p{i}" for i in range(len(stats))]
+        differ = " ".join(f"WHEN {_differs(v, p, rtol)} THEN {_lit(op)}" for op, v, p in zip(stats, vs, ps))
+        values = " ".join(f"WHEN {_lit(op)} THEN {v}" for op, v in zip(stats, vs))
+        base = " ".join(f"WHEN {_lit(op)} THEN p{i}" for i, op in enumerate(stats))
         return self.con.execute(f"""
-            SELECT g, step, name, rank, op, CASE op {values} END AS value, 'nonfinite', micro_step, vpp_stage,
-                   NULL, occurrence
-            FROM (SELECT *, CASE {cases} END AS op FROM o WHERE {self._tensor_rows()})
+            SELECT g, step, name, rank, op, CASE op {values} END, {_lit(PARAM_CHANGED)}, micro_step, vpp_stage,
+                   CASE op {base} END, occurrence
+            FROM (SELECT o.*, {", ".join(ps)}, CASE {differ} END AS op
+                  FROM o JOIN param_before b ON o.rank = b.rank AND o.vpp_stage = b.vpp_stage
+                       AND o.name IS NOT DISTINCT FROM b.name AND o.occurrence = b.occurrence AND o.step = b.step)
             WHERE op IS NOT NULL""").fetchall()
 
     def _bad(self, op: str) -> str:
@@ -434,13 +676,15 @@ class _Family:
         v = self._v(op)
         return f"(NOT isnan({v}) AND {v} > 0)" if op in COUNT_OPS else f"NOT isfinite({v})"
 
-    def spikes(self, op: str, rule, *, carried: str | None = None, keep: str | None = None) -> list[tuple]:
+    def spikes(
+        self, op: str, rule, *, carried: str | None = None, keep: str | None = None, unjudged: list | None = None
+    ) -> list[tuple]:
         """Candidates from bounds on each row's windowed median (fast), then each candidate's
         baseline exactly, in pandas' arithmetic, from its window's values; the rule is applied to
         that exact baseline.  ``carried``: a table of earlier values of these series (an earlier
         part of the same ranks, all of them before this part's steps: ``RunFiles.units``) that
         the windows start from; ``keep``: the table to leave each series' last values in, for the
-        next part."""
+        next part; ``unjudged``: gets (values, steps) the warm-up left unjudged."""
         v, w = self._v(op), int(rule.window)
         if not self._has_series:  # the same series for every op
             self._series_ids()
@@ -463,6 +707,11 @@ class _Family:
                      CASE WHEN min(v) OVER win > 0 THEN min(v) OVER win
                           WHEN max(v) OVER win < 0 THEN -max(v) OVER win ELSE 0 END AS lo,
                      greatest(abs(min(v) OVER win), abs(max(v) OVER win)) AS hi FROM fin {window}"""
+        if unjudged is not None:
+            n, steps = self.con.execute(f"""SELECT count(*), list(DISTINCT step) FROM (
+                SELECT step, carried, count(v) OVER win AS n FROM fin {window})
+                WHERE NOT carried AND n < {int(rule.warmup)}""").fetchone()
+            unjudged.append((int(n), {int(x) for x in steps or ()}))
         if self._spike_candidates(bounds, "lo", "hi", rule) > self._BOUND_CANDIDATES:
             # Bounds too loose (values around zero, wild series): the median itself.
             median = f"""SELECT g, step, sid, v, carried, count(v) OVER win AS n, abs(median(v) OVER win) AS m
@@ -484,9 +733,10 @@ class _Family:
             WHERE s.step < c.step OR (s.step = c.step AND s.g < c.g) GROUP BY c.g""").fetchall()
         )
         out = []
+        down = judges_drops(self.family)
         for g, step, name, rank, micro, vpp, occ, value in candidates:
             base = _median(windows[g])
-            if rule.fires(value, base):
+            if rule.fires(value, base, down=down):
                 out.append((g, step, name, rank, op, value, "spike", micro, vpp, base, occ))
         return out
 
@@ -520,11 +770,13 @@ class _Family:
         latter overflows near the float64 maximum (> 8e307).  Returns their number."""
         slack, floor, factor = 1.0 - 1e-9, float(rule.floor), float(rule.factor)
         f = f"{floor!r}"
+        # A drop is judged only for the families whose values are >= 0 by definition.
+        drop = f"OR (abs(v) + {f}) * {factor * slack!r} <= {hi} + {f}" if judges_drops(self.family) else ""
         self.con.execute(f"""CREATE OR REPLACE TEMP TABLE spike_cand AS
             SELECT g, step, sid, v FROM ({windows})
             WHERE NOT carried AND n >= {int(rule.warmup)} AND ({lo} + {f} = 0 OR {hi} > 8e307
                   OR abs(v) + {f} >= {factor * slack!r} * ({lo} + {f})
-                  OR (abs(v) + {f}) * {factor * slack!r} <= {hi} + {f})""")
+                  {drop})""")
         return self.con.execute("SELECT count(*) FROM spike_cand").fetchone()[0]
 
     def over_threshold(self, op: str, threshold: float) -> list[tuple]:
@@ -543,6 +795,36 @@ class _Family:
         found = self.con.execute(f"""
             SELECT g, {POSITION} FROM o SEMI JOIN hit USING (rank, step, micro_step)""").fetchall()
         return {g: p for g, p in found if g in wanted}
+
+
+# Rows of ``{}`` in the series of ``n`` (a row of ``nf_first``).
+_NF_SERIES = """{0}.rank = n.nf_rank AND {0}.vpp_stage = n.nf_vpp_stage AND {0}.name IS NOT DISTINCT FROM n.nf_name
+    AND {0}.micro_step = n.nf_micro_step AND {0}.occurrence = n.nf_occurrence"""
+
+
+def _worse(op: str, v: str, d: str) -> str:
+    """SQL: value ``v`` of a by-design series is worse than its first row's ``d`` (``rules.worse_op``)."""
+    if op in COUNT_OPS:  # DuckDB orders NaN above every number: guard it as numpy does
+        return f"(NOT isnan({v}) AND NOT isnan({d}) AND {v} > {d})"
+    return f"(NOT isfinite({v}) AND isfinite({d}))"
+
+
+def _same_way(op: str, v: str, d: str) -> str:
+    """SQL: ``v`` is non-finite exactly as the first row's ``d`` (equal counts, same finiteness)."""
+    if op in COUNT_OPS:
+        return f"({v} = {d} OR (isnan({v}) AND isnan({d})))"
+    return f"(isfinite({v}) = isfinite({d}))"
+
+
+def _differs(v: str, p: str, rtol: float) -> str:
+    """SQL: ``v`` and ``p`` differ beyond ``rtol`` relative (NaN equals NaN, Inf equals the same Inf)."""
+    close = f"(isfinite({v}) AND isfinite({p}) AND abs({v} - {p}) <= {float(rtol)!r} * greatest(abs({v}), abs({p})))"
+    return f"NOT ({v} = {p} OR (isnan({v}) AND isnan({p})) OR {close})"
+
+
+def _chunks(paths: Sequence[str]) -> list[list[str]]:
+    """``paths`` in runs of at most ``FILES_PER_READ``, in order."""
+    return [list(paths[i : i + FILES_PER_READ]) for i in range(0, len(paths), FILES_PER_READ)]
 
 
 def _median(values: list[float]) -> float:
@@ -566,7 +848,7 @@ def _connect(threads: int | None, spill_dir: str):
     import duckdb
 
     config: dict[str, str | bool | int | float | list[str]] = {
-        "memory_limit": MEMORY_LIMIT,
+        "memory_limit": memory_limit(),
         "preserve_insertion_order": True,
         "temp_directory": spill_dir,
     }
@@ -602,48 +884,156 @@ class Engine:
         self._work.close()
 
 
-def engine_scan(files: RunFiles, rules: Rules = Rules(), *, threads: int | None = None, progress=None) -> list[Anomaly]:
-    """Every anomaly of the run's files, in training-flow order: ``scan.scan`` of the same run."""
-    # Ties in flow order keep the in-memory scan's order: every nonfinite, then spikes, then thresholds.
-    found: dict[str, list[Anomaly]] = {"nonfinite": [], "spike": [], "threshold": []}
+def engine_scan(
+    files: RunFiles, rules: Rules = Rules(), *, threads: int | None = None, progress=None, duplicates=None
+) -> list[Anomaly]:
+    """Every anomaly of the run's files, in training-flow order: ``scan.scan`` of the same run
+    (``duplicates``: ``engine_scan_all``'s)."""
+    return engine_scan_all(files, rules, threads=threads, progress=progress, duplicates=duplicates).anomalies
+
+
+def engine_scan_all(
+    files: RunFiles, rules: Rules = Rules(), *, threads: int | None = None, progress=None, duplicates=None
+) -> Findings:
+    """``scan.scan_all`` of the same run: the anomalies, the by-design notes, the spike warm-up.
+    ``duplicates``: a ``reader.DuplicateKeys`` to add the run's repeated keys to."""
+    # Ties in flow order keep the in-memory scan's order: every nonfinite, then spikes, then
+    # thresholds, then param changes.
+    found: dict[str, list[Anomaly]] = {"nonfinite": [], "spike": [], "threshold": [], PARAM_CHANGED: []}
+    notes: list[ByDesign] = []
+    unjudged: list[tuple[int, set[int]]] = []
+    params = _param_stats(files) if rules.param_changed else []
     with Engine(threads) as eng:
+        if params:
+            _keep_params(eng.con, files, params)
         for family, stats in files.family_stats.items():
             units = files.units(family)
+            pending: dict[tuple, list] = {}
             for k, unit in enumerate(units):
                 fam = _Family(eng.con, family, unit.files, stats, headers=files.headers)
                 then = k + 1 < len(units) and units[k + 1].continues  # the next part needs the windows' tails
-                _scan_unit(fam, rules, found, progress, carried=unit.continues, keep=then)
-    return sorted([a for part in found.values() for a in part], key=Anomaly.sort_key)
+                _scan_unit(
+                    fam,
+                    rules,
+                    found,
+                    progress,
+                    carried=unit.continues,
+                    keep=then,
+                    first=k == 0,
+                    unjudged=unjudged,
+                    pending=pending,
+                )
+                fam.report_duplicates(duplicates)
+                if rules.nonfinite and k + 1 == len(units):
+                    designs = fam.by_design()
+                    notes += designs
+                    found["nonfinite"] += _settle(pending, designs)
+            if params and family == PARAM_AFTER:
+                found[PARAM_CHANGED] += _param_changes(eng.con, files, params)
+    spikes = Unjudged.merge(rules.spike.warmup, unjudged) if rules.spike is not None else None
+    anomalies = sorted([a for part in found.values() for a in part], key=Anomaly.sort_key)
+    return Findings(anomalies, sorted(notes, key=ByDesign.sort_key), spikes)
+
+
+def _settle(pending: dict[tuple, list], designs: list[ByDesign]) -> list[Anomaly]:
+    """The findings of the series whose first row was non-finite: against that row for those
+    that turned out non-finite by design, else every non-finite row."""
+    by_design = {
+        (d.rank, d.vpp_stage, d.name, -1 if d.micro_step is None else d.micro_step, d.occurrence) for d in designs
+    }
+    out: list[Anomaly] = []
+    for key, both in pending.items():
+        if key in by_design:
+            out += [against for _, against in both if against is not None]
+        else:
+            out += [plain for plain, _ in both]
+    return out
+
+
+def _param_stats(files: RunFiles) -> list[str]:
+    """The stats ``param_changed`` compares: param_origin's that param_updated has too."""
+    before = files.family_stats.get(PARAM_BEFORE, ())
+    return [op for op in files.family_stats.get(PARAM_AFTER, ()) if op in before]
+
+
+def _keep_params(con, files: RunFiles, stats: list[str]) -> None:
+    """Table ``param_before``: every ``param_updated`` row, as of the step after it."""
+    for k, unit in enumerate(files.units(PARAM_BEFORE)):
+        fam = _Family(con, PARAM_BEFORE, unit.files, files.family_stats[PARAM_BEFORE], headers=files.headers)
+        fam.ordered_view()
+        fam.check_cells()
+        fam.keep_params(stats, first_unit=k == 0)
+        _drop_unit(con)
+
+
+def _param_changes(con, files: RunFiles, stats: list[str]) -> list[Anomaly]:
+    """``param_changed``: the ``param_origin`` rows that differ from ``param_before``."""
+    out: list[Anomaly] = []
+    for unit in files.units(PARAM_AFTER):
+        fam = _Family(con, PARAM_AFTER, unit.files, files.family_stats[PARAM_AFTER], headers=files.headers)
+        fam.ordered_view()
+        rows = fam.param_changes(stats)
+        position = fam.positions(rows)
+        out += [_anomaly(PARAM_AFTER, r, position[r[0]]) for r in rows]
+        _drop_unit(con)
+    con.execute("DROP TABLE IF EXISTS param_before")
+    return out
 
 
 def _scan_unit(
-    fam: _Family, rules: Rules, found: dict[str, list[Anomaly]], progress, *, carried: bool, keep: bool
+    fam: _Family,
+    rules: Rules,
+    found: dict[str, list[Anomaly]],
+    progress,
+    *,
+    carried: bool,
+    keep: bool,
+    first: bool = True,
+    unjudged: list | None = None,
+    pending: dict | None = None,
 ) -> None:
     """The rules on one unit of a family's files; findings into ``found`` by rule.  ``carried``:
     the spike windows start from the series' tails the previous unit kept; ``keep``: keep this
-    unit's tails for the next."""
+    unit's tails for the next; ``first``: the family's first unit (the by-design state starts);
+    ``pending``: gets the nonfinite findings of series that may be non-finite by design, both
+    ways, by series (``_Family.nonfinite``), for ``_settle``."""
     con = fam.con
     fam.ordered_view()
     fam.check_cells()
     rows: list[tuple] = []
+    maybe: list[tuple] = []
     if rules.nonfinite:
-        rows += fam.nonfinite()
+        plain, maybe = fam.nonfinite(first_unit=first)
+        rows += plain
     ops = [o for o in rules.ops if o in fam.stats]
     if rules.spike is not None:
         for i, op in enumerate(ops):
             tail = f"spike_tail_{i}"
-            rows += fam.spikes(op, rules.spike, carried=tail if carried else None, keep=tail if keep else None)
+            rows += fam.spikes(
+                op, rules.spike, carried=tail if carried else None, keep=tail if keep else None, unjudged=unjudged
+            )
             if carried and not keep:
                 con.execute(f"DROP TABLE IF EXISTS {tail}")
     if rules.threshold is not None:
         for op in ops:
             rows += fam.over_threshold(op, rules.threshold)
-    position = fam.positions(rows)
+    position = fam.positions(rows + [m[1] for m in maybe])
     for r in rows:
         found[r[6]].append(_anomaly(fam.family, r, position[r[0]]))
+    if pending is not None:
+        for key, plain, against in maybe:
+            at = position[plain[0]]
+            pending.setdefault(key, []).append(
+                (_anomaly(fam.family, plain, at), None if against is None else _anomaly(fam.family, against, at))
+            )
     if progress is not None:
         n = con.execute("SELECT count(*) FROM o").fetchone()[0]
         progress.update(files=len(fam.rank_of), rows=n)
+    _drop_unit(con)
+
+
+def _drop_unit(con) -> None:
+    """Drop what one unit's scan left (the carried tables stay)."""
     con.execute("DROP VIEW o")
     for table in ("o1", "fin", "series", "spike_cand"):
         con.execute(f"DROP TABLE IF EXISTS {table}")

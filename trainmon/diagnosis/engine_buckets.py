@@ -23,7 +23,6 @@ Python then holds one bucket at a time: its memory is bounded by the bucket size
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,13 +33,35 @@ import pandas as pd
 from trainmon.diagnosis.engine import POSITION, Engine, RunFiles, _Family, _lit, _q
 from trainmon.diagnosis.flow import FLOW_KEYS, PHASES, phase_of
 from trainmon.diagnosis.reader import EXTRA_PREFIX, RunTable, numel_column
+from trainmon.errors import env_int
 
-__all__ = ["ROWS_PER_BUCKET", "GROUP", "StagedRun", "Span", "consecutive_runs", "engine_ranks"]
+__all__ = [
+    "ROWS_PER_BUCKET",
+    "bucket_rows",
+    "sort_rows",
+    "GROUP",
+    "StagedRun",
+    "Span",
+    "consecutive_runs",
+    "engine_ranks",
+]
 
-# Rows handed to Python at once (all families, ranks and steps of a set of names).
-ROWS_PER_BUCKET = int(os.environ.get("TRAINMON_ENGINE_BUCKET_ROWS", "250000"))
-# Rows ``ranks`` sorts at once when it stores a run by name (see ``StagedRun.partition``).
-SORT_ROWS = int(os.environ.get("TRAINMON_ENGINE_SORT_ROWS", "10000000"))
+# Rows handed to Python at once (all families, ranks and steps of a set of names):
+# TRAINMON_ENGINE_BUCKET_ROWS, default 250,000.  Rows ``ranks`` sorts at once when it stores a run
+# by name (see ``StagedRun.partition``): TRAINMON_ENGINE_SORT_ROWS, default 10M.  Read from the
+# environment when used (``bucket_rows()``, ``sort_rows()``), checked; set here, they win.
+ROWS_PER_BUCKET: int | None = None
+SORT_ROWS: int | None = None
+
+
+def bucket_rows() -> int:
+    return ROWS_PER_BUCKET if ROWS_PER_BUCKET is not None else env_int("TRAINMON_ENGINE_BUCKET_ROWS", 250_000)
+
+
+def sort_rows() -> int:
+    return SORT_ROWS if SORT_ROWS is not None else env_int("TRAINMON_ENGINE_SORT_ROWS", 10_000_000)
+
+
 # The ``extra`` column compare reads (a hyperparams row's optimizer param group).
 GROUP = EXTRA_PREFIX + "group"
 
@@ -70,8 +91,10 @@ class StagedRun:
         families: Iterable[str] | None = None,
         progress=None,
         by_name: bool = False,
+        duplicates=None,
     ):
         self.con, self.files, self.prefix, self.by_name = eng.con, files, prefix, by_name
+        self.duplicates = duplicates  # a ``reader.DuplicateKeys`` the staging adds repeated keys to
         self.dir = eng.dir
         chosen = set(files.family_stats if families is None else families)
         self.family_stats = {f: s for f, s in files.family_stats.items() if f in chosen}
@@ -120,6 +143,7 @@ class StagedRun:
         fam = _Family(self.con, family, unit, stats, texts=("shape",), numbers=("group",), headers=self.files.headers)
         fam.ordered_view()
         fam.check_cells()
+        fam.report_duplicates(self.duplicates)
         p = self.prefix
         for col in _CODED:  # codes for the texts this family adds
             known = self.con.execute(f"SELECT count(*) FROM {p}_{col}s").fetchone()[0]
@@ -287,20 +311,24 @@ class Span:
 # ----------------------------------------------------------------------------- the commands
 
 
-def engine_ranks(files: RunFiles, *, rows_per_bucket: int = 0, threads: int | None = None, progress=None, **checks):
-    """``ranks.check_ranks`` of the run's files, one bucket of names at a time (same issues, same order)."""
+def engine_ranks(
+    files: RunFiles, *, rows_per_bucket: int = 0, threads: int | None = None, progress=None, duplicates=None, **checks
+):
+    """``ranks.check_ranks`` of the run's files, one bucket of names at a time (same issues, same
+    order); ``duplicates``: a ``reader.DuplicateKeys`` to add the run's repeated keys to."""
     from trainmon.diagnosis.ranks import check_ranks, issue_order
 
     issues = []
     with Engine(threads) as eng:
-        run = StagedRun(eng, files, "r", progress=progress, by_name=True)
+        run = StagedRun(eng, files, "r", progress=progress, by_name=True, duplicates=duplicates)
+
         # Buckets: runs of consecutive name codes (a name's rows of every family in one bucket);
         # sorts: runs of consecutive buckets of about SORT_ROWS rows.
         per_name = run.code_rows()
-        bucket_ranges = consecutive_runs(per_name, rows_per_bucket or ROWS_PER_BUCKET)
+        bucket_ranges = consecutive_runs(per_name, rows_per_bucket or bucket_rows())
         rows = dict(per_name)
         sizes = [sum(rows.get(c, 0) for c in range(lo, hi + 1)) for lo, hi in bucket_ranges]
-        sorts = consecutive_runs(enumerate(sizes), SORT_ROWS)
+        sorts = consecutive_runs(enumerate(sizes), sort_rows())
         if progress is not None:
             progress.phase("ranks: sorting", len(sorts), "runs of names")
         run.partition([(bucket_ranges[a][0], bucket_ranges[b][1]) for a, b in sorts], progress)

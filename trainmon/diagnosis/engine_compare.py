@@ -48,14 +48,30 @@ def engine_compare(
     top: int = 5,
     threads: int | None = None,
     progress=None,
+    duplicates: tuple | None = None,
 ) -> Comparison:
-    """``compare.compare_runs`` of two runs' files, aligned in the engine."""
+    """``compare.compare_runs`` of two runs' files, aligned in the engine; ``duplicates``: the
+    ``reader.DuplicateKeys`` of base and of target, to add each run's repeated keys to."""
+    dup_b, dup_t = duplicates if duplicates is not None else (None, None)
     with Engine(threads) as eng:
         con = eng.con
-        b = StagedRun(eng, base, "b", families=[f for f in base.family_stats if f not in NOT_SCALAR], progress=progress)
-        t = StagedRun(
-            eng, target, "t", families=[f for f in target.family_stats if f not in NOT_SCALAR], progress=progress
+        b = StagedRun(
+            eng,
+            base,
+            "b",
+            families=[f for f in base.family_stats if f not in NOT_SCALAR],
+            progress=progress,
+            duplicates=dup_b,
         )
+        t = StagedRun(
+            eng,
+            target,
+            "t",
+            families=[f for f in target.family_stats if f not in NOT_SCALAR],
+            progress=progress,
+            duplicates=dup_t,
+        )
+
         b_names, t_names = b.names(), t.names()
         plans = plan_families(b.family_stats, t.family_stats, ops, lambda f: (b_names[f], t_names[f]), b.grouped)
         _numels(con, "b", b.texts["shape"])
@@ -135,14 +151,14 @@ def _family(
             )
     con.execute("DROP TABLE IF EXISTS top_rows")
     con.execute("DROP TABLE IF EXISTS first_rows")
+    # Every target row that found no base row, whether its name has a counterpart or not.
     out.only_in_base = _count(con, b.source(family)) - out.aligned_rows
-    mapped = con.execute(f"SELECT count(*) FROM {t.source(family)} s SEMI JOIN name_map m ON m.tname = s.name")
-    out.only_in_target = int(mapped.fetchone()[0]) - out.aligned_rows
+    out.only_in_target = _count(con, t.source(family)) - out.aligned_rows
     return out
 
 
 def _align_groups(con, source: str) -> list[Span]:
-    """The base's rows of one family (the view ``source``) in groups of about ``engine.UNIT_ROWS``
+    """The base's rows of one family (the view ``source``) in groups of about ``engine.unit_rows()``
     rows: whole ranks together while they fit, and a bigger rank in runs of its steps.  Rows
     align only on equal (rank, step), so a group's join is exact, and its hash table follows the
     group, not the run: a rank of the 100.8M-row run holds 1.05M rows of a family, which did not
@@ -156,14 +172,14 @@ def _align_groups(con, source: str) -> list[Span]:
     filled = 0
     for rank, steps in per_rank.items():
         rows = sum(n for _, n in steps)
-        if ranks and filled + rows > engine.UNIT_ROWS:
+        if ranks and filled + rows > engine.unit_rows():
             groups.append(Span(ranks[0], ranks[-1]))
             ranks, filled = [], 0
-        if rows <= engine.UNIT_ROWS:
+        if rows <= engine.unit_rows():
             ranks.append(rank)
             filled += rows
             continue
-        for first, last in consecutive_runs(steps, engine.UNIT_ROWS):
+        for first, last in consecutive_runs(steps, engine.unit_rows()):
             groups.append(Span(rank, rank, first, last))
     if ranks:
         groups.append(Span(ranks[0], ranks[-1]))

@@ -42,6 +42,8 @@ from trainmon.output import runs
 
 __all__ = [
     "RunDirError",
+    "DuplicateKeys",
+    "duplicate_keys",
     "FamilyStatsView",
     "RunTable",
     "resolve_run_dir",
@@ -105,6 +107,94 @@ class RunTable(FamilyStatsView):
             self._split = (self.frame, {f: self.frame.iloc[rows] for f, rows in groups.items()})
         part = self._split[1].get(family)
         return part if part is not None else self.frame.iloc[0:0]
+
+
+@dataclass
+class DuplicateKeys:
+    """Rows whose key -- (rank, family, vpp_stage, name, step, micro_step) and a family's
+    ``extra`` columns (a comm call, an optimizer param group) -- an earlier row of the run already
+    has.  The sinks write each key once, so a repeated one is two runs in one folder: typically a
+    resumed job that reused ``TRAINMON_RUN_ID`` without ``start_iteration`` and wrote its steps
+    again.  ``anomalies``, ``ranks`` and ``compare`` report it as a finding of its own; both
+    engines fill it alike (``duplicate_keys``; the engine's ``_Family``)."""
+
+    count: int = 0  # rows beyond the first of their key
+    first: dict[str, object] | None = None  # the first repeated key (step, family flow, micro_step, rank, ...)
+    _order: tuple = field(default=(), repr=False, compare=False)
+
+    def add(self, family: str, count: int, rank, vpp_stage, name, step, micro_step, copies) -> None:
+        """``count`` more repeated rows of ``family``; the key given is its first repeated one."""
+        if count <= 0:
+            return
+        self.count += int(count)
+        order = (int(step), family_rank(family), family, int(micro_step), int(rank), int(vpp_stage), str(name))
+        if self.first is None or order < self._order:
+            self._order = order
+            self.first = {
+                "rank": int(rank),
+                "family": family,
+                "vpp_stage": int(vpp_stage),
+                "name": str(name),
+                "step": int(step),
+                "micro_step": None if int(micro_step) < 0 else int(micro_step),
+                "copies": int(copies),
+            }
+
+    def extend(self, other: DuplicateKeys) -> None:
+        """Add ``other``'s repeated keys (another part of the same run)."""
+        if other.count and other.first is not None:
+            f = other.first
+            micro = -1 if f["micro_step"] is None else f["micro_step"]
+            self.add(str(f["family"]), other.count, f["rank"], f["vpp_stage"], f["name"], f["step"], micro, f["copies"])
+
+    def to_json(self) -> dict[str, object]:
+        return {"count": self.count, "first": self.first}
+
+    def describe(self) -> str:
+        """One line for the text reports ('' when no key repeats)."""
+        if not self.count or self.first is None:
+            return ""
+        f = self.first
+        micro = "" if f["micro_step"] is None else f" micro_step {f['micro_step']}"
+        return (
+            f"duplicate keys: {self.count} rows repeat a (rank, family, name, step, micro_step) recorded before; "
+            f"first: step {f['step']}{micro}, {f['family']} {f['name']!r}, rank {f['rank']} ({f['copies']} copies) "
+            "-- two runs wrote into one run folder (a resumed job that reused TRAINMON_RUN_ID without "
+            "start_iteration?)"
+        )
+
+
+def duplicate_keys(table: RunTable, families: Sequence[str] | None = None) -> DuplicateKeys:
+    """The repeated keys of a run table (:class:`DuplicateKeys`); ``families``: only these."""
+    out = DuplicateKeys()
+    frame = table.frame
+    if frame.empty or "occurrence" not in frame or not (frame["occurrence"] > 0).any():
+        return out  # every name once per (rank, family, step, micro_step): nothing repeats
+    for family in table.families:
+        if families is not None and family not in families:
+            continue
+        part = table.family(family)
+        if not (part["occurrence"] > 0).any():
+            continue
+        extras = [c for c in part.columns if c.startswith(EXTRA_PREFIX) and part[c].notna().any()]
+        keys = ["rank", "vpp_stage", "name", "step", "micro_step", *extras]
+        repeated = part.duplicated(keys)
+        if not repeated.any():
+            continue  # names repeat, but each with its own extra values (comm calls)
+        rows = part[part.duplicated(keys, keep=False)]
+        first = rows.sort_values(["step", "micro_step", "rank", "vpp_stage", "name"], kind="mergesort").iloc[0]
+        same = (rows[keys] == first[keys]) | (rows[keys].isna() & first[keys].isna())
+        out.add(
+            family,
+            int(repeated.sum()),
+            first["rank"],
+            first["vpp_stage"],
+            first["name"],
+            first["step"],
+            first["micro_step"],
+            int(same.all(axis=1).sum()),
+        )
+    return out
 
 
 # ----------------------------------------------------------------------------- discovery

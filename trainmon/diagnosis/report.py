@@ -8,7 +8,7 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import TextIO
 
-__all__ = ["dump_json", "table", "fmt_value", "parse_int_list", "parse_name_list"]
+__all__ = ["dump_json", "table", "fmt_value", "escape", "parse_int_list", "parse_name_list"]
 
 
 def dump_json(doc: object, out: TextIO | None = None) -> None:
@@ -18,6 +18,23 @@ def dump_json(doc: object, out: TextIO | None = None) -> None:
     out.write("\n")
 
 
+def escape(text: str) -> str:
+    """``text`` with control characters (newline, carriage return, escape sequences, line and
+    paragraph separators) and backslashes written as Python escapes: a recorded name, which any
+    module can choose, stays on one line of a text report and cannot print a fake one."""
+    if text.isprintable() and "\\" not in text:
+        return text
+    return "".join(_escape_char(c) for c in text)
+
+
+def _escape_char(c: str) -> str:
+    if c == "\\":
+        return "\\\\"
+    if c.isprintable() or c == " ":
+        return c
+    return repr(c)[1:-1] if len(repr(c)) > 3 else f"\\x{ord(c):02x}"
+
+
 def fmt_value(value: object) -> str:
     if value is None:
         return "-"
@@ -25,7 +42,7 @@ def fmt_value(value: object) -> str:
         if math.isfinite(value) and value.is_integer() and abs(value) < 1e15:
             return str(int(value))
         return f"{value:.6g}"
-    return str(value)
+    return escape(str(value))
 
 
 def table(headers: Sequence[str], rows: Iterable[Sequence[object]], out: TextIO | None = None) -> None:

@@ -18,17 +18,35 @@ from trainmon.diagnosis.reader import RunTable, load_run, ranked_dirs, resolve_r
 from trainmon.diagnosis.rules import (
     ALERTS_FILE,
     COUNT_OPS,
+    PARAM_AFTER,
+    PARAM_BEFORE,
+    PARAM_CHANGE_RTOL,
+    PARAM_CHANGED,
     RATIO_FAMILIES,
     SKIP_EXPECTED,
     SKIPPED,
     SKIPPED_RUN,
     STEPS_FAMILY,
     Anomaly,
+    ByDesign,
+    Findings,
     Rules,
     SpikeRule,
+    Unjudged,
+    judges_drops,
 )
 
-__all__ = ["nonfinite", "spikes", "over_threshold", "scan", "read_alert_files", "merge_runtime", "find_anomalies"]
+__all__ = [
+    "nonfinite",
+    "spikes",
+    "over_threshold",
+    "param_changes",
+    "scan",
+    "scan_all",
+    "read_alert_files",
+    "merge_runtime",
+    "find_anomalies",
+]
 
 log = logging.getLogger(__name__)
 
@@ -85,28 +103,108 @@ def _result(sub: pd.DataFrame, family: str, op: pd.Series | str, value, rule: st
     return out
 
 
-def nonfinite(table: RunTable) -> pd.DataFrame:
-    """One row per recorded tensor holding NaN/Inf (see ``rules.nonfinite_op`` for ``op``)."""
-    found = []
+def nonfinite(table: RunTable, skipped: set[tuple[int, int]] | None = None) -> pd.DataFrame:
+    """One row per recorded tensor holding NaN/Inf (see ``rules.nonfinite_op`` for ``op``), but
+    for series non-finite by design (``rules`` docstring) only their rows worse than the first."""
+    return _nonfinite(table, skipped)[0]
+
+
+def _nonfinite(table: RunTable, skipped: set[tuple[int, int]] | None = None) -> tuple[pd.DataFrame, list[ByDesign]]:
+    """``nonfinite``'s rows and the by-design notes.  ``skipped``: the (rank, step) pairs the loss
+    scaler skipped, whose grads are non-finite by definition (``skipped_steps``): left out, so
+    that an overflow on a series' first step does not make it "by design"."""
+    found, notes = [], []
     for family, stats in table.family_stats.items():
         if family in RATIO_FAMILIES:
             continue
         sub = table.family(family)
         sub = sub[_tensor_rows(sub, stats)]
+        if skipped and family in SKIP_EXPECTED and not sub.empty:
+            on_skip = np.fromiter(
+                ((int(r), int(st)) in skipped for r, st in zip(sub["rank"], sub["step"])), bool, len(sub)
+            )
+            sub = sub[~on_skip]
         if sub.empty or not stats:
             continue
+        sub = sub.sort_values("step", kind="mergesort")  # a series' first row: earliest step, then file order
         ordered = [c for c in COUNT_OPS if c in stats] + [c for c in stats if c not in COUNT_OPS]
+        counts = np.array([op in COUNT_OPS for op in ordered], dtype=bool)
         values = sub[ordered].to_numpy(dtype=float)
         with np.errstate(invalid="ignore"):
-            bad = np.column_stack(
-                [values[:, i] > 0 if op in COUNT_OPS else ~np.isfinite(values[:, i]) for i, op in enumerate(ordered)]
+            bad = np.where(counts, values > 0, ~np.isfinite(values))
+        ids = sub.groupby(_SERIES, sort=False).ngroup().to_numpy()
+        first = _first_rows(ids)  # per series id: its first row's index
+        by_design = _by_design(ids, first, bad.any(axis=1))
+        design_of = by_design[ids]  # per row: its series is non-finite by design
+        design = values[first[ids]]  # per row: its series' first row
+        with np.errstate(invalid="ignore"):
+            worse = np.where(
+                counts,
+                ~np.isnan(values) & ~np.isnan(design) & (values > design),
+                ~np.isfinite(values) & np.isfinite(design),
             )
-        hit = bad.any(axis=1)
+        judged = np.where(design_of[:, None], worse, bad)
+        hit = judged.any(axis=1)
         if hit.any():
-            first = bad[hit].argmax(axis=1)  # the first op in ``ordered`` that is bad
-            op = pd.Series(np.asarray(ordered, dtype=object)[first], dtype=object)
-            found.append(_result(sub[hit], family, op, values[hit][np.arange(len(first)), first], "nonfinite"))
-    return _concat(found)
+            which = judged[hit].argmax(axis=1)  # the first op in ``ordered`` that is bad (or worse)
+            op = pd.Series(np.asarray(ordered, dtype=object)[which], dtype=object)
+            rows = np.flatnonzero(hit)
+            base = np.where(design_of[rows], design[rows, which], np.nan)
+            found.append(_result(sub[hit], family, op, values[rows, which], "nonfinite", base))
+        if design_of.any():
+            notes += _designs(sub, family, ordered, counts, values, bad, ids, first, design, by_design)
+    return _concat(found), notes
+
+
+def _first_rows(ids: np.ndarray) -> np.ndarray:
+    """Per series id (0..n-1, rows already in step order): the index of its first row."""
+    first = np.full(int(ids.max()) + 1, len(ids), dtype=np.int64)
+    np.minimum.at(first, ids, np.arange(len(ids)))
+    return first
+
+
+def _by_design(ids: np.ndarray, first: np.ndarray, bad: np.ndarray) -> np.ndarray:
+    """Per series id: non-finite by design (``rules`` docstring): two rows or more, every one
+    of them non-finite (``bad``: per row)."""
+    every = np.ones(len(first), dtype=bool)
+    np.logical_and.at(every, ids, bad)
+    return every & (np.bincount(ids, minlength=len(first)) >= 2)
+
+
+def _designs(sub, family, ordered, counts, values, bad, ids, first, design, by_design) -> list[ByDesign]:
+    """The by-design notes of one family's series (``_nonfinite``)."""
+    with np.errstate(invalid="ignore"):
+        same = np.where(
+            counts,
+            (values == design) | (np.isnan(values) & np.isnan(design)),
+            np.isfinite(values) == np.isfinite(design),
+        ).all(axis=1)
+    n = len(first)
+    constant = np.ones(n, dtype=bool)
+    np.logical_and.at(constant, ids, same)
+    steps = sub["step"].to_numpy()
+    last = np.full(n, np.iinfo(np.int64).min, dtype=np.int64)
+    np.maximum.at(last, ids, steps.astype(np.int64))
+    notes = []
+    for sid in np.flatnonzero(by_design):
+        r = int(first[sid])
+        row = sub.iloc[r]
+        micro = int(row["micro_step"])
+        notes.append(
+            ByDesign(
+                kind=family,
+                name=row["name"],
+                rank=int(row["rank"]),
+                first_step=int(steps[r]),
+                last_step=int(last[sid]),
+                evidence=tuple((op, float(values[r, i])) for i, op in enumerate(ordered) if bad[r, i]),
+                constant=bool(constant[sid]),
+                micro_step=None if micro < 0 else micro,
+                vpp_stage=int(row["vpp_stage"]),
+                occurrence=int(row["occurrence"]),
+            )
+        )
+    return notes
 
 
 def _baselines(keys: np.ndarray, values: np.ndarray, rule: SpikeRule) -> np.ndarray:
@@ -136,7 +234,12 @@ def _baselines(keys: np.ndarray, values: np.ndarray, rule: SpikeRule) -> np.ndar
 
 def spikes(table: RunTable, rule: SpikeRule, ops: Sequence[str]) -> pd.DataFrame:
     """Rows whose stat in ``ops`` left its running baseline (``rules`` module docstring)."""
-    found = []
+    return _spikes(table, rule, ops)[0]
+
+
+def _spikes(table: RunTable, rule: SpikeRule, ops: Sequence[str]) -> tuple[pd.DataFrame, Unjudged]:
+    """``spikes``' rows, and what the warm-up left unjudged."""
+    found, unjudged = [], []
     for family, stats in table.family_stats.items():
         sub = table.family(family)
         sub = sub[_tensor_rows(sub, stats)]
@@ -148,13 +251,17 @@ def spikes(table: RunTable, rule: SpikeRule, ops: Sequence[str]) -> pd.DataFrame
             ids = rows.groupby(_SERIES, sort=False).ngroup().to_numpy()
             values = rows[op].to_numpy(dtype=float)
             base = _baselines(ids, values, rule)
+            warming = np.isnan(base)
+            unjudged.append((int(warming.sum()), set(rows["step"].to_numpy()[warming].astype(int).tolist())))
             with np.errstate(invalid="ignore", divide="ignore"):  # a zero/NaN baseline: judged below
                 ratio = (np.abs(values) + rule.floor) / (np.abs(base) + rule.floor)
-                hit = (ratio >= rule.factor) | (ratio <= 1.0 / rule.factor)
-            hit &= ~np.isnan(base)
+                hit = ratio >= rule.factor
+                if judges_drops(family):
+                    hit |= ratio <= 1.0 / rule.factor
+            hit &= ~warming
             if hit.any():
                 found.append(_result(rows[hit], family, op, values[hit], "spike", base[hit]))
-    return _concat(found)
+    return _concat(found), Unjudged.merge(rule.warmup, unjudged)
 
 
 def over_threshold(table: RunTable, threshold: float, ops: Sequence[str]) -> pd.DataFrame:
@@ -175,19 +282,59 @@ def _concat(parts: list[pd.DataFrame]) -> pd.DataFrame:
     return pd.concat(parts, ignore_index=True)
 
 
+def param_changes(table: RunTable, rtol: float = PARAM_CHANGE_RTOL) -> pd.DataFrame:
+    """``param_changed`` (``rules`` docstring): each ``param_origin`` row of step s + 1 whose
+    stats differ from the same parameter's ``param_updated`` row of step s."""
+    stats = [op for op in table.family_stats.get(PARAM_AFTER, ()) if op in table.family_stats.get(PARAM_BEFORE, ())]
+    after, before = table.family(PARAM_AFTER), table.family(PARAM_BEFORE)
+    if not stats or after.empty or before.empty:
+        return pd.DataFrame(columns=_COLUMNS)
+    keys = ["rank", "vpp_stage", "name", "occurrence", "step"]
+    before = before[keys + stats].assign(step=before["step"] + 1)
+    both = after.merge(before, on=keys, how="inner", suffixes=("", "__before"), sort=False)
+    if both.empty:
+        return pd.DataFrame(columns=_COLUMNS)
+    now = both[stats].to_numpy(dtype=float)
+    was = both[[f"{op}__before" for op in stats]].to_numpy(dtype=float)
+    with np.errstate(invalid="ignore"):
+        close = np.isfinite(now) & np.isfinite(was) & (np.abs(now - was) <= rtol * np.maximum(np.abs(now), np.abs(was)))
+    differ = ~((now == was) | (np.isnan(now) & np.isnan(was)) | close)
+    hit = differ.any(axis=1)
+    if not hit.any():
+        return pd.DataFrame(columns=_COLUMNS)
+    which = differ[hit].argmax(axis=1)
+    rows = np.flatnonzero(hit)
+    op = pd.Series(np.asarray(stats, dtype=object)[which], dtype=object)
+    return _result(both[hit], PARAM_AFTER, op, now[rows, which], PARAM_CHANGED, was[rows, which])
+
+
 def scan(table: RunTable, rules: Rules = Rules()) -> list[Anomaly]:
     """Every anomaly of the table, in training-flow order."""
-    parts = []
+    return scan_all(table, rules).anomalies
+
+
+def scan_all(table: RunTable, rules: Rules = Rules()) -> Findings:
+    """Every anomaly of the table in training-flow order, the non-finite-by-design notes, and
+    what the spike rule's warm-up left unjudged."""
+    parts: list[pd.DataFrame] = []
+    notes: list[ByDesign] = []
+    unjudged: Unjudged | None = None
+    skips = skipped_steps(table)
     if rules.nonfinite:
-        parts.append(nonfinite(table))
+        skipped = set(zip(skips["rank"].astype(int), skips["step"].astype(int))) if not skips.empty else None
+        found_nf, notes = _nonfinite(table, skipped)
+        parts.append(found_nf)
     if rules.spike is not None:
-        parts.append(spikes(table, rules.spike, rules.ops))
+        found_sp, unjudged = _spikes(table, rules.spike, rules.ops)
+        parts.append(found_sp)
     if rules.threshold is not None:
         parts.append(over_threshold(table, rules.threshold, rules.ops))
-    skips = skipped_steps(table)
+    if rules.param_changed:
+        parts.append(param_changes(table))
     found = _without_expected(_concat([p for p in parts if not p.empty]), skips)
     found = _concat([p for p in (found, skips) if not p.empty])
-    return sorted((_to_anomaly(r) for r in found.itertuples(index=False)), key=Anomaly.sort_key)
+    anomalies = sorted((_to_anomaly(r) for r in found.itertuples(index=False)), key=Anomaly.sort_key)
+    return Findings(anomalies, sorted(notes, key=ByDesign.sort_key), unjudged)
 
 
 def skipped_steps(table: RunTable) -> pd.DataFrame:
@@ -256,10 +403,22 @@ def _identity(a: Anomaly) -> tuple:
 
 
 def merge_runtime(
-    found: list[Anomaly], run_dir: str | Path, *, kinds: Sequence[str] | None = None, ranks: Sequence[int] | None = None
+    found: list[Anomaly],
+    run_dir: str | Path,
+    *,
+    kinds: Sequence[str] | None = None,
+    ranks: Sequence[int] | None = None,
+    by_design: Sequence[ByDesign] = (),
 ) -> list[Anomaly]:
-    """``found`` plus the run's own alerts it lacks (the scan's entry wins on duplicates)."""
+    """``found`` plus the run's own alerts it lacks (the scan's entry wins on duplicates).  The
+    alert sink cannot know a series' later rows, so it alerts the first row of a series the scan
+    found non-finite by design (``by_design``): the scan knows better, those are left out."""
     seen = {_identity(a) for a in found}
+    seen |= {
+        (n.first_step, n.kind, n.vpp_stage, n.name, n.rank, n.micro_step, n.occurrence, op, "nonfinite")
+        for n in by_design
+        for op in [*COUNT_OPS, *(op for op, _ in n.evidence)]
+    }
     extra = [
         a
         for a in read_alert_files(run_dir)

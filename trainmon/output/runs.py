@@ -40,6 +40,7 @@ __all__ = [
     "family_files",
     "read_csv",
     "read_family",
+    "read_family_file",
     "column_roles",
     "KEY_COLUMNS",
     "FAMILY_STATS",
@@ -347,17 +348,24 @@ def read_family(rank_dir: str | Path, family: str) -> pd.DataFrame:
 
 
 def _parquet_frames(files: Sequence[FamilyFile]) -> list[pd.DataFrame]:
-    """Parquet files grouped by schema, like CSV files by header (the reader is its own module)."""
+    """Parquet files grouped by schema, like CSV files by header (the reader is its own module);
+    every file checked (``parquet.parquet_layout``) and its cells validated as a CSV file's."""
     from trainmon.output.parquet import parquet_columns, read_parquet_files
 
     by_schema: dict[tuple[str, ...], list[Path]] = {}
     for f in files:
         by_schema.setdefault(tuple(parquet_columns(f.path)), []).append(Path(f.path))
-    frames = [read_parquet_files(paths) for paths in by_schema.values()]
-    for paths, frame in zip(by_schema.values(), frames):
-        # the same checks as a CSV family's (rows numbered from 0 over the group's files)
-        validate_family_frame(frame, paths[0], line_of=lambda i: i, unit="row")
-    return frames
+    return [read_parquet_files(paths, checked=True) for paths in by_schema.values()]
+
+
+def read_family_file(f: FamilyFile) -> pd.DataFrame:
+    """One family file, CSV or Parquet by its extension, validated (:func:`read_csv`,
+    ``parquet.read_parquet``): a damaged file raises :class:`DamagedFileError` naming it."""
+    if f.ext == "parquet":
+        from trainmon.output.parquet import read_parquet
+
+        return read_parquet(f.path)
+    return read_csv(f.path)
 
 
 def column_roles(df: pd.DataFrame, extra_stats: Sequence[str] = ()) -> ColumnRoles:

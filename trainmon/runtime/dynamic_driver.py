@@ -38,6 +38,7 @@ from trainmon.errors import ConfigError
 from trainmon.integrations.amp import wrap_step_with_scaler
 from trainmon.runtime.agreement import Agreement
 from trainmon.runtime.builder import SessionBuilder
+from trainmon.runtime.forked import forget_in_forked_child
 from trainmon.runtime.session import Session
 
 __all__ = ["Agreement", "DynamicDriver", "describe"]
@@ -102,6 +103,13 @@ class DynamicDriver:
         if optimizer is not None:
             self._handle = wrap_step_with_scaler(optimizer, self.before_step, self.after_step, entry=self.step_entry)
         self._decide()
+        forget_in_forked_child(self)
+
+    def forget_parent(self) -> None:
+        """In a forked child (``runtime.forked``): the watcher, gloo group and session are the
+        parent's; decide, watch and record nothing."""
+        self.broken, self.watcher, self.stager, self.session = True, None, None, None
+        self.agreement.local, self.agreement.group = True, None
 
     # -- the step boundary ----------------------------------------------------------------------
     def step_entry(self) -> None:

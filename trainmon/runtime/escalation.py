@@ -37,6 +37,7 @@ from trainmon.diagnosis.escalation import AlertLatch, Trigger
 from trainmon.integrations.amp import wrap_step_with_scaler
 from trainmon.output.layout import RUN_ESCALATIONS
 from trainmon.runtime.agreement import Agreement
+from trainmon.runtime.forked import forget_in_forked_child
 from trainmon.runtime.run_dir import append_to_meta
 from trainmon.runtime.session import Session
 
@@ -139,6 +140,13 @@ class EscalatingSession:
             self._handle = wrap_step_with_scaler(
                 step_optimizer, self.before_step, self.after_step, entry=self.step_entry
             )
+        forget_in_forked_child(self)
+
+    def forget_parent(self) -> None:
+        """In a forked child (``runtime.forked``): no agreement, no window (its sessions forget too)."""
+        self._broken = True
+        if self._own_agreement:
+            self.agreement.local, self.agreement.group = True, None
 
     def _ring_of(self, sink: Any) -> Any:
         from trainmon.sinks.ring import RingSink

@@ -7,6 +7,8 @@ through the process group.
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import logging
 import os
@@ -15,9 +17,17 @@ from pathlib import Path
 from typing import Any
 
 from trainmon.core import dist as _dist
-from trainmon.output.layout import RUN_META, rank_dir_name
+from trainmon.output.layout import RUN_META, FamilyFile, parse_family_file, rank_dir_name
 
-__all__ = ["output_root", "create_run_dir", "rank_dir", "record_stats_path", "append_to_meta"]
+__all__ = [
+    "output_root",
+    "create_run_dir",
+    "rank_dir",
+    "record_stats_path",
+    "append_to_meta",
+    "highest_recorded_step",
+    "first_step",
+]
 
 log = logging.getLogger(__name__)
 
@@ -140,3 +150,96 @@ def rank_dir(run_dir: Path, rank: int) -> Path | None:
         )
         return None
     return path
+
+
+_TAIL_BYTES = 64 * 1024
+
+
+def highest_recorded_step(path: Path) -> int | None:
+    """The highest step whose rows are in the family files of the rank folder ``path`` (None: none).
+
+    Cheap on a long run: the file names give the last step window; only the files of that window
+    are looked into, a CSV by its last rows (rows are appended in step order) and a Parquet file by
+    its footer's statistics.  A file whose last step cannot be read counts as its whole window, so
+    the result is never below a step on disk."""
+    try:
+        files = [f for f in map(parse_family_file, path.iterdir()) if f is not None]
+    except OSError:
+        return None
+    if not files:
+        return None
+    last = max(f.start for f in files)
+    return max(_last_step(f) for f in files if f.start == last)
+
+
+def _last_step(f: FamilyFile) -> int:
+    if f.end == f.start:  # a one-step window: the name says it
+        return f.start
+    try:
+        found = _last_parquet_step(f.path) if f.ext == "parquet" else _last_csv_step(f.path)
+    except (OSError, ValueError, ImportError):
+        found = None
+    return f.end if found is None else found
+
+
+def _last_csv_step(path: Path) -> int | None:
+    with open(path, "rb") as fh:
+        header = next(csv.reader([fh.readline().decode("utf-8", errors="replace")]), None)
+        if not header or "step" not in header:
+            return None
+        size = fh.seek(0, os.SEEK_END)
+        fh.seek(max(0, size - _TAIL_BYTES))
+        tail = fh.read().decode("utf-8", errors="replace")
+    col, width = header.index("step"), len(header)
+    # the last whole record: try line starts from the end (a quoted name may hold a newline)
+    starts = [i + 1 for i, c in enumerate(tail) if c == "\n"][:-1]
+    for start in reversed(starts):
+        rows = list(csv.reader(io.StringIO(tail[start:])))
+        if len(rows) == 1 and len(rows[0]) == width and rows[0][col].lstrip("-").isdigit():
+            return int(rows[0][col])
+    return None
+
+
+def _last_parquet_step(path: Path) -> int | None:
+    import pyarrow.parquet as pq  # type: ignore[import-untyped]
+
+    meta = pq.ParquetFile(path).metadata
+    names = [meta.schema.column(i).name for i in range(meta.num_columns)]
+    if "step" not in names:
+        return None
+    col = names.index("step")
+    highs = [meta.row_group(g).column(col).statistics for g in range(meta.num_row_groups)]
+    if not highs or any(h is None or not h.has_min_max for h in highs):
+        return None
+    return int(max(h.max for h in highs))
+
+
+def first_step(run_dir: Path | None, rank: int, start_iteration: int | None) -> int:
+    """The step a ``set_monitor`` starts numbering at.  In a run folder that already holds this
+    rank's steps (a resumed run reusing ``TRAINMON_RUN_ID``), without ``start_iteration`` the
+    numbering continues after the highest step on disk, so no (name, step) is written twice; an
+    explicit ``start_iteration`` is kept, with one warning if it overlaps steps on disk."""
+    high = None if run_dir is None else highest_recorded_step(run_dir / rank_dir_name(rank))
+    if start_iteration is None:
+        if high is None:
+            return 0
+        log.warning(
+            "trainmon: %s already holds steps up to %d of rank %d; continuing the step numbering at %d "
+            "(set_monitor(..., start_iteration=N) sets it explicitly)",
+            run_dir,
+            high,
+            rank,
+            high + 1,
+        )
+        return high + 1
+    if high is not None and start_iteration <= high:
+        log.warning(
+            "trainmon: start_iteration=%d overlaps steps %d..%d already recorded by rank %d in %s; "
+            "those steps will have two rows per name",
+            start_iteration,
+            start_iteration,
+            high,
+            rank,
+            run_dir,
+        )
+    return int(start_iteration)

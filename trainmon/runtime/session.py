@@ -19,11 +19,13 @@ from trainmon.collectors import Collector, CollectorContext, collector_classes
 from trainmon.collectors.base import Guard
 from trainmon.core.hooks import Handle
 from trainmon.core.naming import TrackedParam
+from trainmon.core.schedule import Schedule
 from trainmon.families import FAMILIES, Family, Phase
 from trainmon.integrations import amp
+from trainmon.runtime.forked import forget_in_forked_child
 from trainmon.runtime.param_watch import ParamWatch
 from trainmon.runtime.run_dir import record_stats_path
-from trainmon.sinks.base import Sink
+from trainmon.sinks.base import NullSink, Sink
 from trainmon.stats.engine import Meta
 from trainmon.stats.rows import RowBlock, StepRows
 
@@ -47,6 +49,8 @@ class Session:
         self._entered = False  # on_step_entry ran for the running step
         self._paths_recorded: dict[str, str] = {}
         self._scale: Any = None  # loss scale at step entry (integrations.amp)
+        self._inherited = False  # a forked child's copy (forget_parent)
+        forget_in_forked_child(self)
         for c in list(self.collectors):
             ctx.guard.run(c, c.attach)
         # params unfrozen or added to the optimizer later join ctx.params (runtime.param_watch)
@@ -61,6 +65,16 @@ class Session:
     @property
     def clock(self):
         return self.ctx.clock
+
+    def forget_parent(self) -> None:
+        """In a forked child (``runtime.forked``): collect nothing from now on, so every hook
+        returns at its ``collecting`` check and the next step boundary removes them; the parent's
+        sink, run.json and pending captures are never touched here."""
+        self._inherited = True
+        self.sink = NullSink(self.sink.options)
+        self.ctx.run_dir = None
+        self.clock.schedule = Schedule(collect_times=0)  # exhausted: advance() keeps it off
+        self.clock.collecting = False
 
     def step_entry(self) -> None:
         """``optimizer.step()`` was entered: no param has changed yet."""
@@ -164,6 +178,8 @@ class Session:
 
     def close(self) -> None:
         self.go_idle()
+        if self._inherited:  # the pending rows are the parent's to write
+            return
         # Rows captured after the last optimizer step (comm calls at the end of a run) are
         # written; sharded rows of a step that never reached the optimizer are not, since their
         # merge is a collective and the other ranks may not be closing at the same point.

@@ -24,7 +24,7 @@ import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from trainmon.diagnosis.escalation import AlertLatch, Trigger
 from trainmon.diagnosis.rules import (
@@ -35,9 +35,11 @@ from trainmon.diagnosis.rules import (
     SKIPPED_RUN,
     STEPS_FAMILY,
     Anomaly,
+    NonfiniteDesigns,
     Rules,
     SpikeRule,
     SpikeTracker,
+    judges_drops,
     nonfinite_op,
 )
 from trainmon.sinks.base import Sink, SinkOptions
@@ -118,6 +120,7 @@ class AlertSink(Sink):
         self.settings = settings or AlertSettings()
         rules = self.settings.rules
         self._tracker = SpikeTracker(rules.spike) if rules.spike is not None else None
+        self._designs = NonfiniteDesigns()  # series non-finite by design (rules docstring)
         self.latch = latch
         if latch is not None:
             latch.attached = True
@@ -155,40 +158,68 @@ class AlertSink(Sink):
                 hits.append(("skipped", float(stats.get("loss_scale", math.nan)), rule, None))
             elif rules.nonfinite and row.family not in RATIO_FAMILIES and not (skipped and row.family in SKIP_EXPECTED):
                 op = nonfinite_op(stats)
-                if op is not None:
-                    hits.append((op, float(stats[op]), "nonfinite", None))
+                design_key = (*occ_key, occurrence)
+                if op is not None or design_key not in self._designs.decided:
+                    judged = self._designs.judge(design_key, stats, op)
+                    if judged is not None:
+                        base = self._designs.first_value(design_key, judged)
+                        hits.append((judged, float(stats[judged]), "nonfinite", base))
             for op in ops:
                 value = stats.get(op)
                 if value is None:
                     continue
                 value = float(value)
                 if tracker is not None:
-                    base = tracker.observe((*occ_key, occurrence, op), value)
+                    base = tracker.observe((*occ_key, occurrence, op), value, down=judges_drops(row.family))
                     if base is not None:
                         hits.append((op, value, "spike", base))
                 if threshold is not None and math.isfinite(value) and abs(value) > threshold:
                     hits.append((op, value, "threshold", None))
-            found += [
-                Anomaly(
-                    step=row.step,
-                    kind=row.family,
-                    name=row.name,
-                    rank=self.options.rank,
-                    op=op,
-                    value=value,
-                    rule=rule,
-                    micro_step=row.micro_step,
-                    vpp_stage=row.vpp_stage,
-                    baseline=base,
-                    position=position,
-                    occurrence=occurrence,
-                    source="runtime",
-                )
-                for op, value, rule, base in hits
-            ]
+            found += [self._anomaly(row, op, value, rule, base, position, occurrence) for op, value, rule, base in hits]
         if skipped is not None:
             self._prev_skipped = skipped
+        if self._designs.new:
+            self._note_designs()
         return sorted(found, key=Anomaly.sort_key)
+
+    def _anomaly(self, row: StatRow, op: str, value: float, rule: str, base, position: int, occurrence: int) -> Anomaly:
+        return Anomaly(
+            step=row.step,
+            kind=row.family,
+            name=row.name,
+            rank=self.options.rank,
+            op=op,
+            value=value,
+            rule=rule,
+            micro_step=row.micro_step,
+            vpp_stage=row.vpp_stage,
+            baseline=base,
+            position=position,
+            occurrence=occurrence,
+            source="runtime",
+        )
+
+    def _note_designs(self) -> None:
+        """One WARNING per series found non-finite by design (``rules.NonfiniteDesigns``)."""
+        shown = self.settings.max_log_lines
+        for key, evidence in self._designs.new[:shown]:
+            family, _micro, _vpp, name, _occ = cast(tuple, key)
+            what = ", ".join(f"{op}={v:g}" for op, v in evidence.items())
+            log.warning(
+                "trainmon: rank %d: %s %s is non-finite at its first two steps (%s): taken as by design "
+                "(a mask?); only a rise is alerted",
+                self.options.rank,
+                family,
+                name,
+                what,
+            )
+        if len(self._designs.new) > shown:
+            log.warning(
+                "trainmon: rank %d: %d more series taken as non-finite by design",
+                self.options.rank,
+                len(self._designs.new) - shown,
+            )
+        self._designs.new.clear()
 
     # ------------------------------------------------------------------ sink
 

@@ -61,9 +61,10 @@ class AsyncSink(Sink):
     with a traceback and never reach the caller.  The rows handed to ``write()`` must not be
     changed afterwards: they are formatted later, on the writer thread.
 
-    In a process forked from the owner (a DataLoader worker) there is no writer thread:
-    ``write`` calls ``inner`` directly and ``close`` does nothing, so the child never waits on
-    a thread it does not have nor closes files its parent still writes.
+    In a process forked from the owner (a DataLoader worker) there is no writer thread and the
+    files are the parent's: ``write``, ``flush`` and ``close`` do nothing there
+    (:meth:`forget_parent`), so the child never waits on a thread or a lock it does not have
+    nor writes rows into its parent's files.
     """
 
     def __init__(self, inner: Sink, max_pending_steps: int = 256, flush_interval_s: float | None = None):
@@ -82,13 +83,21 @@ class AsyncSink(Sink):
         self._thread.start()
         atexit.register(self.close)
 
+    def forget_parent(self) -> None:
+        super().forget_parent()
+        # the queue's own locks may have been held by the parent's writer thread at the fork
+        self._queue = queue.Queue(maxsize=self._queue.maxsize)
+        self._closed = True
+
     # -- caller side ----------------------------------------------------------------------
 
     def write(self, rows: StepRows, step: int) -> None:
         # StepRows are immutable and are built on the writer thread.
         item = (_WRITE, rows, step)
         with self._lock:
-            if self._closed or os.getpid() != self._owner_pid:
+            if os.getpid() != self._owner_pid:  # a forked child: the parent's files (forget_parent)
+                return
+            if self._closed:
                 self._errors.run(self.inner.write, item[1], step)
                 return
             try:
@@ -102,7 +111,9 @@ class AsyncSink(Sink):
         """Wait until everything written so far is handed to ``inner``, then flush it."""
         done = threading.Event()
         with self._lock:  # so the marker cannot land behind close()'s stop marker
-            direct = self._closed or os.getpid() != self._owner_pid
+            if os.getpid() != self._owner_pid:
+                return
+            direct = self._closed
             if not direct:
                 self._queue.put((_FLUSH, done))
         if direct:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +31,17 @@ class Sink(ABC):
 
     def __init__(self, options: SinkOptions):
         self.options = options
+        _LIVE_SINKS.add(self)
+
+    def forget_parent(self) -> None:
+        """Run in the child of ``os.fork`` (a DataLoader worker, a fork pool): this copy belongs to
+        the parent, whose writer thread, locks and files the child must never use (a lock held by
+        the parent's writer thread at the fork would hang the child; its rows would duplicate the
+        parent's).  Every call becomes a no-op and every lock a fresh one: the child records nothing."""
+        for name, value in list(vars(self).items()):
+            if isinstance(value, _LOCK_TYPES):
+                setattr(self, name, type(value)())
+        vars(self).update(write=_ignore, flush=_ignore, close=_ignore)  # for any Sink subclass
 
     @abstractmethod
     def write(self, rows: StepRows, step: int) -> None: ...
@@ -38,6 +51,26 @@ class Sink(ABC):
 
     def close(self) -> None:
         self.flush()
+
+
+_LOCK_TYPES = (type(threading.Lock()), type(threading.RLock()))
+_LIVE_SINKS: weakref.WeakSet[Sink] = weakref.WeakSet()
+
+
+def _ignore(*args: object, **kwargs: object) -> None:
+    pass
+
+
+def _forget_parent_sinks() -> None:
+    for sink in list(_LIVE_SINKS):
+        try:
+            sink.forget_parent()
+        except Exception:  # never fail a fork; this copy is unused either way
+            pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_parent_sinks)
 
 
 class NullSink(Sink):
