@@ -61,7 +61,7 @@ def test_defaults():
     assert cfg.targets == () and cfg.module_ranks == ()
     assert (cfg.start_step, cfg.step_interval, cfg.collect_times) == (0, 1, None)
     assert cfg.format == ("csv",) and cfg.ops == ("norm", "mean", "min", "max")
-    assert cfg.eps == 1e-8 and cfg.ndigits is None and cfg.step_count_per_record == 1
+    assert cfg.eps == 1e-8 and cfg.ndigits is None and cfg.step_count_per_record == 100
     flags = ("wg_distribution", "mv_distribution", "param_distribution", "ur_distribution",
              "xy_distribution", "forward_only", "backward_only", "all_xy", "print_struct",
              "squash_name", "dynamic_on")

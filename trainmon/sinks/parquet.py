@@ -14,7 +14,7 @@ memory stays bounded however long a window is); when the window ends its footer 
 the file is renamed to its final name with ``os.replace``.  A rename is atomic, so a killed run
 leaves every file that has its final name complete and readable, no file half-written under a
 family name (a stale ``.tmp`` is ignored by every reader), and loses at most the rows of the
-windows still open -- with the default ``step_count_per_record: 1`` a window is one step, closed
+windows still open -- with ``step_count_per_record: 1`` a window is one step, closed
 as soon as the step's rows arrive.  ``flush`` closes the open windows' files too; a window's later
 rows then go to its next ``.{k}`` file, which readers concatenate in order.  Failures never reach
 the training loop: logged once, counted, reported at ``close`` like the CSV sink.
