@@ -137,3 +137,17 @@ def test_a_nan_on_one_of_four_ranks_escalates_every_rank_on_the_same_steps(tmp_p
     unchanged = run_distributed(_three_runs, 4, timeout=360, args=(str(tmp_path), 2, dynamic), env=env)
     assert unchanged == [True] * 4, "training changed"
     _check_run(tmp_path, 4, nan_rank=2)
+
+
+def test_a_bad_dynamic_timeout_is_one_warning_naming_it_not_a_silent_default(monkeypatch, caplog):
+    from trainmon.runtime.escalation import _timeout_s
+
+    monkeypatch.setenv("TRAINMON_DYNAMIC_TIMEOUT", "abc")
+    with caplog.at_level("WARNING", logger="trainmon"):
+        assert _timeout_s() == 1800.0
+    assert [r.getMessage() for r in caplog.records if "TRAINMON_DYNAMIC_TIMEOUT" in r.getMessage()] == [
+        "trainmon: TRAINMON_DYNAMIC_TIMEOUT: 'abc' is not a number of seconds (finite number > 0); "
+        "escalation waits the default 1800 s"
+    ]
+    monkeypatch.setenv("TRAINMON_DYNAMIC_TIMEOUT", "90")
+    assert _timeout_s() == 90.0

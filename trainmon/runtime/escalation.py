@@ -318,7 +318,12 @@ class EscalatingSession:
 
 
 def _timeout_s() -> float:
+    # The one parser of dynamic mode's settings; a bad value never stops training here, it is said.
+    from trainmon.dynamic import _env_seconds
+    from trainmon.errors import ConfigError
+
     try:
-        return float(os.environ.get("TRAINMON_DYNAMIC_TIMEOUT", "1800"))
-    except ValueError:
+        return _env_seconds(os.environ, "TRAINMON_DYNAMIC_TIMEOUT", 1800.0)
+    except ConfigError as err:
+        log.warning("trainmon: %s; escalation waits the default 1800 s", str(err).splitlines()[-1].strip())
         return 1800.0
