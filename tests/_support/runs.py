@@ -60,3 +60,14 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300) -> subpro
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     return subprocess.run([sys.executable, "-m", "trainmon", *args], capture_output=True, text=True,
                           env=env, cwd=cwd, timeout=timeout)
+
+
+def _engine_installed() -> bool:
+    import importlib.util
+
+    return all(importlib.util.find_spec(m) is not None for m in ("duckdb", "pyarrow"))
+
+
+# The analysis engines a test can run here: DuckDB is the optional [engine] extra, absent from a
+# fresh README install, where tests of it must skip (or run the in-memory engine alone).
+ENGINES: tuple[str, ...] = ("memory", "duckdb") if _engine_installed() else ("memory",)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from tests._support.runs import ENGINES
 from trainmon.cli import main
 from trainmon.sinks import SinkOptions
 from trainmon.sinks.csv import CsvSink
@@ -49,7 +50,7 @@ def runs(tmp_path_factory):
     return base, target
 
 
-@pytest.mark.parametrize("engine", ["memory", "duckdb"])
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("swap", [False, True])
 def test_rows_only_in_one_run_are_counted_on_each_side(runs, capsys, engine, swap):
     base, target = runs[::-1] if swap else runs

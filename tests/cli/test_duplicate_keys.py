@@ -16,10 +16,10 @@ import pytest
 import torch
 from torch import nn
 
+from tests._support.runs import ENGINES
 from trainmon import TrainerMon
 from trainmon.cli import main
 
-ENGINES = ("memory", "duckdb")
 STEPS = 3
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests._support.runs import ENGINES
 from trainmon.cli import main
 from trainmon.stats.rows import StepRows
 
@@ -92,7 +93,7 @@ def test_mlp_whose_output_bias_crosses_zero_has_no_spike(tmp_path, monkeypatch, 
     run, bias_grads = mlp_run(tmp_path, monkeypatch)
     # the case of the issue: the scalar bias' grad changes sign, its norm (|g|) falls near zero
     assert min(bias_grads) < 0 < max(bias_grads)
-    for engine in ("memory", "duckdb"):
+    for engine in ENGINES:
         doc = _anomalies(capsys, run, engine)
         assert doc["count"] == 0, doc["anomalies"][:5]
         assert doc["by_design"] == []
@@ -103,8 +104,8 @@ def test_mlp_whose_output_bias_crosses_zero_has_no_spike(tmp_path, monkeypatch, 
 def test_transformer_with_a_causal_mask_has_no_entry_and_one_note_per_mask(tmp_path, monkeypatch, capsys):
     run = transformer_run(tmp_path, monkeypatch)
     infs = T * (T - 1) // 2                          # the mask's -inf entries, counted here
-    docs = {engine: _anomalies(capsys, run, engine) for engine in ("memory", "duckdb")}
-    assert docs["memory"] == docs["duckdb"]
+    docs = {engine: _anomalies(capsys, run, engine) for engine in ENGINES}
+    assert all(doc == docs["memory"] for doc in docs.values())
     doc = docs["memory"]
     assert doc["count"] == 0, doc["anomalies"][:5]
     assert doc["by_design"] and all(n["values"]["infs"] == infs and n["same_at_every_step"]
@@ -119,7 +120,7 @@ def test_transformer_with_a_causal_mask_has_no_entry_and_one_note_per_mask(tmp_p
 def test_a_rise_of_the_masks_inf_count_is_still_found(tmp_path, monkeypatch, capsys):
     run = transformer_run(tmp_path, monkeypatch, steps=12, rise_at=7)
     infs = T * (T - 1) // 2
-    for engine in ("memory", "duckdb"):
+    for engine in ENGINES:
         found = _anomalies(capsys, run, engine)["anomalies"]
         assert found and {a["step"] for a in found} == {7}
         assert all(a["rule"] == "nonfinite" and a["op"] == "infs" and a["value"] == infs + 1
@@ -163,5 +164,5 @@ def test_anomalies_leaves_out_the_run_time_alert_of_a_masks_first_step(tmp_path,
         sink.write(StepRows.of(rows), step)
     sink.close()
     assert sink.count > 0                              # the masks' step-0 rows, online
-    for engine in ("memory", "duckdb"):
+    for engine in ENGINES:
         assert _anomalies(capsys, run, engine)["count"] == 0
