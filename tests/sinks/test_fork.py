@@ -52,6 +52,22 @@ def _read(rank_dir, family: str) -> pd.DataFrame:
     return pd.concat([pd.read_csv(p) for p in files], ignore_index=True)
 
 
+def _train_forking(cfg, model, opt, batches) -> None:
+    """Train STEPS monitored steps, forking a child that trains on after each step in FORK_AFTER."""
+    monitor = TrainerMon(cfg)
+    monitor.set_monitor(model, optimizer=opt)
+    for step in range(STEPS):
+        model.loss(next(batches)).backward()
+        opt.step()
+        opt.zero_grad()
+        if step in FORK_AFTER:
+            pid = os.fork()
+            if pid == 0:
+                _child_trains(model, opt, batches, monitor)
+            assert _wait_or_kill(pid) == 0
+    monitor.close()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("window", [1, 4])
@@ -70,18 +86,7 @@ def test_forked_children_record_nothing_and_parent_rows_are_exact(output_root, m
     model = TinyGPT(GPTConfig(vocab=32, seq=8, dim=16, heads=2, layers=2))
     opt = torch.optim.Adam(model.parameters())
     batches = iter(synthetic_batches(model.cfg, 4, 1000))
-    monitor = TrainerMon(cfg)
-    monitor.set_monitor(model, optimizer=opt)
-    for step in range(STEPS):
-        model.loss(next(batches)).backward()
-        opt.step()
-        opt.zero_grad()
-        if step in FORK_AFTER:
-            pid = os.fork()
-            if pid == 0:
-                _child_trains(model, opt, batches, monitor)
-            assert _wait_or_kill(pid) == 0
-    monitor.close()
+    _train_forking(cfg, model, opt, batches)
 
     rank0 = only_run_dir(output_root) / "rank0"
     n_params = sum(1 for p in model.parameters() if p.requires_grad)
@@ -108,18 +113,7 @@ def test_a_forked_child_of_a_dynamic_monitor_decides_and_records_nothing(output_
     model = TinyGPT(GPTConfig(vocab=32, seq=8, dim=16, heads=2, layers=1))
     opt = torch.optim.Adam(model.parameters())
     batches = iter(synthetic_batches(model.cfg, 4, 1000))
-    monitor = TrainerMon(cfg)
-    monitor.set_monitor(model, optimizer=opt)
-    for step in range(STEPS):
-        model.loss(next(batches)).backward()
-        opt.step()
-        opt.zero_grad()
-        if step in FORK_AFTER:
-            pid = os.fork()
-            if pid == 0:
-                _child_trains(model, opt, batches, monitor)
-            assert _wait_or_kill(pid) == 0
-    monitor.close()
+    _train_forking(cfg, model, opt, batches)
     rank0 = only_run_dir(output_root) / "rank0"
     n_params = sum(1 for p in model.parameters() if p.requires_grad)
     for family in ("grad_unreduced", "param_origin"):

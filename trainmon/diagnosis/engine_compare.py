@@ -55,21 +55,16 @@ def engine_compare(
     dup_b, dup_t = duplicates if duplicates is not None else (None, None)
     with Engine(threads) as eng:
         con = eng.con
-        b = StagedRun(
-            eng,
-            base,
-            "b",
-            families=[f for f in base.family_stats if f not in NOT_SCALAR],
-            progress=progress,
-            duplicates=dup_b,
-        )
-        t = StagedRun(
-            eng,
-            target,
-            "t",
-            families=[f for f in target.family_stats if f not in NOT_SCALAR],
-            progress=progress,
-            duplicates=dup_t,
+        b, t = (
+            StagedRun(
+                eng,
+                run,
+                prefix,
+                families=[f for f in run.family_stats if f not in NOT_SCALAR],
+                progress=progress,
+                duplicates=dups,
+            )
+            for run, prefix, dups in ((base, "b", dup_b), (target, "t", dup_t))
         )
 
         b_names, t_names = b.names(), t.names()
