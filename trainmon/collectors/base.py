@@ -96,6 +96,58 @@ def _capture_modulus(
     ctx.engine.capture_rows(family, items, rows, micro_step=micro_step, group=group, scale=scale)
 
 
+class FamilyRows:
+    """One family's rows, step after step, with no Python work per tensor.
+
+    The rows' names, stages, shapes and dtypes (the layout) are built once and handed to the
+    engine as they are (``StatsEngine.capture_items``); a step only checks, with a few list
+    comprehensions (loops in C), that the tensors still fit it, and rebuilds it when they do not
+    (a grad appeared or went, a dtype or shape changed, params joined).  Rows are reported
+    under the param's shape.  For integrations whose Views are the tensors themselves
+    (``Integration.plain_views``); the others go through ``capture_views``.
+    """
+
+    __slots__ = ("_complex", "_dtypes", "_items", "_key", "_present", "_shapes", "engine", "family")
+
+    def __init__(self, engine: StatsEngine, family: str):
+        self.engine, self.family = engine, family
+        self._key: tuple[int, int] | None = None
+        self._present: list[bool] = []
+        self._shapes: list[torch.Size] = []
+        self._dtypes: list[torch.dtype] = []
+        self._items: list[tuple] = []
+        self._complex = False
+
+    def capture(
+        self, params: list[TrackedParam], tensors: list[torch.Tensor | None], micro_step: int | None = None
+    ) -> bool:
+        """Capture ``tensors`` (``None``: that param has none now) as the rows of ``params``.
+        False, with nothing captured, for tensors this path does not take (complex ones: the
+        caller records them by modulus through ``capture_views``)."""
+        present = [t is not None for t in tensors]
+        kept = tensors if all(present) else [t for t in tensors if t is not None]
+        shapes = [t.shape for t in kept]  # type: ignore[union-attr]
+        dtypes = [t.dtype for t in kept]  # type: ignore[union-attr]
+        key = (id(params), len(params))
+        if key != self._key or present != self._present or shapes != self._shapes or dtypes != self._dtypes:
+            self._rebuild(params, present, shapes, dtypes)
+            self._key = key
+        if self._complex:
+            return False
+        self.engine.capture_items(self.family, self._items, kept, micro_step=micro_step)  # type: ignore[arg-type]
+        return True
+
+    def _rebuild(
+        self, params: list[TrackedParam], present: list[bool], shapes: list[torch.Size], dtypes: list[torch.dtype]
+    ) -> None:
+        self._present, self._shapes, self._dtypes = present, shapes, dtypes
+        self._complex = any(d.is_complex for d in dtypes)
+        self._items = [  # a new list: the engine keeps the old one until its step is written
+            (tp.name, tp.vpp_stage, tuple(tp.param.shape), dtype)
+            for tp, dtype in zip([tp for tp, ok in zip(params, present) if ok], dtypes)
+        ]
+
+
 class Collector(ABC):
     """Base class; subclasses set ``name``, ``priority`` and ``enabled`` and register themselves.
 

@@ -42,8 +42,9 @@ from typing import Any, Protocol
 
 import torch
 
-from trainmon.collectors.base import Collector, capture_views, register_collector
+from trainmon.collectors.base import Collector, FamilyRows, capture_views, register_collector
 from trainmon.families import FAMILIES, OPTIMIZER_STATE
+from trainmon.integrations.base import View
 
 __all__ = [
     "OptimizerStateCollector",
@@ -127,6 +128,13 @@ class OptimizerStateCollector(Collector):
     def attach(self) -> None:
         self._warned = False
         self._listed = False
+        self._rows: dict[str, FamilyRows] = {}
+        adapter = adapter_for(self.ctx.optimizer)
+        self._state_table = (
+            _StateTable(adapter.optimizer)
+            if isinstance(adapter, TorchStateAdapter) and self.ctx.integration.plain_views()
+            else None
+        )
         if not self.ctx.integration.has_moments():
             self._warned = True
             log.warning(
@@ -136,6 +144,42 @@ class OptimizerStateCollector(Collector):
             )
 
     def on_step_end(self) -> None:
+        if self._state_table is not None:
+            found_any = self._capture_from_state()
+        else:
+            found_any = self._capture_from_adapter()
+        if self.ctx.params and not found_any and not self._warned:  # no params: nothing to look for
+            self._warned = True
+            log.warning(
+                "trainmon: mv_distribution: optimizer %s has no exp_avg/exp_avg_sq state nor other "
+                "recorded state (momentum_buffer, square_avg, adagrad_sum, ...) after step %d "
+                "(e.g. SGD without momentum); nothing recorded",
+                type(self.ctx.optimizer).__name__,
+                self.ctx.clock.step,
+            )
+        if not self._listed:
+            self._list_unrecorded()
+
+    def _capture_from_state(self) -> bool:
+        """torch.optim state under a plain integration: each family is one capture of
+        ``[state[p][key] for p in params]`` (a step does no Python work per param)."""
+        params = self.ctx.params
+        table = self._state_table
+        states, keys = table.states(params)  # type: ignore[union-attr]
+        found = False
+        for key, family in keys:
+            tensors = [v if isinstance(v := s.get(key), torch.Tensor) else None for s in states]
+            if not any([t is not None for t in tensors]):
+                continue
+            found = True
+            rows = self._rows.get(family)
+            if rows is None:
+                rows = self._rows[family] = FamilyRows(self.ctx.engine, family)
+            if not rows.capture(params, tensors):  # complex state: by modulus
+                capture_views(self.ctx, family, [(tp, View(t)) for tp, t in zip(params, tensors) if t is not None])
+        return found
+
+    def _capture_from_adapter(self) -> bool:
         found: dict[str, list] = {k: [] for k in MOMENT_FAMILIES}
         for tp in self.ctx.params:
             for family, view in self.ctx.integration.moments(tp).items():
@@ -147,17 +191,7 @@ class OptimizerStateCollector(Collector):
         for family, pairs in found.items():
             if pairs:
                 capture_views(self.ctx, family, pairs)
-        if self.ctx.params and not any(found.values()) and not self._warned:  # no params: nothing to look for
-            self._warned = True
-            log.warning(
-                "trainmon: mv_distribution: optimizer %s has no exp_avg/exp_avg_sq state nor other "
-                "recorded state (momentum_buffer, square_avg, adagrad_sum, ...) after step %d "
-                "(e.g. SGD without momentum); nothing recorded",
-                type(self.ctx.optimizer).__name__,
-                self.ctx.clock.step,
-            )
-        if not self._listed:
-            self._list_unrecorded()
+        return any(found.values())
 
     def _list_unrecorded(self) -> None:
         """One INFO line naming param-shaped state keys no family records (optimizers outside
@@ -178,3 +212,27 @@ class OptimizerStateCollector(Collector):
                 type(self.ctx.optimizer).__name__,
                 ", ".join(repr(k) for k in keys),
             )
+
+
+class _StateTable:
+    """Each selected param's ``optimizer.state`` dict and the recorded keys they hold, looked up
+    once (a lookup hashes the param in Python) and again only when the state changes size or is
+    replaced (``load_state_dict``) or params join."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+        self._key: tuple[Any, ...] | None = None
+        self._state: Any = None  # held, so its id cannot be reused while it is the key
+        self._states: list[dict] = []
+        self._keys: list[tuple[str, str]] = []
+
+    def states(self, params: list) -> tuple[list[dict], list[tuple[str, str]]]:
+        state = self.optimizer.state
+        key = (id(state), len(state), id(params), len(params))
+        if key != self._key:
+            self._state, self._key = state, key
+            self._states = [state.get(tp.param) or {} for tp in params]
+            present = {k for s in self._states for k in s}
+            self._keys = [(k, f) for k, f in _FAMILY_OF_KEY.items() if k in present]
+            self._keys.sort(key=lambda kf: MOMENT_FAMILIES.index(kf[1]))
+        return self._states, self._keys

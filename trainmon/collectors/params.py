@@ -26,7 +26,7 @@ from collections import defaultdict
 
 import torch
 
-from trainmon.collectors.base import Collector, capture_views, register_collector
+from trainmon.collectors.base import Collector, FamilyRows, capture_views, register_collector
 from trainmon.families import Family
 from trainmon.stats.engine import Meta
 
@@ -45,10 +45,15 @@ class ParamCollector(Collector):
 
     def attach(self) -> None:
         self._snapshot = _Snapshot()
+        self._plain = self.ctx.integration.plain_views()
+        self._rows = {f: FamilyRows(self.ctx.engine, f) for f in (Family.PARAM_ORIGIN, Family.PARAM_UPDATED)}
 
     def _capture(self, family: str) -> None:
+        params = self.ctx.params
+        if self._plain and self._rows[family].capture(params, [tp.param for tp in params]):
+            return
         view = self.ctx.integration.param
-        capture_views(self.ctx, family, [(tp, view(tp)) for tp in self.ctx.params])
+        capture_views(self.ctx, family, [(tp, view(tp)) for tp in params])
 
     def on_step_entry(self) -> None:
         # At entry, not after a closure: SAM-like optimizers move the params before calling it.

@@ -25,10 +25,15 @@ before the inner optimizer applies them; elsewhere they are read at optimizer st
 Row order of ``grad_unreduced`` is the order grads became
 ready (backward order); ``grad_reduced`` is model parameter order.
 
-Pre-reduce capture uses ``register_post_accumulate_grad_hook``, which fires before DDP's reducer
-sees the grad.  In a single process nothing can reduce during backward, so the ready params are
-batched and measured once at the end of the backward pass; when grads may be reduced during
-backward (DDP, world size > 1) each param is measured inside its hook.  A framework
+In a single process nothing can reduce during backward, so ``grad_unreduced`` is every grad as
+the last micro-batch's backward pass leaves it, read in one multi-tensor call at the end of that
+pass (rows in model parameter order).  The pass is found by the grad hooks of a few *sentinel*
+params (the first, middle and last selected ones): a few Python calls per backward instead of
+one per param.  A last backward pass that reaches none of them (a loss through other params
+only) is noticed at the optimizer step: that step has no grad_unreduced rows (its grads may have
+been clipped since), one warning says so, and later steps use one hook per param.  When grads may be reduced
+during backward (DDP, world size > 1) each param is measured inside its
+``register_post_accumulate_grad_hook``, which fires before DDP's reducer sees the grad.  A framework
 integration (``trainmon.integrations``) may provide its own pre-reduce point instead (Megatron's
 bucket ``start_grad_sync``); ``main_grad`` without one records only ``grad_reduced``.  A stack
 that reduces every micro-batch (DeepSpeed ZeRO-2/3) emits with a ``micro_step``: then
@@ -40,14 +45,24 @@ from __future__ import annotations
 import functools
 import logging
 
-from trainmon.collectors.base import Collector, capture_views, register_collector
+from trainmon.collectors.base import Collector, FamilyRows, capture_views, register_collector
 from trainmon.core.hooks import Handle, post_accumulate_grad_hook
 from trainmon.core.naming import TrackedParam
 from trainmon.families import Family
+from trainmon.integrations.base import View
 
 __all__ = ["WeightGradCollector"]
 
 log = logging.getLogger(__name__)
+
+SENTINELS = 3  # params whose grad hooks find a single process's backward passes
+
+
+def _spread(params: list[TrackedParam], k: int) -> list[TrackedParam]:
+    """``k`` params spread over the model order, the first and the last among them."""
+    if len(params) <= k:
+        return list(params)
+    return [params[round(i * (len(params) - 1) / (k - 1))] for i in range(k)]
 
 
 @register_collector
@@ -60,6 +75,9 @@ class WeightGradCollector(Collector):
         return config.wg_distribution
 
     def attach(self) -> None:
+        self._plain = self.ctx.integration.plain_views()
+        self._rows = {f: FamilyRows(self.ctx.engine, f) for f in (Family.GRAD_UNREDUCED, Family.GRAD_REDUCED)}
+        self._by_sentinels = False
         self._ready: list[TrackedParam] = []
         self._captured: set[int] = set()
         self._attach_applied()
@@ -84,7 +102,40 @@ class WeightGradCollector(Collector):
                 )
             return
         self._generic = True
-        self._hook_params(self.ctx.params)
+        if self._plain and not self.ctx.distributed and not self.ctx.config.monitor_mbs_grad:
+            self._hook_sentinels()
+        else:
+            self._hook_params(self.ctx.params)
+
+    def _hook_sentinels(self) -> None:
+        """Single process: find each backward pass from the grad hooks of a few params (see the
+        module docstring): a few Python calls per backward instead of one per param."""
+        self._by_sentinels = True
+        self._pass_seen: tuple[int, int] | None = None
+        self._end_seen = False
+        body = self.ctx.guard.gated(self, self._on_sentinel, self.ctx.clock)
+        for tp in _spread(self.ctx.params, SENTINELS):
+            self.handles.append(post_accumulate_grad_hook(tp.param, body))
+
+    def _on_sentinel(self, _param: object = None) -> None:
+        if not self._by_sentinels:
+            return  # replaced by one hook per param (``_check_backward_seen``)
+        clock = self.ctx.clock
+        index = clock.enter_backward()
+        if clock.is_last_micro_batch(index) and self._pass_seen != (clock.step, index):
+            self._pass_seen = (clock.step, index)  # one capture per pass, however many sentinels
+            clock.on_backward_end(self._capture_at_backward_end)
+
+    def _capture_at_backward_end(self) -> None:
+        self._end_seen = True
+        self.ctx.guard.run(self, self._capture_family, Family.GRAD_UNREDUCED, self.ctx.params)
+
+    def _capture_family(self, family: str, params: list[TrackedParam]) -> list[TrackedParam]:
+        """Every grad of ``params`` as one family capture; returns the params that had one."""
+        grads = self.ctx.integration.grads_of(params)
+        if not self._rows[family].capture(params, grads):  # complex grads: by modulus
+            capture_views(self.ctx, family, [(tp, View(g)) for tp, g in zip(params, grads) if g is not None])
+        return [tp for tp, g in zip(params, grads) if g is not None]
 
     def _hook_params(self, params: list[TrackedParam]) -> None:
         """The generic route's per-param grad hooks."""
@@ -101,6 +152,8 @@ class WeightGradCollector(Collector):
     def on_params_joined(self, params: list[TrackedParam]) -> None:
         # Joined at step entry, their grads of this step went by unseen: not "missed" grads.
         self._captured.update(id(tp.param) for tp in params)
+        if self._by_sentinels:
+            return  # every grad of ctx.params is read at backward end, these included
         if self._generic:
             self._hook_params(params)
             if self._at_entry:
@@ -173,16 +226,38 @@ class WeightGradCollector(Collector):
         )
 
     def on_step_begin(self) -> None:
-        reduced = self.ctx.integration.reduced_grad
         self._applied_seen = False
+        if self._by_sentinels:
+            self._check_backward_seen()
+        if self._plain and self._at_entry:
+            self._capture_family(Family.GRAD_REDUCED, self.ctx.params)
+            return
+        reduced = self.ctx.integration.reduced_grad
         pairs = [(tp, v) for tp in self.ctx.params if (v := reduced(tp)) is not None] if self._at_entry else []
         capture_views(self.ctx, Family.GRAD_REDUCED, pairs)
-        if self._generic and len(self._captured) < len(self.ctx.params):
+        if self._generic and not self._by_sentinels and len(self._captured) < len(self.ctx.params):
             with_grad = (
                 [tp for tp, _ in pairs] if self._at_entry else [tp for tp in self.ctx.params if reduced(tp) is not None]
             )
             self._warn_missed([tp.name for tp in with_grad if id(tp.param) not in self._captured])
         self._captured.clear()
+
+    def _check_backward_seen(self) -> None:
+        """A collected step with grads whose last backward pass reached no sentinel: its grads
+        as backward left them are gone (maybe clipped since), so this step has no grad_unreduced
+        rows; from now on one hook per param sees every pass."""
+        seen, self._end_seen = self._end_seen, False
+        if seen or not any([g is not None for g in self.ctx.integration.grads_of(self.ctx.params)]):
+            return  # seen, or a step without grads (no backward): nothing was missed
+        self._by_sentinels = False
+        self._hook_params(self.ctx.params)
+        self._captured.update(id(tp.param) for tp in self.ctx.params)  # this step: warned here
+        log.warning(
+            "trainmon: step %d: its last backward pass reached none of the params trainmon watches "
+            "to find backward passes, so this step has no grad_unreduced rows; later steps are "
+            "recorded with one hook per param (slower)",
+            self.ctx.clock.step,
+        )
 
     def on_step_end(self) -> None:
         if not self._at_entry and not self._applied_seen and not getattr(self, "_warned_skip", False):

@@ -116,11 +116,30 @@ class Integration:
             return {}
         return {k: self.tp_view(tp, t) for k, t in adapter.moments(tp.param).items()}
 
+    # -- whole families at once -------------------------------------------------------------
+    def plain_views(self) -> bool:
+        """True when every View of this integration is the tensor itself (no shard to merge, no
+        loss scale, no reshaping): collectors then read a whole family with one list
+        comprehension (``grads_of``, ``params_of``) instead of one View per param, which is most
+        of a monitored step's host cost on a model of many small tensors."""
+        cls = type(self)
+        return self.tp_group is None and all(getattr(cls, m) is getattr(Integration, m) for m in _VIEW_METHODS)
+
+    def grads_of(self, params: Sequence[TrackedParam]) -> list[torch.Tensor | None]:
+        """The tensors of ``local_grad``/``reduced_grad`` (equal here) of ``params``, when
+        ``plain_views()``."""
+        if self.use_main_grad:
+            return [getattr(tp.param, "main_grad", None) for tp in params]
+        return [tp.param.grad for tp in params]
+
     def has_moments(self) -> bool:
         from trainmon.collectors.optimizer_state import adapter_for
 
         return adapter_for(self.optimizer) is not None
 
+
+# What a subclass overrides when its Views are not the plain tensors (``plain_views``).
+_VIEW_METHODS = ("local_grad", "reduced_grad", "param", "tp_view", "moments")
 
 _REGISTRY: list[type[Integration]] = []
 

@@ -143,11 +143,11 @@ class StatsEngine:
         """Partials rows of ``tensors`` as they are now, as opaque row handles for
         ``capture_rows``.  Never reads a device value on the host (``no_sync`` is kept for
         callers; every path is sync-free now).  A tensor passed twice is reduced once."""
-        if not self.seam and all(t.is_cpu for t in tensors):
+        if not self.seam and all([t.is_cpu for t in tensors]):  # a list: no frame per tensor
             fused = self._fused()
             if "cpu" not in self.stats_paths:
                 self.stats_paths["cpu"] = "cpu-fused" if fused is not None else "cpu-eager"
-            return list(write_cpu_rows(tensors, self.columns, self.eps, self._host, fused))
+            return write_cpu_rows(tensors, self.columns, self.eps, self._host, fused)  # type: ignore[return-value]
         return self._mixed_partials(tensors)
 
     def _mixed_partials(self, tensors: Sequence[torch.Tensor]) -> list[Any]:
@@ -240,7 +240,7 @@ class StatsEngine:
         """Record rows from ``partials`` under the names of ``items`` (one row may serve several
         names: a tensor that is the output of one module and the input of the next); ``scale``:
         see ``capture``."""
-        if items and any(isinstance(r, Skipped) for r in rows):
+        if items and not isinstance(rows, range) and any([type(r) is Skipped for r in rows]):
             kept = [(it, r) for it, r in zip(items, rows) if not _skipped(family, it.name, r)]
             items, rows = [it for it, _ in kept], [r for _, r in kept]
         if items:
@@ -264,6 +264,34 @@ class StatsEngine:
                 )
             )
 
+    def capture_items(
+        self,
+        family: str,
+        items: list[_Item],
+        tensors: Sequence[torch.Tensor],
+        *,
+        micro_step: int | None = None,
+    ) -> None:
+        """``capture`` for a collector that keeps a family's rows step after step
+        (``collectors.base.FamilyRows``): ``items`` are the rows' ``(name, vpp_stage, shape,
+        dtype)``, built once by the caller and reused (never mutated) while the layout holds, so
+        a step creates no Python object per row; the partials of all ``tensors`` come from one
+        multi-tensor call.  No autograd recording, no host sync."""
+        if not items:
+            return
+        grad_was = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            rows = self.partials(tensors)
+        finally:
+            torch._C._set_grad_enabled(grad_was)
+        if not isinstance(rows, range) and any([type(r) is Skipped for r in rows]):
+            kept = [k for k, r in enumerate(rows) if not _skipped(family, items[k][0], r)]
+            items, rows = [items[k] for k in kept], [rows[k] for k in kept]
+            if not items:
+                return
+        self._pending.append(_Pending(family, items, rows, self.columns, micro_step))
+
     def capture_tensors(
         self,
         family: str,
@@ -276,7 +304,7 @@ class StatsEngine:
         shape: tuple[int, ...] | None = None,
     ) -> None:
         """``capture_rows`` without ``Tracked`` objects, for hooks (activations)."""
-        if any(isinstance(r, Skipped) for r in rows):
+        if not isinstance(rows, range) and any([type(r) is Skipped for r in rows]):
             kept = [k for k, r in enumerate(rows) if not _skipped(family, names[k], r)]
             if not kept:
                 return
@@ -360,8 +388,9 @@ class StatsEngine:
                 continue
             keep = [j for j in range(start, len(p.items)) if p.items[j][1] != vpp_stage]
             dropped += len(p.items) - start - len(keep)
-            p.items[start:] = [p.items[j] for j in keep]
-            p.rows[start:] = [p.rows[j] for j in keep]
+            # New lists: ``items`` may be a collector's reused layout (``capture_items``).
+            p.items = list(p.items[:start]) + [p.items[j] for j in keep]
+            p.rows = list(p.rows[:start]) + [p.rows[j] for j in keep]
         self._pending[max(at - 1, 0) :] = [p for p in pending[max(at - 1, 0) :] if p.items]
         return dropped
 
