@@ -100,21 +100,22 @@ class FamilyRows:
     """One family's rows, step after step, with no Python work per tensor.
 
     The rows' names, stages, shapes and dtypes (the layout) are built once and handed to the
-    engine as they are (``StatsEngine.capture_items``); a step only checks, with a few list
-    comprehensions (loops in C), that the tensors still fit it, and rebuilds it when they do not
-    (a grad appeared or went, a dtype or shape changed, params joined).  Rows are reported
-    under the param's shape.  For integrations whose Views are the tensors themselves
-    (``Integration.plain_views``); the others go through ``capture_views``.
+    engine as they are (``StatsEngine.capture_items``); a step only checks, with two list
+    comprehensions (loops in C that allocate nothing the garbage collector tracks), that the
+    tensors still fit it: which params have one, their dtypes and element counts.  It is rebuilt
+    when they do not (a grad appeared or went, a dtype or size changed, params joined).  Rows are
+    reported under the param's shape (read at the rebuild: a param reshaped in place to the same
+    number of elements keeps its old shape in the rows).  For integrations whose Views are the
+    tensors themselves (``Integration.plain_views``); the others go through ``capture_views``.
     """
 
-    __slots__ = ("_complex", "_dtypes", "_items", "_key", "_present", "_shapes", "engine", "family")
+    __slots__ = ("_complex", "_dtypes", "_items", "_key", "_numels", "engine", "family")
 
     def __init__(self, engine: StatsEngine, family: str):
         self.engine, self.family = engine, family
         self._key: tuple[int, int] | None = None
-        self._present: list[bool] = []
-        self._shapes: list[torch.Size] = []
-        self._dtypes: list[torch.dtype] = []
+        self._dtypes: list[torch.dtype | None] = []
+        self._numels: list[int] = []
         self._items: list[tuple] = []
         self._complex = False
 
@@ -124,27 +125,25 @@ class FamilyRows:
         """Capture ``tensors`` (``None``: that param has none now) as the rows of ``params``.
         False, with nothing captured, for tensors this path does not take (complex ones: the
         caller records them by modulus through ``capture_views``)."""
-        present = [t is not None for t in tensors]
-        kept = tensors if all(present) else [t for t in tensors if t is not None]
-        shapes = [t.shape for t in kept]  # type: ignore[union-attr]
-        dtypes = [t.dtype for t in kept]  # type: ignore[union-attr]
+        dtypes = [None if t is None else t.dtype for t in tensors]
+        kept = [t for t in tensors if t is not None] if None in dtypes else tensors
+        numels = [t.numel() for t in kept]  # type: ignore[union-attr]
         key = (id(params), len(params))
-        if key != self._key or present != self._present or shapes != self._shapes or dtypes != self._dtypes:
-            self._rebuild(params, present, shapes, dtypes)
+        if key != self._key or dtypes != self._dtypes or numels != self._numels:
+            self._rebuild(params, dtypes, numels)
             self._key = key
         if self._complex:
             return False
         self.engine.capture_items(self.family, self._items, kept, micro_step=micro_step)  # type: ignore[arg-type]
         return True
 
-    def _rebuild(
-        self, params: list[TrackedParam], present: list[bool], shapes: list[torch.Size], dtypes: list[torch.dtype]
-    ) -> None:
-        self._present, self._shapes, self._dtypes = present, shapes, dtypes
-        self._complex = any(d.is_complex for d in dtypes)
+    def _rebuild(self, params: list[TrackedParam], dtypes: list[torch.dtype | None], numels: list[int]) -> None:
+        self._dtypes, self._numels = dtypes, numels
+        self._complex = any(d is not None and d.is_complex for d in dtypes)
         self._items = [  # a new list: the engine keeps the old one until its step is written
             (tp.name, tp.vpp_stage, tuple(tp.param.shape), dtype)
-            for tp, dtype in zip([tp for tp, ok in zip(params, present) if ok], dtypes)
+            for tp, dtype in zip(params, dtypes)
+            if dtype is not None
         ]
 
 

@@ -47,6 +47,8 @@ class ParamCollector(Collector):
         self._snapshot = _Snapshot()
         self._plain = self.ctx.integration.plain_views()
         self._rows = {f: FamilyRows(self.ctx.engine, f) for f in (Family.PARAM_ORIGIN, Family.PARAM_UPDATED)}
+        self._ratio_key: tuple[int, int] | None = None
+        self._ratio_items: list[tuple] = []
 
     def _capture(self, family: str) -> None:
         params = self.ctx.params
@@ -60,7 +62,8 @@ class ParamCollector(Collector):
         if self.ctx.config.param_distribution:
             self._capture(Family.PARAM_ORIGIN)
         if self.ctx.config.ur_distribution:
-            self._snapshot.take([v.tensor for v in self._views()])
+            tensors = [tp.param for tp in self.ctx.params] if self._plain else [v.tensor for v in self._views()]
+            self._snapshot.take(tensors)
 
     def on_step_end(self) -> None:
         if self.ctx.config.param_distribution:
@@ -74,6 +77,9 @@ class ParamCollector(Collector):
 
     @torch.no_grad()
     def _capture_update_ratio(self) -> None:
+        if self._plain and self._snapshot.batched:
+            self._capture_update_ratio_block()
+            return
         views = self._views()
         on_host = not self.ctx.engine.seam and all(v.tensor.is_cpu for v in views)
         before, delta = self._snapshot.norms_and_delta_norms([v.tensor for v in views], fp64=on_host)
@@ -84,6 +90,20 @@ class ParamCollector(Collector):
             for tp, v in zip(self.ctx.params, views)
         ]
         self.ctx.engine.capture_values(Family.UPDATE_RATIO, metas, ratios, ("update_ratio",))
+
+    def _capture_update_ratio_block(self) -> None:
+        """Plain params: the norms of a whole family in two multi-tensor calls, the ratios as one
+        ``[params, 1]`` tensor under a layout kept while the params stay the same."""
+        params = self.ctx.params
+        tensors = [tp.param for tp in params]
+        on_host = not self.ctx.engine.seam and all([t.is_cpu for t in tensors])
+        before, delta = self._snapshot.stacked_norms(tensors, fp64=on_host)
+        ratios = (delta / before).reshape(-1, 1)  # IEEE: inf if theta_before is 0, nan if 0/0
+        key = (id(params), len(params))
+        if key != self._ratio_key:
+            self._ratio_key = key
+            self._ratio_items = [(tp.name, tp.vpp_stage, tuple(tp.param.shape), str(tp.param.dtype)) for tp in params]
+        self.ctx.engine.capture_value_block(Family.UPDATE_RATIO, self._ratio_items, ratios, ("update_ratio",))
 
 
 def _merge_norms(
@@ -116,14 +136,32 @@ def _merge_norms(
 
 
 class _Snapshot:
-    """theta_before in buffers that are reused across steps (no allocation per step)."""
+    """theta_before in buffers that are reused across steps (no allocation per step).
+
+    The views into the buffers are kept while the params keep their sizes and dtypes, so a step
+    copies every param in one ``_foreach_copy_`` and takes each side's norms in one
+    ``_foreach_norm`` (``batched``: every param is fp32/bf16/fp16, accumulated in fp32, as the
+    per-tensor reductions below do); other dtypes take one reduction per tensor."""
+
+    _LOW = (torch.float16, torch.bfloat16, torch.float32)
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
         self._views: list[torch.Tensor] = []
+        self._layout: tuple[list[int], list[torch.dtype], torch.device | None] | None = None
+        self.batched = False
 
     @torch.no_grad()
     def take(self, params: list[torch.Tensor]) -> None:
+        layout = ([p.numel() for p in params], [p.dtype for p in params], params[0].device if params else None)
+        if layout != self._layout:
+            self._layout = layout
+            self._make_views(params)
+            self.batched = all([d in self._LOW for d in layout[1]])
+        if self._views:
+            torch._foreach_copy_(self._views, params)
+
+    def _make_views(self, params: list[torch.Tensor]) -> None:
         sizes: dict[tuple[torch.device, torch.dtype], int] = defaultdict(int)
         for p in params:
             sizes[(p.device, p.dtype)] += p.numel()
@@ -135,10 +173,8 @@ class _Snapshot:
         self._views = []
         for p in params:
             key = (p.device, p.dtype)
-            view = self._buffers[key][offsets[key] : offsets[key] + p.numel()].view_as(p)
+            self._views.append(self._buffers[key][offsets[key] : offsets[key] + p.numel()].view_as(p))
             offsets[key] += p.numel()
-            view.copy_(p)
-            self._views.append(view)
 
     @torch.no_grad()
     def norms_and_delta_norms(
@@ -147,6 +183,9 @@ class _Snapshot:
         """0-d norms of theta_before and of theta_before - theta_after.  ``fp64``: float64 results
         (CPU tensors: free there); otherwise float32 (accelerators: no fp64 on the device, MPS has
         none, Ascend emulates it), accumulated in fp32 inside the reduction for every dtype."""
+        if self.batched and self._views:
+            before, delta = self.stacked_norms(params, fp64)
+            return list(before.unbind(0)), list(delta.unbind(0))
         if not fp64:
             return self._fp32_norms(params)
         acc = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
@@ -156,6 +195,14 @@ class _Snapshot:
             v.sub_(p)  # the snapshot is not needed after this step: reuse it for the difference
             delta.append(torch.linalg.vector_norm(v, dtype=acc.get(v.dtype)).double())
         return before, delta
+
+    @torch.no_grad()
+    def stacked_norms(self, params: list[torch.Tensor], fp64: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """``norms_and_delta_norms`` as two ``[params]`` tensors, when ``batched``."""
+        before = torch.stack(torch._foreach_norm(self._views, 2, dtype=torch.float32))
+        torch._foreach_sub_(self._views, params)  # the snapshot is not needed after this step
+        delta = torch.stack(torch._foreach_norm(self._views, 2, dtype=torch.float32))
+        return (before.double(), delta.double()) if fp64 else (before, delta)
 
     def _fp32_norms(self, params: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The device path: one fp32 norm per tensor per side, nothing else per tensor (an fp64

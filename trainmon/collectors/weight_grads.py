@@ -118,24 +118,23 @@ class WeightGradCollector(Collector):
             self.handles.append(post_accumulate_grad_hook(tp.param, body))
 
     def _on_sentinel(self, _param: object = None) -> None:
-        if not self._by_sentinels:
-            return  # replaced by one hook per param (``_check_backward_seen``)
         clock = self.ctx.clock
-        index = clock.enter_backward()
-        if clock.is_last_micro_batch(index) and self._pass_seen != (clock.step, index):
-            self._pass_seen = (clock.step, index)  # one capture per pass, however many sentinels
+        this_pass = (clock.step, clock.backward_index)  # backward_index moves when the pass ends
+        if this_pass == self._pass_seen or not self._by_sentinels:
+            return  # another sentinel of this pass came first, or replaced by per-param hooks
+        self._pass_seen = this_pass
+        if clock.is_last_micro_batch(clock.enter_backward()):
             clock.on_backward_end(self._capture_at_backward_end)
 
     def _capture_at_backward_end(self) -> None:
         self._end_seen = True
         self.ctx.guard.run(self, self._capture_family, Family.GRAD_UNREDUCED, self.ctx.params)
 
-    def _capture_family(self, family: str, params: list[TrackedParam]) -> list[TrackedParam]:
-        """Every grad of ``params`` as one family capture; returns the params that had one."""
+    def _capture_family(self, family: str, params: list[TrackedParam]) -> None:
+        """Every grad of ``params`` as one family capture."""
         grads = self.ctx.integration.grads_of(params)
         if not self._rows[family].capture(params, grads):  # complex grads: by modulus
             capture_views(self.ctx, family, [(tp, View(g)) for tp, g in zip(params, grads) if g is not None])
-        return [tp for tp, g in zip(params, grads) if g is not None]
 
     def _hook_params(self, params: list[TrackedParam]) -> None:
         """The generic route's per-param grad hooks."""

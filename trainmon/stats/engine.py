@@ -92,6 +92,7 @@ class _Pending:
     extra: dict[str, Any] | None = None
     is_values: bool = False
     integers: tuple[int, ...] = ()  # value columns recorded as ints (flags, counts)
+    block: bool = False  # value rows given as one [rows, columns] tensor (``capture_value_block``)
     group: Any = None  # process group to merge over (sharded tensors)
     slot: Any = None  # (device, index) of this capture's tensors in the step's copy
     scale: Any = None  # divide the partials by this (float, or a device 0-d tensor)
@@ -370,6 +371,21 @@ class StatsEngine:
                 )
             )
 
+    def capture_value_block(
+        self, family: str, items: list[_Item], values: torch.Tensor, columns: Sequence[str]
+    ) -> None:
+        """``capture_values`` of one ``[len(items), len(columns)]`` tensor whose rows are
+        ``items`` (reused by the caller while its layout holds, as in ``capture_items``): one
+        tensor per family and step instead of one per row."""
+        if not items:
+            return
+        if (self.seam or not values.is_cpu) and stream_capturing(values.device):
+            self._warn_capturing()
+            return
+        if not values.is_cpu and unreadable_device(values.device) is not None:
+            return
+        self._pending.append(_Pending(family, items, [values.detach()], tuple(columns), is_values=True, block=True))
+
     def mark(self) -> tuple[int, int]:
         """Where the captures stand now, for ``drop_since``: (pending entries, items of the last)."""
         pending = self._pending
@@ -542,6 +558,8 @@ def _values_of(
             extras[device] = copies[device].extra()  # type: ignore[union-attr]
         ex = extras[device]
         return _merged_rows(ex[k], ex[k + 1], p.columns) if p.group is not None else ex[k].double().tolist()
+    if p.block:
+        return p.rows[0].double().tolist()
     row_values = []
     for r in p.rows:
         if isinstance(r, int):
@@ -573,7 +591,7 @@ def _device_extras(pending: list[_Pending], seam: bool) -> dict[torch.device, li
             device = p.rows[0].device
             slots = extras.setdefault(device, [])
             p.slot = (device, len(slots))
-            slots.append(torch.stack([r.to(device) for r in p.rows]))
+            slots.append(p.rows[0] if p.block else torch.stack([r.to(device) for r in p.rows]))
         elif p.group is not None and not p.is_values and isinstance(p.rows[0], tuple):
             groups.setdefault(id(p.group), []).append(p)
     for members in groups.values():
