@@ -102,3 +102,72 @@ def test_model_input_rows_are_the_batches_fed_to_the_model(tmp_path):
         assert (row.name, row.dtype, row.shape) == ("input.0", "torch.int64", str(list(x.shape)))
         assert (row.mean, row.min, row.max) == (x.mean().item(), x.min().item(), x.max().item())
     assert sorted(zip(df["step"], df["micro_step"])) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+def _loss_frames(fn) -> int:
+    """Python frames of the loss collector's own code while ``fn`` runs."""
+    import sys
+
+    seen = [0]
+
+    def profile(frame, event, _arg):
+        if event == "call" and frame.f_code.co_filename.endswith("collectors/loss.py"):
+            seen[0] += 1
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return seen[0]
+
+
+@pytest.mark.parametrize("where", ["within the step", "after the step"])
+def test_loss_recording_that_starts_mid_run_files_each_value_under_its_step(make_config, output_root, where):
+    """Nothing of the loss collector runs until the first record_loss; that call, made steps after
+    set_monitor, is filed under the right step whichever side of optimizer.step() it is on."""
+    torch.manual_seed(0)
+    model = TinyGPT(SMALL)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = TrainerMon(make_config()).set_monitor(model, optimizer=opt)
+    data = synthetic_batches(SMALL, 2, 6, seed=1)
+    want, frames = {}, []
+
+    def step(number: int) -> None:
+        loss = model.loss(next(data))
+        loss.backward()
+        if number >= 3 and where == "within the step":
+            monitor.record_loss(loss)
+        opt.step()
+        opt.zero_grad()
+        if number >= 3 and where == "after the step":
+            monitor.record_loss(loss)
+            monitor.record_loss(loss.item() * 2)  # a second call before the step is known
+        if number >= 3:
+            want[(number, 0)] = loss.item()
+            if where == "after the step":
+                want[(number, 1)] = loss.item() * 2
+
+    for number in range(6):
+        frames.append(_loss_frames(lambda number=number: step(number)))
+    monitor.close()
+    assert frames[1] == frames[2] == 1  # no forward hook: one step-end call, nothing per forward
+    df = read_family(monitor.run_dir / "rank0", "loss")
+    assert {(r.step, r.micro_step): r.loss for r in df.itertuples(index=False)} == pytest.approx(want)
+
+
+def test_a_first_late_call_on_the_last_step_is_filed_at_close(make_config, output_root):
+    torch.manual_seed(0)
+    model = TinyGPT(SMALL)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = TrainerMon(make_config()).set_monitor(model, optimizer=opt)
+    data = synthetic_batches(SMALL, 2, 4, seed=1)
+    for _ in range(3):
+        loss = model.loss(next(data))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    monitor.record_loss(loss)  # after the last step, as a Trainer's final on_step_end
+    monitor.close()
+    df = read_family(monitor.run_dir / "rank0", "loss")
+    assert [(r.step, r.micro_step, r.loss) for r in df.itertuples(index=False)] == [(2, 0, pytest.approx(loss.item()))]

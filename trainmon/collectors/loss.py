@@ -10,7 +10,13 @@ call belongs to is the one whose forward ran last: a call after ``optimizer.step
 next forward) still belongs to the step just finished, whose rows were already handed to the
 sink, so its row is written on its own and its value read on the writer thread.  To know which
 forward ran last, a forward pre-hook on the first model chunk counts forward calls (a counter
-increment per forward; no tensor is touched).
+increment per forward; no tensor is touched).  The hook is installed by the first
+``record_loss`` call: a loop that never records its loss runs nothing for it.  That first call
+cannot know yet whether a forward ran since the last optimizer step, so (unless no step has
+passed since ``set_monitor``) its value waits for the next event: a forward first means the call
+came after the step (the row is the finished step's), the step boundary first means it came
+within the step; a monitor closed before either files it under the finished step (what the HF
+and Lightning callbacks do).
 """
 
 from __future__ import annotations
@@ -52,13 +58,20 @@ class LossCollector(Collector):
 
     @staticmethod
     def enabled(config) -> bool:
-        return True  # costs one counter per forward; rows only when record_loss is called
+        return True  # nothing runs until record_loss is called
 
     def attach(self) -> None:
         self._forward_step: int | None = None  # step of the last forward
         self._calls: dict[int, int] = {}  # step -> record_loss calls so far
         self._collected: int | None = None
         self._warned = False
+        self._hooked = False
+        self._attached_at = self.ctx.clock.step
+        self._waiting: list[tuple[int, torch.Tensor, tuple, str]] = []  # (clock step, value, shape, dtype)
+        self.write_late: Any = None  # set by the session: writes a finished step's rows
+
+    def _hook_forward(self) -> None:
+        self._hooked = True
         chunk = self.ctx.chunks[0] if self.ctx.chunks else None
         if isinstance(chunk, nn.Module):
             hook = hook_fn(self.ctx.guard.wrap(self, self._on_forward), uses_compile([chunk]))
@@ -66,10 +79,29 @@ class LossCollector(Collector):
 
     def _on_forward(self, _module: nn.Module, _args: Any) -> None:
         if not in_backward():
+            if self._waiting:
+                self._resolve_waiting(late=True)
             self._forward_step = self.ctx.clock.step
 
     def on_step_end(self) -> None:
+        if self._waiting:
+            self._resolve_waiting(late=False)
         self._collected = self.ctx.clock.step
+
+    def detach(self) -> None:
+        if self._waiting:
+            self._resolve_waiting(late=True)
+        super().detach()
+
+    def _resolve_waiting(self, late: bool) -> None:
+        """The first calls' values, now that a forward (``late``) or a step end came first."""
+        waiting, self._waiting = self._waiting, []
+        for at, value, shape, dtype in waiting:
+            if at != self.ctx.clock.step:  # a boundary of a step that was not collected passed: within it
+                continue
+            rows = self._file(value, shape, dtype, late)
+            if rows is not None and self.write_late is not None:
+                self.write_late(*rows)
 
     def record(self, loss: Any) -> tuple[StepRows, int] | None:
         """Capture ``loss`` for its step; rows to write at once (a late call), else None."""
@@ -85,7 +117,20 @@ class LossCollector(Collector):
             return None
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else ()
         dtype = str(loss.dtype) if isinstance(loss, torch.Tensor) else type(loss).__name__
-        late = self._forward_step is not None and self._forward_step < clock.step
+        if not self._hooked:
+            self._hook_forward()
+            if clock.step != self._attached_at:  # a step passed: which step is this? (docstring)
+                self._waiting.append((clock.step, value, shape, dtype))
+                return None
+        if self._waiting:  # more calls before the first one's step is known: they share it
+            if self._waiting[0][0] == clock.step:
+                self._waiting.append((clock.step, value, shape, dtype))
+                return None
+            self._waiting = []  # from a step that was not collected
+        return self._file(value, shape, dtype, self._forward_step is not None and self._forward_step < clock.step)
+
+    def _file(self, value: torch.Tensor, shape: tuple, dtype: str, late: bool) -> tuple[StepRows, int] | None:
+        clock = self.ctx.clock
         step = clock.step - 1 if late else clock.step
         micro = self._calls.get(step, 0)
         self._calls = {step: micro + 1}

@@ -53,6 +53,8 @@ class Session:
         forget_in_forked_child(self)
         for c in list(self.collectors):
             ctx.guard.run(c, c.attach)
+            if c.name == "loss":
+                c.write_late = self._write_late  # type: ignore[attr-defined]
         # params unfrozen or added to the optimizer later join ctx.params (runtime.param_watch)
         self._watch = ParamWatch(ctx, self._params_joined) if self.collectors else None
         if optimizer is not None:
@@ -131,6 +133,11 @@ class Session:
         if late is not None:
             self.sink.write(*late)
 
+    def _write_late(self, rows: StepRows, step: int) -> None:
+        """A finished step's rows found after its write (the loss collector's first call)."""
+        if not self._inherited:
+            self.sink.write(rows, step)
+
     def _capture_step_row(self, skipped: bool) -> None:
         """The ``steps`` row of a loss-scaled step (no host sync: copied with the step's stats)."""
         scale, self._scale = self._scale, None
@@ -154,7 +161,7 @@ class Session:
             self.ctx.engine.discard()
             return
         if skipped:  # captured before the step was known to be skipped (Megatron): not written
-            rows = StepRows(functools.partial(_without_optimizer_rows, rows))
+            rows = StepRows(functools.partial(_without_optimizer_rows, rows), rows.wall_time)
         self.sink.write(rows, step)
         paths = self.ctx.engine.stats_paths
         if paths != self._paths_recorded and self.ctx.rank == 0 and self.ctx.run_dir is not None:
