@@ -32,7 +32,16 @@ from trainmon.core.naming import TargetMatcher, TrackedParam
 from trainmon.core.schedule import StepClock
 from trainmon.stats.engine import StatsEngine, Tracked
 
-__all__ = ["Collector", "CollectorContext", "register_collector", "collector_classes", "Guard", "capture_views"]
+__all__ = [
+    "Collector",
+    "CollectorContext",
+    "register_collector",
+    "collector_classes",
+    "Guard",
+    "capture_views",
+    "capture_plain",
+    "FamilyRows",
+]
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +103,24 @@ def _capture_modulus(
     2-norm, ``min``/``max``/``mean`` are of ``|z|``), recorded under the tensor's own dtype."""
     rows = ctx.engine.partials([it.tensor.abs() for it in items])
     ctx.engine.capture_rows(family, items, rows, micro_step=micro_step, group=group, scale=scale)
+
+
+@dataclass(frozen=True, slots=True)
+class _PlainView:
+    """A whole tensor as ``capture_views`` takes it (no shard group, no shape, no scale)."""
+
+    tensor: torch.Tensor
+    group: Any = None
+    shape: Any = None
+    scale: Any = None
+
+
+def capture_plain(
+    ctx: CollectorContext, family: str, params: Sequence[TrackedParam], tensors: Sequence[torch.Tensor | None]
+) -> None:
+    """``capture_views`` of whole tensors (``None``: that param has none): the path of what
+    ``FamilyRows`` does not take (complex tensors, recorded by their modulus)."""
+    capture_views(ctx, family, [(tp, _PlainView(t)) for tp, t in zip(params, tensors) if t is not None])
 
 
 class FamilyRows:

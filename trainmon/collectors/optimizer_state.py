@@ -42,9 +42,8 @@ from typing import Any, Protocol
 
 import torch
 
-from trainmon.collectors.base import Collector, FamilyRows, capture_views, register_collector
+from trainmon.collectors.base import Collector, FamilyRows, capture_plain, capture_views, register_collector
 from trainmon.families import FAMILIES, OPTIMIZER_STATE
-from trainmon.integrations.base import View
 
 __all__ = [
     "OptimizerStateCollector",
@@ -176,7 +175,7 @@ class OptimizerStateCollector(Collector):
             if rows is None:
                 rows = self._rows[family] = FamilyRows(self.ctx.engine, family)
             if not rows.capture(params, tensors):  # complex state: by modulus
-                capture_views(self.ctx, family, [(tp, View(t)) for tp, t in zip(params, tensors) if t is not None])
+                capture_plain(self.ctx, family, params, tensors)
         return found
 
     def _capture_from_adapter(self) -> bool:

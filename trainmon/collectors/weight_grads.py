@@ -45,11 +45,10 @@ from __future__ import annotations
 import functools
 import logging
 
-from trainmon.collectors.base import Collector, FamilyRows, capture_views, register_collector
+from trainmon.collectors.base import Collector, FamilyRows, capture_plain, capture_views, register_collector
 from trainmon.core.hooks import Handle, post_accumulate_grad_hook
 from trainmon.core.naming import TrackedParam
 from trainmon.families import Family
-from trainmon.integrations.base import View
 
 __all__ = ["WeightGradCollector"]
 
@@ -134,7 +133,7 @@ class WeightGradCollector(Collector):
         """Every grad of ``params`` as one family capture."""
         grads = self.ctx.integration.grads_of(params)
         if not self._rows[family].capture(params, grads):  # complex grads: by modulus
-            capture_views(self.ctx, family, [(tp, View(g)) for tp, g in zip(params, grads) if g is not None])
+            capture_plain(self.ctx, family, params, grads)
 
     def _hook_params(self, params: list[TrackedParam]) -> None:
         """The generic route's per-param grad hooks."""
