@@ -32,3 +32,27 @@ def make_config(tmp_path):
 
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+# The fast tier (`-m "not slow"`) stays fast: an unmarked test that runs longer than this fails
+# and says to mark it slow (or make it faster).  Wall time of the test's own call, on a loaded
+# 2-core CI machine; TRAINMON_FAST_TEST_LIMIT_S moves it (0 turns the check off).
+FAST_TEST_LIMIT_S = float(os.environ.get("TRAINMON_FAST_TEST_LIMIT_S", "3"))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if (
+        call.when == "call"
+        and report.passed
+        and FAST_TEST_LIMIT_S > 0
+        and call.duration > FAST_TEST_LIMIT_S
+        and item.get_closest_marker("slow") is None
+    ):
+        report.outcome = "failed"
+        report.longrepr = (
+            f"{item.nodeid} took {call.duration:.1f} s, over the fast tier's {FAST_TEST_LIMIT_S:g} s: "
+            "mark it @pytest.mark.slow or make it faster (TRAINMON_FAST_TEST_LIMIT_S)"
+        )
