@@ -46,7 +46,7 @@ class ParamCollector(Collector):
     def attach(self) -> None:
         self._snapshot = _Snapshot()
         self._plain = self.ctx.integration.plain_views()
-        self._rows = {f: FamilyRows(self.ctx.engine, f) for f in (Family.PARAM_ORIGIN, Family.PARAM_UPDATED)}
+        self._rows = {str(f): FamilyRows(self.ctx.engine, f) for f in (Family.PARAM_ORIGIN, Family.PARAM_UPDATED)}
         self._ratio_key: tuple[int, int] | None = None
         self._ratio_items: list[tuple] = []
 
@@ -95,7 +95,7 @@ class ParamCollector(Collector):
         """Plain params: the norms of a whole family in two multi-tensor calls, the ratios as one
         ``[params, 1]`` tensor under a layout kept while the params stay the same."""
         params = self.ctx.params
-        tensors = [tp.param for tp in params]
+        tensors: list[torch.Tensor] = [tp.param for tp in params]
         on_host = not self.ctx.engine.seam and all([t.is_cpu for t in tensors])
         before, delta = self._snapshot.stacked_norms(tensors, fp64=on_host)
         ratios = (delta / before).reshape(-1, 1)  # IEEE: inf if theta_before is 0, nan if 0/0
@@ -184,8 +184,8 @@ class _Snapshot:
         (CPU tensors: free there); otherwise float32 (accelerators: no fp64 on the device, MPS has
         none, Ascend emulates it), accumulated in fp32 inside the reduction for every dtype."""
         if self.batched and self._views:
-            before, delta = self.stacked_norms(params, fp64)
-            return list(before.unbind(0)), list(delta.unbind(0))
+            stacked = self.stacked_norms(params, fp64)
+            return list(stacked[0].unbind(0)), list(stacked[1].unbind(0))
         if not fp64:
             return self._fp32_norms(params)
         acc = {torch.float16: torch.float32, torch.bfloat16: torch.float32}

@@ -75,7 +75,7 @@ class WeightGradCollector(Collector):
 
     def attach(self) -> None:
         self._plain = self.ctx.integration.plain_views()
-        self._rows = {f: FamilyRows(self.ctx.engine, f) for f in (Family.GRAD_UNREDUCED, Family.GRAD_REDUCED)}
+        self._rows = {str(f): FamilyRows(self.ctx.engine, f) for f in (Family.GRAD_UNREDUCED, Family.GRAD_REDUCED)}
         self._by_sentinels = False
         self._ready: list[TrackedParam] = []
         self._captured: set[int] = set()

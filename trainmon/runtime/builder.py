@@ -25,7 +25,7 @@ from trainmon.families import FAMILIES, Family
 from trainmon.integrations import select_integration
 from trainmon.runtime.features import unsupported_problems
 from trainmon.runtime.run_dir import rank_dir
-from trainmon.runtime.session import Session
+from trainmon.runtime.session import Session, StepSession
 from trainmon.sinks import create_sink
 from trainmon.sinks.base import NullSink, Sink, SinkOptions
 from trainmon.stats.engine import StatsEngine
@@ -104,7 +104,7 @@ class SessionBuilder:
         self.check_targets(cfg, str(path))
         return cfg
 
-    def build(self, cfg: MonitorConfig, first_step: int, step_optimizer: Any = None) -> Session:
+    def build(self, cfg: MonitorConfig, first_step: int, step_optimizer: Any = None) -> StepSession:
         """A session collecting ``cfg`` from step ``first_step``.
 
         With ``step_optimizer`` the session wraps that optimizer's step itself; without, whoever
@@ -114,7 +114,7 @@ class SessionBuilder:
         if cfg.on_anomaly is not None:
             from trainmon.runtime.escalation import EscalatingSession
 
-            return EscalatingSession(self, cfg, first_step, step_optimizer)  # type: ignore[return-value]
+            return EscalatingSession(self, cfg, first_step, step_optimizer)
         return self.build_session(cfg, first_step, step_optimizer)
 
     def build_session(

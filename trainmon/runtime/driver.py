@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from trainmon.runtime.session import Session
+from trainmon.runtime.session import StepSession
 
 __all__ = ["StepDriver", "StaticDriver"]
 
 
 class StepDriver(Protocol):
     @property
-    def session(self) -> Session | None:
+    def session(self) -> StepSession | None:
         """The session collecting now, if any."""
 
     @property
@@ -33,11 +33,11 @@ class StepDriver(Protocol):
 class StaticDriver:
     """One session for the whole job; the session wraps the optimizer's step itself."""
 
-    def __init__(self, session: Session):
+    def __init__(self, session: StepSession):
         self._session = session
 
     @property
-    def session(self) -> Session:
+    def session(self) -> StepSession:
         return self._session
 
     @property

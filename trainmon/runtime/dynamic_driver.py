@@ -39,7 +39,7 @@ from trainmon.integrations.amp import wrap_step_with_scaler
 from trainmon.runtime.agreement import Agreement
 from trainmon.runtime.builder import SessionBuilder
 from trainmon.runtime.forked import forget_in_forked_child
-from trainmon.runtime.session import Session
+from trainmon.runtime.session import StepSession
 
 __all__ = ["Agreement", "DynamicDriver", "describe"]
 
@@ -83,7 +83,7 @@ class DynamicDriver:
         builder.agreement = self.agreement  # escalations (runtime.escalation) agree over it too
         self.stager: ConfigStager | None = None
         self.watcher: ConfigWatcher | None = None
-        self.session: Session | None = None
+        self.session: StepSession | None = None
         self.config: MonitorConfig | None = None
         self.applied = 0  # version of the decision in force
         self.broken = False
@@ -198,7 +198,7 @@ class DynamicDriver:
         if new.clock.finished:
             self._stop("nothing to collect")
 
-    def _build(self, cfg: MonitorConfig) -> Session | None:
+    def _build(self, cfg: MonitorConfig) -> StepSession | None:
         try:
             return self.builder.build(cfg, first_step=self.step)
         except ConfigError as exc:

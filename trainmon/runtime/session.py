@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
@@ -19,7 +19,7 @@ from trainmon.collectors import Collector, CollectorContext, collector_classes
 from trainmon.collectors.base import Guard
 from trainmon.core.hooks import Handle
 from trainmon.core.naming import TrackedParam
-from trainmon.core.schedule import Schedule
+from trainmon.core.schedule import Schedule, StepClock
 from trainmon.families import FAMILIES, Family, Phase
 from trainmon.integrations import amp
 from trainmon.runtime.forked import forget_in_forked_child
@@ -32,9 +32,36 @@ from trainmon.stats.rows import RowBlock, StepRows
 if TYPE_CHECKING:
     from trainmon.collectors.loss import LossCollector
 
-__all__ = ["Session"]
+__all__ = ["Session", "StepSession"]
 
 log = logging.getLogger(__name__)
+
+
+class StepSession(Protocol):
+    """What the step drivers use of a session: a ``Session``, or an ``EscalatingSession``
+    (``runtime.escalation``) that runs a base session and escalation windows behind the same
+    calls."""
+
+    @property
+    def ctx(self) -> CollectorContext: ...
+
+    @property
+    def clock(self) -> StepClock: ...
+
+    @property
+    def collectors(self) -> list[Collector]: ...
+
+    def step_entry(self) -> None: ...
+
+    def before_step(self) -> None: ...
+
+    def after_step(self) -> None: ...
+
+    def record_loss(self, loss: Any) -> None: ...
+
+    def go_idle(self) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class Session:
@@ -65,7 +92,7 @@ class Session:
             self.go_idle()
 
     @property
-    def clock(self):
+    def clock(self) -> StepClock:
         return self.ctx.clock
 
     def _overriding(self, method: str, skipped: bool) -> list[Collector]:
