@@ -33,7 +33,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from trainmon.testing.tiny_gpt import GPTConfig, TinyGPT, synthetic_batches  # noqa: E402
 
-OPS = ["norm", "mean", "min", "max"]
+OPS = ["norm", "mean", "min", "max", "nans"]  # the shipped configs' list (README, monitor_config.json)
 ALL = {"wg_distribution": True, "mv_distribution": True, "param_distribution": True}
 XY = {"xy_distribution": True, "all_xy": True}
 CONFIGS = {
