@@ -74,6 +74,8 @@ class TrainerMon:
         self.run_dir: Path | None = None
         self._driver: StepDriver | None = None
         self._output_resolved = False
+        # A sinks.summary.SummaryBoard set by a framework callback (forward_to_loggers) before set_monitor.
+        self.summary: Any = None
         if _dist.initialized():
             self._resolve_output()
         _register_exit_close(self)
@@ -132,6 +134,7 @@ class TrainerMon:
             builder.check_targets(self.config, str(self.config_file_path))
         self._resolve_output()
         builder.run_dir = self.run_dir
+        builder.summary = self.summary
         start_iteration = first_step(self.run_dir, self.rank, start_iteration)  # resume: run_dir.first_step
         if optimizer is None:
             log.warning(

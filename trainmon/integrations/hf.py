@@ -19,6 +19,15 @@ callback finds that engine (the one whose ``optimizer`` is the wrapper's) and at
 ``set_monitor(engine, optimizer=engine.optimizer)`` does, so ``grad_reduced`` is the clipped fp32
 grad DeepSpeed's inner optimizer applies and the moments are read from this rank's partitions.
 
+``TrainerMonCallback(path, forward_to_loggers=True)`` also puts a small summary of the last recorded
+step (``trainmon.sinks.summary``: by default each tensor's ``grad_reduced`` norm and ``update_ratio``
+and the family totals) into the ``logs`` the Trainer hands its callbacks in ``on_log``, so that its
+``report_to`` integrations (TensorBoard, W&B, MLflow, ...) log it with the Trainer's loss.  The
+callback moves itself ahead of those integrations at train begin (the Trainer puts user callbacks
+after them).  The summary is made on trainmon's writer thread; ``on_log`` waits at most
+``summary_wait_s`` for the step just finished (then logs the newest finished one, its step in
+``trainmon/step``).
+
 transformers is not a dependency of trainmon; this module needs it (``pip install "trainmon[hf]"``)
 and without it fails to import with one line saying so.
 """
@@ -32,6 +41,7 @@ from typing import Any
 
 from trainmon.core.schedule import EpochAccumulation
 from trainmon.monitor import TrainerMon
+from trainmon.sinks.summary import PREFIX, SummaryBoard, SummarySpec, summary_spec
 
 try:
     from transformers import TrainerCallback
@@ -48,11 +58,28 @@ class TrainerMonCallback(TrainerCallback):
 
     Args:
         config_path: the JSON config (a bad config raises ``ConfigError`` here, before training).
+        forward_to_loggers: also put a summary of the last recorded step into ``on_log``'s
+            ``logs`` (for the ``report_to`` integrations): ``True`` (the default summary:
+            ``grad_reduced`` norms and ``update_ratio``, per tensor and totals), a family name or a
+            list of them (every statistic of those families), or a
+            ``trainmon.sinks.summary.SummarySpec``.  Off (``False``) by default.
+        summary_wait_s: how long ``on_log`` waits at most for the summary of the step just finished
+            (made on the writer thread); after one timeout it stops waiting, with one warning.
         **monitor_kwargs: passed to ``TrainerMon`` (``process_group``, ``params_have_main_grad``).
     """
 
-    def __init__(self, config_path: str | os.PathLike[str], **monitor_kwargs: Any):
+    def __init__(
+        self,
+        config_path: str | os.PathLike[str],
+        forward_to_loggers: bool | str | list[str] | SummarySpec = False,
+        summary_wait_s: float = 2.0,
+        **monitor_kwargs: Any,
+    ):
+        spec = summary_spec(forward_to_loggers)  # a bad selection fails here, before training
         self.monitor = TrainerMon(config_path, **monitor_kwargs)
+        self.summary = SummaryBoard(spec) if spec is not None else None
+        self.monitor.summary = self.summary
+        self.summary_wait_s: float | None = summary_wait_s
 
     def on_train_begin(
         self,
@@ -64,6 +91,8 @@ class TrainerMonCallback(TrainerCallback):
         train_dataloader: Any = None,
         **kwargs: Any,
     ) -> None:
+        if self.summary is not None:
+            _run_before_integrations(self)
         if model is None or optimizer is None:
             log.warning(
                 "trainmon: the Trainer gave the callback no %s; nothing is monitored",
@@ -92,12 +121,46 @@ class TrainerMonCallback(TrainerCallback):
         # The Trainer hands callbacks no per-step loss: ``logs["loss"]`` is its mean over the last
         # ``logging_steps`` steps (per step with ``logging_steps=1``).  on_log runs after the step,
         # so record_loss files it under the step just finished.
+        if self.summary is not None and logs is not None:
+            self._add_summary(logs)
         loss = (logs or {}).get("loss")
         if isinstance(loss, (int, float)):
             self.monitor.record_loss(float(loss))
 
+    def _add_summary(self, logs: dict) -> None:
+        """The newest finished summary into ``logs`` (the integrations log them at the Trainer's
+        ``global_step``, which is trainmon's step + 1 after that step, as for the Trainer's loss)."""
+        assert self.summary is not None
+        if self.summary_wait_s is not None and not self.summary.wait_for_submitted(self.summary_wait_s):
+            log.warning(
+                "trainmon: the summary for the Trainer's loggers was not ready within summary_wait_s=%ss; "
+                "from now on the newest ready one is logged (its step in %s/step), without waiting",
+                self.summary_wait_s,
+                PREFIX,
+            )
+            self.summary_wait_s = None
+        taken = self.summary.take()
+        if taken:
+            step, values = taken[-1]  # older ones are in the files; logs holds one value per key
+            logs.update(values)
+            logs[f"{PREFIX}/step"] = step
+
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.monitor.close()
+
+
+def _run_before_integrations(callback: TrainerCallback) -> None:
+    """Move ``callback`` ahead of the Trainer's ``report_to`` integrations in its callback list, so
+    that what it adds to ``on_log``'s ``logs`` reaches them.  Callbacks are handed neither the
+    Trainer nor its ``CallbackHandler``: the list is found among the callback's referrers (once,
+    at train begin)."""
+    for ref in gc.get_referrers(callback):
+        if not isinstance(ref, list) or not all([isinstance(c, TrainerCallback) for c in ref]):
+            continue
+        integrations = [i for i, c in enumerate(ref) if type(c).__module__.startswith("transformers.integrations")]
+        if integrations and ref.index(callback) > integrations[0]:
+            ref.remove(callback)
+            ref.insert(integrations[0], callback)
 
 
 def _batches_per_epoch(dataloader: Any) -> int | None:

@@ -15,8 +15,17 @@ data by then) to the ``LightningModule`` and its optimizer.  Both kinds of optim
   grad_acc_steps=4)``.
 
 Steps are Lightning's ``global_step`` numbers.  ``on_train_end`` (and ``on_exception``) flushes and
-removes every hook.  Lightning is not a dependency of trainmon (``pip install "trainmon[lightning]"``);
-both ``lightning`` and the older ``pytorch_lightning`` package are accepted.
+removes every hook.
+
+``TrainerMonCallback(path, forward_to_loggers=True)`` also hands a small summary of each recorded
+step (``trainmon.sinks.summary``: by default each tensor's ``grad_reduced`` norm and
+``update_ratio`` and the family totals) to every logger of ``trainer.loggers`` (``log_metrics``
+with trainmon's step).  The summary is made on trainmon's writer thread; ``on_train_batch_end``
+only takes the finished ones (a lock and a list swap), so a step's values reach the loggers at the
+next batch end or at ``on_train_end``.
+
+Lightning is not a dependency of trainmon (``pip install "trainmon[lightning]"``); both ``lightning``
+and the older ``pytorch_lightning`` package are accepted.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ from typing import Any
 
 from trainmon.core.schedule import EpochAccumulation
 from trainmon.monitor import TrainerMon
+from trainmon.sinks.summary import SummaryBoard, SummarySpec, summary_spec
 
 try:
     from lightning.pytorch.callbacks import Callback
@@ -50,6 +60,11 @@ class TrainerMonCallback(Callback):
         grad_acc_steps: backward passes per optimizer step; ``None`` (default) takes the Trainer's
             ``accumulate_grad_batches`` (set it yourself with manual optimization and accumulation).
         optimizer_index: which of ``configure_optimizers``' optimizers is the step boundary.
+        forward_to_loggers: also log a summary of each recorded step to ``trainer.loggers``:
+            ``True`` (the default summary: ``grad_reduced`` norms and ``update_ratio``, per tensor
+            and totals), a family name or a list of them (every statistic of those families), or a
+            ``trainmon.sinks.summary.SummarySpec`` (families, stats, names, per_tensor, totals).
+            Off (``False``) by default.
         **monitor_kwargs: passed to ``TrainerMon`` (``process_group``, ``params_have_main_grad``).
     """
 
@@ -58,11 +73,16 @@ class TrainerMonCallback(Callback):
         config_path: str | os.PathLike[str],
         grad_acc_steps: int | None = None,
         optimizer_index: int = 0,
+        forward_to_loggers: bool | str | list[str] | SummarySpec = False,
         **monitor_kwargs: Any,
     ):
+        spec = summary_spec(forward_to_loggers)  # a bad selection fails here, before training
         self.monitor = TrainerMon(config_path, **monitor_kwargs)
         self.grad_acc_steps = grad_acc_steps
         self.optimizer_index = optimizer_index
+        self.summary = SummaryBoard(spec) if spec is not None else None
+        self.monitor.summary = self.summary
+        self._logger_failed = False
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         optimizers = list(trainer.optimizers)
@@ -113,8 +133,32 @@ class TrainerMonCallback(Callback):
             loss = loss.detach() * trainer.accumulate_grad_batches
         self.monitor.record_loss(loss.detach() if hasattr(loss, "detach") else loss)
 
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.summary is not None:
+            self._forward(trainer)
+
+    def _forward(self, trainer: Any) -> None:
+        """Hand the finished summaries to the Trainer's loggers, each under its own step."""
+        assert self.summary is not None
+        for step, metrics in self.summary.take():
+            for logger in trainer.loggers:
+                try:
+                    logger.log_metrics(metrics, step=step)
+                except Exception as exc:  # a logger's failure must not end the training run
+                    if not self._logger_failed:
+                        self._logger_failed = True
+                        log.warning(
+                            "trainmon: %s.log_metrics failed (%s: %s); trainmon's summary may be missing from "
+                            "it, the monitor files are unaffected",
+                            type(logger).__name__,
+                            type(exc).__name__,
+                            exc,
+                        )
+
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        self.monitor.close()
+        self.monitor.close()  # the writer thread finishes: every summary is made
+        if self.summary is not None:
+            self._forward(trainer)  # before Lightning finalizes its loggers (teardown)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         self.monitor.close()  # keep what was recorded up to the failure
