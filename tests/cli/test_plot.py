@@ -47,3 +47,47 @@ def test_errors(capsys, tmp_path):
     code, _, err = _run(capsys, "plot", str(named_run("base")), "--kind", "grad_reduced",
                         "-o", str(blocker / "g.png"))
     assert code == 2 and err.startswith("trainmon plot: error: cannot write")
+
+
+def test_help_lists_the_kinds_and_the_default_colour_scale(capsys):
+    import pytest
+
+    from trainmon.families import Family
+
+    with pytest.raises(SystemExit):
+        main(["plot", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    kinds = text.split("--kind KIND the family to plot", 1)[1].split("--op", 1)[0]
+    assert all(f.value in kinds for f in Family if f is not Family.STEPS)
+    assert "default: automatic -- log when every value is > 0 and they span more than 100x" in text
+
+
+class _Terminal:
+    """A stderr that says it is a terminal, so the progress line is drawn."""
+
+    def __init__(self):
+        self.text = ""
+
+    def isatty(self):
+        return True
+
+    def write(self, s):
+        self.text += s
+
+    def flush(self):
+        pass
+
+
+def test_progress_while_reading_on_a_terminal_only(tmp_path, monkeypatch, capsys):
+    from trainmon.testing.synthetic_run import SyntheticRun
+
+    run = SyntheticRun(ranks=2, steps=4, params=6, steps_per_file=2).write(tmp_path / "run", "csv")
+    term = _Terminal()
+    monkeypatch.setattr("sys.stderr", term)
+    assert main(["plot", str(run), "--kind", "grad_reduced", "-o", str(tmp_path / "a.png")]) == 0
+    # 2 ranks x 2 windows of one family, 2 x 4 steps x 6 params rows; the line is cleared at the end
+    assert "reading [####################] 4/4 files, 48 rows" in term.text
+    assert term.text.endswith("\r")
+    term.text = ""
+    assert main(["plot", str(run), "--kind", "grad_reduced", "-o", str(tmp_path / "b.png"), "--json"]) == 0
+    assert term.text == ""  # never with --json

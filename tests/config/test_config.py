@@ -1,19 +1,28 @@
 """The strict config loader: defaults, valid files, and the exact text of every problem."""
 from __future__ import annotations
 
-import ast
-import subprocess
-import sys
 import dataclasses
 import json
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from trainmon.config import (ESCALATION_KEYS, KNOWN_FORMATS, AlertConfig, AlertRule, AnomalyConfig, CommConfig,
-                             GradProbeConfig, MonitorConfig, load_config, parse_config)
+from trainmon.config import (
+    ESCALATION_KEYS,
+    KNOWN_FORMATS,
+    AlertConfig,
+    AlertRule,
+    AnomalyConfig,
+    CommConfig,
+    GradProbeConfig,
+    MonitorConfig,
+    load_config,
+    parse_config,
+)
 from trainmon.errors import ConfigError, Problem
 
 REPO = Path(__file__).resolve().parents[2]
@@ -158,7 +167,7 @@ def test_eps_int_is_a_float():
 def test_format_single_string_and_null_optionals():
     cfg = parse_config({"format": "tensorboard", "collect_times": None, "ndigits": None}, "x")
     assert cfg.format == ("tensorboard",) and cfg.collect_times is None and cfg.ndigits is None
-    assert KNOWN_FORMATS == ("csv", "tensorboard", "parquet")
+    assert KNOWN_FORMATS == ("csv", "tensorboard", "parquet", "wandb", "mlflow")
 
 
 def test_shipped_example_loads():
@@ -249,12 +258,26 @@ BAD = [
      "true needs targets (the modules to record) or all_xy: true (every module)"),
     ({"xy_distribution": True, "targets": [], "all_xy": False}, "xy_distribution",
      "true needs targets (the modules to record) or all_xy: true (every module)"),
-    ({"format": "parket"}, "format", "unknown format 'parket' (did you mean 'parquet'? allowed: csv, tensorboard, parquet)"),
-    ({"format": ["csv", "tensorbord"]}, "format[1]",
-     "unknown format 'tensorbord' (did you mean 'tensorboard'? allowed: csv, tensorboard, parquet)"),
-    ({"format": []}, "format", "[] is empty (one of csv, tensorboard, parquet, or a non-empty list of them)"),
+    # an unknown but well-spelled name ('parket') passes here: runtime.features rejects it at attach
+    # (tests/config/test_sink_formats.py)
+    ({"format": "par ket"}, "format",
+     "'par ket' is not a sink name (letters, digits, '_', '-', '.'; a sink name such as csv, tensorboard, "
+     "parquet, wandb, mlflow)"),
+    ({"format": ["csv", 3]}, "format[1]",
+     "3 is not a string (letters, digits, '_', '-', '.'; a sink name such as csv, tensorboard, parquet, wandb, "
+     "mlflow)"),
+    ({"format": ["csv", "alert"]}, "format[1]",
+     "'alert' is a config key, not a sink name (a sink name such as csv, tensorboard, parquet, wandb, mlflow)"),
+    ({"format": []}, "format",
+     "[] is empty (a sink name such as csv, tensorboard, parquet, wandb, mlflow, or a non-empty list of sink names)"),
     ({"format": ["csv", "csv"]}, "format[1]", "duplicate 'csv' (already at format[0])"),
-    ({"format": 1}, "format", "1 is not a list (one of csv, tensorboard, parquet, or a non-empty list of them)"),
+    ({"format": 1}, "format",
+     "1 is not a list (a sink name such as csv, tensorboard, parquet, wandb, mlflow, or a non-empty list of sink "
+     "names)"),
+    ({"format": ["csv"], "wandb": {"project": "x"}}, "wandb",
+     "settings for the 'wandb' sink, which format does not list (add 'wandb' to format, or remove this block)"),
+    ({"format": ["csv", "wandb"], "wandb": 3}, "wandb", "3 is not an object (the settings of the 'wandb' sink)"),
+    ({"format": ["csv", "wandb"], "wandbb": {}}, "wandbb", "unknown key (did you mean 'wandb'?)"),
     ({"targets": "layers.0"}, "targets",
      "'layers.0' is not a list or object (list of names, or {\"name\": {}})"),
     ({"targets": ["a", ""]}, "targets[1]", "'' is empty (non-empty module or parameter name)"),
@@ -522,7 +545,9 @@ def test_docs_table_lists_every_key():
     # The config reference is the page docs/configuration.md ("# Configuration file").
     text = (REPO / "docs" / "configuration.md").read_text(encoding="utf-8")
     documented = set(re.findall(r"^\| `([a-z0-9_.]+)` \|", text, flags=re.MULTILINE))
-    fields = {f.name for f in dataclasses.fields(MonitorConfig)} - {"source", "target_specs"}  # specs: in targets
+    # specs live in targets; sink_settings are the blocks named like a format (the `<format>` row)
+    fields = {f.name for f in dataclasses.fields(MonitorConfig)} - {"source", "target_specs", "sink_settings"}
+    assert "`<format>`" in text
     nested = {f"cc_distribution.{f.name}" for f in dataclasses.fields(CommConfig)}
     nested |= {f"alert.{f.name}" for f in dataclasses.fields(AlertConfig)}
     nested |= {f"grad_probe.{f.name}" for f in dataclasses.fields(GradProbeConfig)}

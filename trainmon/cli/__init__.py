@@ -27,7 +27,10 @@ def _command_modules():
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from trainmon import __version__
+
     parser = argparse.ArgumentParser(prog="trainmon", description="trainmon: training-state monitor tools")
+    parser.add_argument("--version", action="version", version=f"trainmon {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name, module in _command_modules():

@@ -1,4 +1,4 @@
-"""``trainmon convert RUN --to parquet [-o OUT]``: a CSV run as a Parquet run, exactly.
+"""``trainmon convert RUN --to parquet [-o DIR]``: a CSV run as a Parquet run, exactly.
 
 Every family CSV file becomes the Parquet file of the same name (``.parquet``) with the same
 columns and the exact same values (floats are parsed exactly, then stored as float64 bits); every
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import sys
 from pathlib import Path
 
 from trainmon.cli import CommandError
@@ -33,10 +34,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--to", required=True, choices=["parquet"], help="target format")
     parser.add_argument(
         "-o",
-        "--out",
+        "--output",
         default=None,
+        metavar="DIR",
         help="new run directory (default: RUN_DIR-parquet beside it); must not exist or be empty",
     )
+    # ``-o`` means --output in every command; --out was this command's spelling until 0.x: still read
+    parser.add_argument("--out", dest="out_deprecated", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--json", action="store_true", help="machine-readable summary")
 
 
@@ -107,6 +111,17 @@ def _check_parquet(path: Path) -> None:
     read_parquet(path)
 
 
+def _output_option(args: argparse.Namespace) -> str | None:
+    """``-o/--output``, or the deprecated ``--out`` (with one warning line on stderr)."""
+    old = getattr(args, "out_deprecated", None)
+    if old is None:
+        return args.output
+    if args.output is not None and args.output != old:
+        raise CommandError(f"--out {old} and --output {args.output} disagree; pass only -o/--output")
+    print("trainmon convert: warning: --out is deprecated, use -o/--output", file=sys.stderr)
+    return old
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         run_dir = resolve_run_dir(args.run_dir)
@@ -116,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
         import pyarrow  # noqa: F401
     except ImportError:
         raise CommandError("converting to Parquet needs pyarrow: pip install trainmon[parquet]") from None
-    target = _target(run_dir, args.out)
+    target = _target(run_dir, _output_option(args))
     progress = Progress("convert", 0, quiet=args.json)
     try:
         summary = convert(run_dir, target, progress)
@@ -127,7 +142,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         progress.done()
     if args.json:
-        dump_json({"run_dir": str(run_dir), "out": str(target), "format": args.to, **summary})
+        # "out" is the field's name since convert's first release; "output" matches the option
+        dump_json({"run_dir": str(run_dir), "out": str(target), "output": str(target), "format": args.to, **summary})
     else:
         print(
             f"converted {summary['files']} files ({summary['rows']:,} rows) of {run_dir} to {target}"

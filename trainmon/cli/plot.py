@@ -6,21 +6,36 @@ import argparse
 from pathlib import Path
 
 from trainmon.cli import CommandError
+from trainmon.cli._progress import Progress
+from trainmon.families import Family
 
 HELP = "plot one stat of one family as a layers x steps heatmap (PNG)"
+
+# What --kind may name: every family trainmon writes ('steps' holds times, not tensors).
+KINDS: tuple[str, ...] = tuple(f.value for f in Family if f is not Family.STEPS)
+# How heatmap_figure picks the colour scale when neither --log nor --linear is given.
+AUTO_SCALE = (
+    "default: automatic -- log when every value is > 0 and they span more than 100x, "
+    "a diverging scale centred on 0 when values have both signs, else linear"
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", metavar="RUN_DIR", help="run directory (or its output dir)")
-    parser.add_argument("--kind", required=True, help="CSV family, e.g. grad_reduced, actv")
-    parser.add_argument("--op", default="norm", help="stat column (default norm)")
+    parser.add_argument(
+        "--kind",
+        required=True,
+        metavar="KIND",
+        help=f"the family to plot, one recorded in the run: {', '.join(KINDS)}",
+    )
+    parser.add_argument("--op", default="norm", help="stat column, e.g. norm, mean, max, min (default norm)")
     parser.add_argument("--rank", type=int, default=None, help="rank to plot (default: the lowest)")
     parser.add_argument("--step", type=int, default=None, help="step of the profile panel (default: last)")
     parser.add_argument(
         "--micro-step", type=int, default=None, help="micro-batch of actv/actv_grad (default: the first)"
     )
     scale = parser.add_mutually_exclusive_group()
-    scale.add_argument("--log", dest="log", action="store_true", default=None, help="log colour scale")
+    scale.add_argument("--log", dest="log", action="store_true", default=None, help=f"log colour scale ({AUTO_SCALE})")
     scale.add_argument("--linear", dest="log", action="store_false", help="linear colour scale")
     parser.add_argument(
         "-o",
@@ -49,8 +64,14 @@ def run(args: argparse.Namespace) -> int:
     from trainmon.diagnosis.reader import RunDirError, load_run
     from trainmon.diagnosis.report import dump_json
 
+    progress = Progress("reading", 0, quiet=args.json)  # a large run takes seconds to read
     try:
-        table = load_run(args.run_dir, families=[args.kind])
+        table = load_run(args.run_dir, families=[args.kind], progress=progress)
+    except (RunDirError, ValueError) as exc:
+        raise CommandError(str(exc)) from None
+    finally:
+        progress.done()
+    try:
         grid = layer_grid(table, args.kind, args.op, rank=args.rank, micro_step=args.micro_step)
         fig = heatmap_figure(grid, step=args.step, log=args.log)
     except (RunDirError, ValueError) as exc:

@@ -41,7 +41,12 @@ __all__ = [
     "parse_config",
 ]
 
-KNOWN_FORMATS: tuple[str, ...] = ("csv", "tensorboard", "parquet")
+# The built-in output formats.  ``format`` may also name a sink registered with register_sink or
+# advertised by an installed package (entry-point group ``trainmon.sinks``): the loader checks a
+# name's spelling only; runtime.features checks that it exists when the monitor attaches.
+KNOWN_FORMATS: tuple[str, ...] = ("csv", "tensorboard", "parquet", "wandb", "mlflow")
+_FORMAT_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]*$")
+_FORMAT_EXPECT = "a sink name such as " + ", ".join(KNOWN_FORMATS)
 
 # msprobe ops that are always written as columns, so asking for them changes nothing.
 _ALWAYS_WRITTEN = ("shape", "dtype")
@@ -200,6 +205,9 @@ class MonitorConfig:
     grad_probe: GradProbeConfig | None = None  # None: off
     loss_alignment: bool = False  # model metadata, hyperparams and model_input families
     on_anomaly: AnomalyConfig | None = None
+    # (format, its raw config block) for each top-level key named like a listed format; checked
+    # against that sink's settings_schema when the monitor attaches (runtime.features)
+    sink_settings: tuple[tuple[str, Mapping[str, Any]], ...] = field(default=(), hash=False)
     source: str = field(default="", compare=False)
 
     def to_dict(self) -> dict[str, object]:
@@ -210,6 +218,7 @@ class MonitorConfig:
         if specs:
             data["targets"] = {name: specs.get(name, {}) for name in self.targets}
         data["l2_targets"] = {hook: list(names) for hook, names in self.l2_targets}
+        data.update(dict(data.pop("sink_settings")))  # each block under its format's name
         return json.loads(json.dumps(data))  # tuples -> lists, deep copies of rule args
 
     def spec_of(self, target: str) -> dict[str, IoSelect]:
@@ -322,16 +331,28 @@ def _parse_ops(r: _Reader, key: str, value: object, default: tuple) -> tuple[str
 
 
 def _parse_format(r: _Reader, key: str, value: object, default: tuple) -> tuple[str, ...]:
-    listed = ", ".join(KNOWN_FORMATS)
     if isinstance(value, str):
-        if value in KNOWN_FORMATS:
-            return (value,)
-        r.bad(key, f"unknown format {value!r} ({_did_you_mean(value, KNOWN_FORMATS)}allowed: {listed})")
-        return default
-    items = r.array(key, value, f"one of {listed}, or a non-empty list of them", nonempty=True)
+        return (value,) if _format_name(r, key, value) else default
+    items = r.array(key, value, f"{_FORMAT_EXPECT}, or a non-empty list of sink names", nonempty=True)
     if items is None:
         return default
-    return tuple(_names(r, key, items, KNOWN_FORMATS, "format")) or default
+    seen: dict = {}
+    return (
+        tuple(v for i, v in enumerate(items) if _format_name(r, _at(key, i), v) and r.distinct(key, items, seen, i))
+        or default
+    )
+
+
+def _format_name(r: _Reader, key: str, name: object) -> bool:
+    """A well-spelled sink name; whether that sink exists is checked when the monitor attaches."""
+    if not isinstance(name, str) or not _FORMAT_NAME.match(name):
+        what = "is not a sink name" if isinstance(name, str) else "is not a string"
+        r.bad(key, f"{_show(name)} {what} (letters, digits, '_', '-', '.'; {_FORMAT_EXPECT})")
+        return False
+    if name in _SECTIONS:  # its settings block would be that config key
+        r.bad(key, f"{name!r} is a config key, not a sink name ({_FORMAT_EXPECT})")
+        return False
+    return True
 
 
 def _parse_module_ranks(r: _Reader, key: str, value: object, default: tuple) -> tuple[int, ...]:
@@ -685,6 +706,8 @@ def parse_config(data: object, source: str) -> MonitorConfig:
         raise ConfigError(source, r.problems)
     r.dupes(str, data)
     values: dict[str, Any] = {}
+    formats = _listed_formats(data.get("format"))
+    blocks: list[tuple[str, Mapping[str, Any]]] = []
     for name, value in data.items():  # file order, so problems read top to bottom
         if name in _SECTIONS:
             values[name] = _SECTIONS[name](r, name, value, getattr(_DEFAULTS, name))
@@ -694,13 +717,33 @@ def parse_config(data: object, source: str) -> MonitorConfig:
                     name,
                     f"{_show(value)} is an msprobe option trainmon does not support (remove it or set it to false)",
                 )
+        elif name in formats:
+            if isinstance(value, dict):
+                blocks.append((name, value))
+            else:
+                r.bad(name, f"{_show(value)} is not an object (the settings of the {name!r} sink)")
+        elif name in KNOWN_FORMATS:
+            r.bad(
+                name,
+                f"settings for the {name!r} sink, which format does not list "
+                f"(add {name!r} to format, or remove this block)",
+            )
         else:
-            r.unknown(str(name), str(name), tuple(_SECTIONS) + _MSPROBE_ONLY, tuple(_SECTIONS))
+            r.unknown(str(name), str(name), tuple(_SECTIONS) + _MSPROBE_ONLY + formats, tuple(_SECTIONS))
     _check_combinations(r, values)
     _check_on_anomaly(r, values)
     if r.problems:
         raise ConfigError(source, r.problems)
-    return MonitorConfig(**values, **r.derived, source=source)
+    return MonitorConfig(**values, **r.derived, sink_settings=tuple(blocks), source=source)
+
+
+def _listed_formats(value: object) -> tuple[str, ...]:
+    """The names ``format`` lists, as written (the section parser checks them)."""
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, list):
+        return tuple(v for v in value if isinstance(v, str) and v not in _SECTIONS)
+    return ()
 
 
 # ----------------------------------------------------------------------------- the file

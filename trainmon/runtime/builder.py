@@ -23,7 +23,7 @@ from trainmon.core.schedule import Schedule, StepClock
 from trainmon.errors import ConfigError
 from trainmon.families import FAMILIES, Family
 from trainmon.integrations import select_integration
-from trainmon.runtime.features import unsupported_problems
+from trainmon.runtime.features import sink_settings, unsupported_problems
 from trainmon.runtime.run_dir import rank_dir
 from trainmon.runtime.session import Session, StepSession
 from trainmon.sinks import create_sink
@@ -68,6 +68,7 @@ class SessionBuilder:
         self.params_have_main_grad = params_have_main_grad
         self.run_dir: Path | None = None
         self.agreement: Any = None  # the dynamic driver's Agreement, shared with escalations
+        self.summary: Any = None  # a sinks.summary.SummaryBoard: the framework callbacks' forward_to_loggers
         chunks = attachment.chunks
         self._names = module_names(chunks) + [(p.vpp_stage, p.name) for p in tracked_params(chunks)]
 
@@ -132,6 +133,8 @@ class SessionBuilder:
         self._warn_unrecorded(cfg)
         ctx = self._context(cfg, matcher, first_step)
         sink = self._make_sink(cfg, ctx.integration, latch)
+        if self.summary is not None and not isinstance(sink, NullSink):
+            sink = self.summary.watch(sink)  # summarized on the writer thread, for the trainer's loggers
         return Session(
             ctx,
             wrap_sink(sink) if wrap_sink is not None else sink,
@@ -214,6 +217,7 @@ class SessionBuilder:
             options,
             extra_sinks=_alert_sinks(cfg, options, latch),
             drop_families=self._replicated_elsewhere(cfg, integration),
+            settings=sink_settings(cfg),  # each sink's own config block, checked by its schema
         )
 
 

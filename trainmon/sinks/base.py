@@ -10,6 +10,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, ClassVar
 
 from trainmon.stats.rows import StepRows
 
@@ -24,10 +25,21 @@ class SinkOptions:
     rank: int = 0
     ndigits: int | None = None  # significant digits; None = full precision
     step_count_per_record: int = 1  # steps per CSV file window
+    # This sink's own config block (the top-level key named like its format), parsed into its
+    # ``settings_schema``; None when the sink declares no schema.
+    settings: Any = None
 
 
 class Sink(ABC):
-    """``write`` hands over one step's rows; ``flush`` makes them durable; ``close`` ends."""
+    """``write`` hands over one step's rows; ``flush`` makes them durable; ``close`` ends.
+
+    ``settings_schema``: a frozen dataclass whose fields are the keys of this sink's own config
+    block (``"<format>": {...}``), checked by ``trainmon.config.settings.parse_settings``; the
+    parsed instance arrives as ``options.settings`` (every default when the config has no block).
+    None: the sink takes no block.
+    """
+
+    settings_schema: ClassVar[type | None] = None
 
     def __init__(self, options: SinkOptions):
         self.options = options
@@ -95,7 +107,7 @@ class DropFamilies(Sink):
     def write(self, rows: StepRows, step: int) -> None:
         kept = [b for b in rows.blocks() if b.family not in self.families]
         if kept:
-            self.inner.write(StepRows(lambda: kept), step)
+            self.inner.write(StepRows(lambda: kept, rows.wall_time), step)
 
     def flush(self) -> None:
         self.inner.flush()
