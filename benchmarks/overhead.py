@@ -4,6 +4,7 @@
     python benchmarks/overhead.py --memory        # peak RSS per config, on a bigger model
     python benchmarks/overhead.py --only all-on+xy --repeats 20   # one config, more rounds
     python benchmarks/overhead.py --format parquet  # the Parquet sink instead of the CSV sink
+    WANDB_MODE=offline python benchmarks/overhead.py --format csv,wandb   # CSV plus W&B (or mlflow)
     python benchmarks/overhead.py --eager         # without the fused CPU kernel
                                                   # (same as TRAINMON_FUSED_CPU=0)
 
@@ -65,7 +66,7 @@ def attach(kind: str, cfg: dict | None, model, optimizer, workdir: Path):
         from trainmon import TrainerMon
 
         path.write_text(json.dumps({**cfg, "ops": OPS, "step_count_per_record": 1000,
-                                    "format": os.environ.get("TRAINMON_BENCH_FORMAT", "csv")}))
+                                    "format": os.environ.get("TRAINMON_BENCH_FORMAT", "csv").split(",")}))
         return TrainerMon(path).set_monitor(model, optimizer=optimizer)
     from msprobe.pytorch import TrainerMon as MsTrainerMon
 
@@ -184,7 +185,7 @@ def main() -> None:
     parser.add_argument("--memory", action="store_true", help="measure peak RSS instead of step time")
     parser.add_argument("--only", metavar="CONFIG", help="time one config, e.g. 'all-on+xy' (more rounds fit)")
     parser.add_argument("--memory-child", help=argparse.SUPPRESS)
-    parser.add_argument("--format", default="csv", help="output format of the monitored runs (csv, parquet, ...)")
+    parser.add_argument("--format", default="csv", help="output format(s): csv, parquet, csv,wandb, ...")
     parser.add_argument("--eager", action="store_true",
                         help="without the fused one-pass CPU stats kernel (sets TRAINMON_FUSED_CPU=0)")
     args = parser.parse_args()

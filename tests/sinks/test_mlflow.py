@@ -1,0 +1,259 @@
+"""The MLflow sink against a real tracking server started here (``mlflow server`` with a SQLite
+store on a free port), read back with ``MlflowClient.get_metric_history``; the truth is the CSV
+the same rows were written to."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests._support.runs import only_run_dir, read_family, trainmon_warnings
+from trainmon.sinks import SinkOptions, create_sink
+from trainmon.sinks.metrics import MetricKeys, MetricSettings, mlflow_key
+from trainmon.stats.rows import StatRow, StepRows
+
+OPS = ("norm", "mean", "max", "nans")
+SPECIAL = (0.1 + 0.2, 1e-300, math.nan, math.inf, -math.inf, -0.0, 1 / 3)
+FLOAT64_MAX = 1.7976931348623157e308  # what MLflow's SQL store keeps for +-inf
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``mlflow server`` in a process of its own (its own session, so that stopping it stops its
+    workers too), answering on ``uri`` once started."""
+
+    def __init__(self, root: Path):
+        port = _free_port()
+        self.uri = f"http://127.0.0.1:{port}"
+        cmd = [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--backend-store-uri",
+            f"sqlite:///{root / 'mlflow.db'}",
+            "--default-artifact-root",
+            str(root / "artifacts"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+        ]
+        self.log = open(root / "server.log", "wb")  # noqa: SIM115 - open while the server runs
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=dict(os.environ, OMP_NUM_THREADS="1"),
+        )
+        deadline = time.monotonic() + 120
+        while not self._answers():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"mlflow server did not start: {(root / 'server.log').read_text()[-2000:]}")
+            time.sleep(0.2)
+
+    def _answers(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.uri + "/health", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)  # the group of the server this test started
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    pytest.importorskip("mlflow")
+    srv = Server(tmp_path_factory.mktemp("mlflow"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def fast_failures(monkeypatch):
+    """The user's environment for a quick verdict on a dead server (MLflow retries for minutes by
+    default, on the sink's own thread)."""
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+
+
+def step_rows(step: int) -> StepRows:
+    rows = []
+    for k, name in enumerate(["layers.0.weight", "layers.1.bias"]):
+        stats = {op: SPECIAL[(k + j + step) % len(SPECIAL)] * (step + 1) for j, op in enumerate(OPS)}
+        stats["nans"] = k + step
+        rows.append(StatRow("grad_reduced", name, step, stats, (4, 2), "torch.float32", vpp_stage=k))
+    for micro in (0, 1):
+        stats = {op: (micro + 1) * 0.1 + step + j / 7 for j, op in enumerate(OPS)}
+        rows.append(StatRow("actv", "layers.0.mlp.output", step, stats, (8,), "torch.float32", micro_step=micro))
+    return StepRows.of(rows)
+
+
+def csv_metrics(rank_dir: Path, families, ops) -> dict[str, dict[int, float]]:
+    """key -> step -> value, from the CSV alone (last micro-step for per-micro-batch families)."""
+    out: dict[str, dict[int, float]] = {}
+    for family in families:
+        df = read_family(rank_dir, family)
+        if "micro_step" in df.columns:
+            df = df.sort_values("micro_step", kind="stable")
+        for row in df.to_dict("records"):
+            vp = f":vp{row['vpp_stage']}" if row["vpp_stage"] else ""
+            for op in ops:
+                out.setdefault(f"{family}/{op}/{row['name']}{vp}", {})[int(row["step"])] = float(row[op])
+    return out
+
+
+def assert_logged(client, run_id: str, expected: dict[str, dict[int, float]]) -> None:
+    logged = client.get_run(run_id).data.metrics
+    assert set(logged) == set(expected)
+    for key, by_step in expected.items():
+        got = {m.step: m.value for m in client.get_metric_history(run_id, key)}
+        assert set(got) == set(by_step), key
+        for step, want in by_step.items():
+            if math.isnan(want):
+                assert math.isnan(got[step]), (key, step)
+            elif math.isinf(want):
+                assert got[step] == math.copysign(FLOAT64_MAX, want), (key, step)
+            else:
+                assert got[step] == pytest.approx(want, rel=1e-12, abs=0.0), (key, step)
+
+
+def write_steps(rank_dir: Path, steps, settings=None):
+    from trainmon.sinks.mlflow import MlflowSink
+
+    options = SinkOptions(rank_dir=rank_dir)
+    tracker = MlflowSink(options, settings)
+    sink = create_sink("csv", options, extra_sinks=[tracker])
+    for step in steps:
+        sink.write(step_rows(step), step)
+    sink.close()
+    return tracker
+
+
+@pytest.mark.slow
+def test_every_logged_value_equals_the_csv_row(server, tmp_path):
+    from mlflow import MlflowClient
+
+    from trainmon.sinks.mlflow import MlflowSettings
+
+    rank_dir = tmp_path / "run-ml1" / "rank0"
+    sink = write_steps(rank_dir, range(4), MlflowSettings(tracking_uri=server.uri, experiment="trainmon-tests"))
+    assert sink.failed is None and sink.own_run
+    client = MlflowClient(server.uri)
+    run = client.get_run(sink.mlflow_run_id)
+    assert run.info.run_name == "run-ml1" and run.data.tags["trainmon.run_id"] == "run-ml1"
+    assert run.info.status == "FINISHED"
+    assert client.get_experiment(run.info.experiment_id).name == "trainmon-tests"
+    assert_logged(client, sink.mlflow_run_id, csv_metrics(rank_dir, ("grad_reduced", "actv"), OPS))
+
+
+@pytest.mark.slow
+def test_the_users_active_run_is_reused_and_left_running(server, tmp_path, monkeypatch):
+    import mlflow
+    from mlflow import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", server.uri)
+    mlflow.set_tracking_uri(server.uri)
+    with mlflow.start_run(run_name="users-run") as user:
+        mlflow.log_metric("loss", 1.5, step=0)
+        rank_dir = tmp_path / "run-ml2" / "rank0"
+        sink = write_steps(rank_dir, range(3))
+        assert sink.mlflow_run_id == user.info.run_id and not sink.own_run
+        client = MlflowClient(server.uri)
+        assert client.get_run(user.info.run_id).info.status == "RUNNING"  # the user's to end
+    expected = csv_metrics(rank_dir, ("grad_reduced", "actv"), OPS)
+    expected["loss"] = {0: 1.5}
+    assert_logged(client, user.info.run_id, expected)
+
+
+@pytest.mark.slow
+def test_a_stopped_server_is_one_warning_and_nothing_else_is_lost(tmp_path, output_root, make_config, fast_failures):
+    pytest.importorskip("mlflow")
+    import torch
+
+    from trainmon import TrainerMon
+    from trainmon.sinks.base import _LIVE_SINKS
+    from trainmon.sinks.mlflow import MlflowSink
+    from trainmon.testing.tiny_gpt import GPTConfig, TinyGPT, synthetic_batches
+
+    server = Server(tmp_path)
+    cfg = GPTConfig(vocab=32, seq=8, dim=16, heads=2, layers=1)
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(TinyGPT(cfg))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    config = make_config(
+        format=["csv", "mlflow"], wg_distribution=True, ops=list(OPS), mlflow={"tracking_uri": server.uri}
+    )
+    try:
+        with trainmon_warnings() as warned:
+            monitor = TrainerMon(config)
+            monitor.set_monitor(models[0], optimizer=opts[0])
+            for step, batch in enumerate(synthetic_batches(cfg, 2, 6, seed=1)):
+                for m, opt in zip(models, opts):
+                    m.loss(batch).backward()
+                    opt.step()
+                    opt.zero_grad()
+                if step == 2:
+                    (sink,) = [s for s in _LIVE_SINKS if isinstance(s, MlflowSink) and not s._closed]
+                    assert sink.wait_idle(60) and sink.failed is None  # steps 0-2 are in MLflow
+                    server.stop()
+            monitor.close()
+    finally:
+        server.stop()
+    mine = [w for w in warned if "MLflow" in w]
+    assert len(mine) == 1 and "off for the rest of this run" in mine[0], warned
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(p, q)  # training unchanged
+    csv = read_family(only_run_dir(output_root) / "rank0", "grad_reduced")
+    assert sorted(csv["step"].unique()) == list(range(6))  # the CSV lost nothing
+
+
+# -- keys (no server) ----------------------------------------------------------------------------
+
+
+def test_mlflow_keys_keep_only_the_characters_it_accepts():
+    assert mlflow_key("grad_reduced/norm/layers.0.weight") == "grad_reduced/norm/layers.0.weight"
+    assert mlflow_key("grad_probe/(-inf, -1.0]/w") == "grad_probe/_-inf_ -1.0_/w"
+    assert mlflow_key("comm/norm/x:call=all_reduce") == "comm/norm/x:call_all_reduce"
+    assert mlflow_key("actv/norm//a/./b") == "actv/norm/_/a/_/b"  # no segment MLflow would normalise
+    long = mlflow_key("grad/norm/" + "x" * 400)
+    assert len(long) == 250 and long != mlflow_key("grad/norm/" + "x" * 399 + "y")
+
+
+def test_keys_that_one_spelling_would_merge_stay_apart():
+    keys = MetricKeys(MetricSettings(), "MLflow", mlflow_key)
+    rows = [StatRow("grad_reduced", name, 0, {"norm": float(i)}) for i, name in enumerate(["a(b)", "a[b]", "a_b_"])]
+    assert keys.metrics(StepRows.of(rows).blocks()) == {
+        "grad_reduced/norm/a_b_": 0.0,
+        "grad_reduced/norm/a_b__2": 1.0,
+        "grad_reduced/norm/a_b__3": 2.0,
+    }
