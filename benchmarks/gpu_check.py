@@ -23,6 +23,9 @@ What it checks, each printed as PASS/FAIL with its figure (exit status 1 on any 
    exactly 2 CUDA kernels per dtype group and per tensor of a small call (``torch.profiler``);
    ``stats_path`` ``{"cuda": "device-triton"}``; checks 1, 2, 4 and 5 are then run once with the
    kernel and once without it (``TRAINMON_TRITON=0``), to say which is faster.
+8. when ``triton`` is importable: the kernel's read rate (bytes/s of one 256 MiB fp32 and one
+   128 MiB bf16 tensor, default ops and with ``nans``) against ``torch.aminmax`` on the same
+   tensor: checked, >= 0.8x (it accumulates unscaled and rescales only overflowing chunks).
 
 First run on an H200 on 2026-12-04 (torch 2.11, Triton 3.6): see docs/accelerators.md.
 """
@@ -276,6 +279,52 @@ def _triton_kernel_counts(ops: list[str]) -> tuple[bool, str]:
     return got == [2, 2], f"{got[0]} kernels for a group of 6 fp32 tensors, {got[1]} for one bf16 tensor (want 2 and 2)"
 
 
+def _gpu_seconds(fn, repeat: int = 20) -> float:
+    """Median GPU time of ``fn`` (CUDA events around each call; one warm-up call first)."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def check_triton_bandwidth() -> None:
+    """Check 8: the Triton kernel reads at ``torch.aminmax``'s speed (bytes/s of one 256 MiB fp32
+    and one 128 MiB bf16 tensor, the default ops and the shipped ones with ``nans``; >= 0.8x)."""
+    from trainmon.stats import device_triton
+    from trainmon.stats.device_rows import DeviceRows
+    from trainmon.stats.partials import device_columns
+    from trainmon.stats.table import partials_for
+
+    if not device_triton.supported(torch.device("cuda"), ["sum", "sumsq", "min", "max"]):
+        print("SKIP  Triton bandwidth: triton is not importable (or TRAINMON_TRITON=0)")
+        return
+    g = torch.Generator(device="cuda").manual_seed(8)
+    worst, lines = math.inf, []
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(1 << 26, device="cuda", generator=g).to(dtype)
+        size = x.numel() * x.element_size()
+        floor = size / _gpu_seconds(lambda x=x: torch.aminmax(x))
+        for ops in (["norm", "mean", "min", "max"], ["norm", "mean", "min", "max", "nans"]):
+            rows = DeviceRows(x.device, device_columns(partials_for(ops)), 1e-8)
+
+            def write(rows=rows, x=x):
+                rows.write([x])
+                rows.clear()
+
+            rate = size / _gpu_seconds(write)
+            assert rows.path == "device-triton", rows.path
+            worst = min(worst, rate / floor)
+            lines.append(f"{str(dtype)[6:]} {'+nans' if 'nans' in ops else 'default'} "
+                         f"{rate / 1e9:.0f} GB/s vs aminmax {floor / 1e9:.0f} GB/s")
+    report("Triton kernel bandwidth vs torch.aminmax", worst >= 0.8, f"worst {worst:.2f}x; " + "; ".join(lines))
+
+
 def check_two_streams() -> None:
     side = torch.cuda.Stream()
     grad = torch.randn(1 << 24, device="cuda")
@@ -300,6 +349,8 @@ def main() -> int:
     guarded(check_values)
     guarded(check_two_streams)
     triton = guarded(check_triton) is True
+    if triton:
+        guarded(check_triton_bandwidth)
     with tempfile.TemporaryDirectory() as tmp:
         for shape, kind in ((SMALL, "host-bound"), (LARGE, "GPU-bound")):
             limit = 1.10 if shape is LARGE else None

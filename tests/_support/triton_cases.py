@@ -56,6 +56,9 @@ def tensors(dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
         "small": torch.randn(17, generator=g) - 2,
         "huge": torch.randn(2000, generator=g) * (1e20 if dtype != torch.float16 else 1e2),
         "top": torch.randn(50, generator=g) * (1e37 if dtype != torch.float16 else 1e3),  # norm near float32's max
+        # squares below float32's normal range: the kernel's scaled second pass
+        "tiny": torch.randn(300, generator=g) * (1e-25 if dtype != torch.float16 else 1e-3),
+        "peak": torch.randn(100, generator=g),  # one element near float32's max (set below)
         "transposed": torch.randn(64, 48, generator=g).t(),  # dense in another order: read as its span
         "permuted": torch.randn(5, 1, 7, 9, generator=g).permute(3, 1, 0, 2),
         "strided": torch.randn(900, generator=g)[::3],  # not one span: eager
@@ -65,6 +68,7 @@ def tensors(dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
     out["nan"][[5, 600]] = math.nan
     out["pm_inf"][3, 4], out["pm_inf"][30, 0] = math.inf, -math.inf
     out["zeros"][::4] = 0.0
+    out["peak"][7] = 3e38 if dtype != torch.float16 else 6e4
     out = {k: v.to(dtype) for k, v in out.items()}
     out["ints"] = torch.arange(-5, 20)  # eager (converted to fp32)
     return out

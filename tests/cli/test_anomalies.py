@@ -92,3 +92,15 @@ def test_bad_path_from_the_console_script(tmp_path):
                           capture_output=True, text=True, env=env, timeout=60)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr == f"trainmon anomalies: error: {tmp_path / 'nope'}: no such directory\n"
+
+
+@pytest.mark.slow  # three scans of a run
+def test_engine_flag_is_a_deprecated_no_op_with_one_warning(capsys, caplog):
+    run = str(named_run("blow"))
+    _, want, _ = _run(capsys, "anomalies", run, "--json")
+    for choice in ("memory", "duckdb"):
+        caplog.clear()
+        code, out, _ = _run(capsys, "anomalies", run, "--json", "--engine", choice)
+        assert code == 0 and out == want
+        warned = [r.getMessage() for r in caplog.records if "--engine is deprecated" in r.getMessage()]
+        assert len(warned) == 1 and warned[0].startswith("trainmon: ")

@@ -15,15 +15,24 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+import numpy as np
+import pandas as pd
 import pytest
 
-from tests.sinks.test_tensorboard import (assert_same_scalars, expected_from_csv, expected_scalars,
-                                          family_rows, load_scalars)
+from tests._support.runs import run_cli
+from tests.sinks.test_tensorboard import (
+    assert_same_scalars,
+    assert_same_summary,
+    expected_from_csv,
+    expected_scalars,
+    expected_summary_from_csv,
+    family_rows,
+    load_scalars,
+)
 from trainmon.cli import main
 from trainmon.cli.csv2tb import CONVERTED_NAME, convert_rank
 from trainmon.sinks import SinkOptions, create_sink
 from trainmon.sinks.csv import CsvSink
-from tests._support.runs import run_cli
 from trainmon.stats.rows import StepRows
 
 REPO = Path(__file__).resolve().parents[2]
@@ -56,6 +65,11 @@ def make_run(run_dir: Path, ranks=(0, 1), steps=range(7), formats=("csv",)) -> d
 
 
 def csv2tb(*args: str) -> int:
+    """csv2tb in the per-tensor layout, whose series these tests compare row by row."""
+    return main(["csv2tb", *map(str, args), "--tags", "per_tensor"])
+
+
+def csv2tb_default(*args: str) -> int:
     return main(["csv2tb", *map(str, args)])
 
 
@@ -124,13 +138,14 @@ def test_rank_with_native_events_is_skipped_and_o_converts_it(tmp_path, capsys):
     written = make_run(run, ranks=(0,), steps=range(4), formats=("csv", "tensorboard"))
     native_dir = run / "tensorboard" / "rank0"
     native_files = event_files(native_dir)
-    assert csv2tb(run) == 0
+    assert csv2tb_default(run) == 0
     assert "skipped" in capsys.readouterr().out
     assert event_files(native_dir) == native_files                  # untouched, nothing added
-    assert csv2tb(run, "-o", tmp_path / "conv") == 0
+    assert csv2tb_default(run, "-o", tmp_path / "conv") == 0
     native, converted = load_scalars(native_dir), load_scalars(tmp_path / "conv" / "run1" / "rank0")
-    assert_same_scalars(native, expected_scalars(written[0]))
-    assert_same_scalars(converted, native)
+    assert_same_scalars(converted, native)                          # the same default layout
+    assert csv2tb(run, "-o", tmp_path / "per_tensor") == 0
+    assert_same_scalars(load_scalars(tmp_path / "per_tensor" / "run1" / "rank0"), expected_scalars(written[0]))
 
 
 def test_unreadable_csv_is_reported_and_the_rest_converted(tmp_path, capsys):
@@ -149,13 +164,15 @@ def test_cells_that_are_not_numbers_convert_as_the_native_sink_writes_them(tmp_p
     run = tmp_path / "run1"
     sink = create_sink(["csv", "tensorboard"], SinkOptions(rank_dir=run / "rank0"))
     for step in range(2):
-        sink.write(StepRows.of([StatRow("grad_reduced", "w", step, {"norm": None, "max": "n/a", "min": 1.5 + step})]), step)
+        row = StatRow("grad_reduced", "w", step, {"norm": None, "max": "n/a", "min": 1.5 + step})
+        sink.write(StepRows.of([row]), step)
     sink.close()
-    assert csv2tb(run, "-o", tmp_path / "conv") == 0
+    assert csv2tb_default(run, "-o", tmp_path / "conv") == 0
     native, converted = load_scalars(run / "tensorboard" / "rank0"), load_scalars(tmp_path / "conv" / "run1" / "rank0")
     assert_same_scalars(converted, native)
-    assert native["grad_reduced.min/vp0:w"] == [(0, 1.5), (1, 2.5)]
-    assert all(math.isnan(v) for _, v in native["grad_reduced.norm/vp0:w"] + native["grad_reduced.max/vp0:w"])
+    assert native["grad_reduced.min/min"] == [(0, 1.5), (1, 2.5)]
+    assert all(math.isnan(v) for _, v in native["grad_reduced.norm/global"] + native["grad_reduced.max/max"])
+    assert native["grad_reduced.norm/nonfinite"] == [(0, 1.0), (1, 1.0)]
 
 
 def test_progress_counts_every_csv_byte(tmp_path):
@@ -259,10 +276,12 @@ def _wait_for_tags(port: int, server, runs: list[str], tag: str, timeout: float 
 @pytest.mark.slow
 def test_tensorboard_server_serves_native_and_converted_series(tmp_path):
     logdir = tmp_path / "logdir"
-    written = make_run(logdir / "run1", ranks=(0,), steps=range(6), formats=("csv", "tensorboard"))
-    assert csv2tb(logdir / "run1", "-o", logdir / "converted") == 0
-    tag = "grad_reduced.norm/vp0:layers.1.mlp.weight"
-    want = [[step, value] for step, value in expected_scalars(written[0])[tag]]
+    make_run(logdir / "run1", ranks=(0,), steps=range(6), formats=("csv", "tensorboard"))
+    assert csv2tb_default(logdir / "run1", "-o", logdir / "converted") == 0
+    tag = "grad_reduced.max/max"
+    want = [[step, value] for step, value in load_scalars(logdir / "run1" / "tensorboard" / "rank0")[tag]]
+    csv = pd.concat([pd.read_csv(p) for p in sorted((logdir / "run1" / "rank0").glob("grad_reduced_*.csv"))])
+    assert [v for _, v in want] == [np.float32(np.nanmax(g["max"])) for _, g in csv.groupby("step")]
     runs = ["run1/tensorboard/rank0", "converted/run1/rank0"]
     exe = shutil.which("tensorboard")
     cmd = [exe] if exe else [sys.executable, "-m", "tensorboard.main"]
@@ -309,10 +328,20 @@ def test_training_run_native_equals_csv_equals_converted(tmp_path, output_root, 
         train(model, optimizer, steps=5, grad_acc_steps=2)
     run = monitor.run_dir
     native = load_scalars(run / "tensorboard" / "rank0")
-    from_csv = expected_from_csv(run / "rank0")
     assert {t.split(".", 1)[0] for t in native} == {"grad_unreduced", "grad_reduced", "param_origin",
                                                     "param_updated", "exp_avg", "exp_avg_sq", "update_ratio"}
-    assert_same_scalars(native, from_csv)
-    assert {s for s, _ in native["grad_reduced.norm/vp0:output.weight"]} == set(range(5))
-    assert csv2tb(run, "-o", tmp_path / "conv") == 0
+    assert_same_summary(native, expected_summary_from_csv(run / "rank0"))
+    assert {s for s, _ in native["grad_reduced.norm/global"]} == set(range(5))
+    assert csv2tb_default(run, "-o", tmp_path / "conv") == 0
     assert_same_scalars(load_scalars(tmp_path / "conv" / run.name / "rank0"), native)
+    assert csv2tb(run, "-o", tmp_path / "per_tensor") == 0
+    assert_same_scalars(load_scalars(tmp_path / "per_tensor" / run.name / "rank0"), expected_from_csv(run / "rank0"))
+    # one recorded time per step, and both the native and the converted events carry it
+    from tests.sinks.test_tensorboard import load_accumulator
+    from trainmon.output.runs import step_times
+
+    times = step_times(run / "rank0")
+    assert sorted(times) == list(range(5)) and all(a < b for a, b in zip(times.values(), list(times.values())[1:]))
+    for events in (run / "tensorboard" / "rank0", tmp_path / "conv" / run.name / "rank0"):
+        acc = load_accumulator(events)
+        assert {(e.step, e.wall_time) for e in acc.Scalars("grad_reduced.norm/global")} == set(times.items())

@@ -28,7 +28,7 @@ def _write(run, formats, steps=4):
 
 def _convert(capsys, *argv) -> tuple[int, str]:
     capsys.readouterr()
-    code = main(["csv2tb", *map(str, argv)])
+    code = main(["csv2tb", *map(str, argv), "--tags", "per_tensor"])
     return code, capsys.readouterr().err
 
 

@@ -84,7 +84,7 @@ def test_every_state_family_is_known_to_the_readers():
     param_updated; the writer's file-name pattern parses them back."""
     from pathlib import Path
 
-    from trainmon.diagnosis.flow import family_rank, phase_of
+    from trainmon.analysis.flow import family_rank, phase_of
     from trainmon.output.layout import parse_family_file
 
     for family in OPTIMIZER_STATE:

@@ -9,8 +9,7 @@ import pytest
 from matplotlib import image as mpimg
 
 from tests._support.simulate import FAULT_RANK, FAULT_STEP, Net, named_run, row, write_run
-from trainmon.diagnosis.plot import (HEATMAP_XLABEL, HEATMAP_YLABEL, heatmap_figure, layer_grid,
-                                     save_figure)
+from trainmon.diagnosis.plot import HEATMAP_XLABEL, HEATMAP_YLABEL, heatmap_figure, layer_grid, save_figure
 from trainmon.diagnosis.reader import load_run
 
 

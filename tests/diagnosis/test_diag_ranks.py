@@ -7,10 +7,18 @@ from __future__ import annotations
 
 import pytest
 
-from tests._support.simulate import (BLOW_PARAM, CORRUPT_PARAM, CORRUPT_RANK, FAULT_RANK, FAULT_STEP,
-                                       named_run, row, write_run)
-from trainmon.diagnosis.reader import load_run
+from tests._support.simulate import (
+    BLOW_PARAM,
+    CORRUPT_PARAM,
+    CORRUPT_RANK,
+    FAULT_RANK,
+    FAULT_STEP,
+    named_run,
+    row,
+    write_run,
+)
 from trainmon.diagnosis.ranks import check_ranks
+from trainmon.diagnosis.reader import load_run
 from trainmon.diagnosis.scan import scan
 
 

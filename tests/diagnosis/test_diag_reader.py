@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 
 from tests._support.simulate import row, write_run
-from trainmon.diagnosis.flow import FLOW_KEYS, PHASES, phase_of
+from trainmon.analysis.flow import FLOW_KEYS, PHASES, phase_of
 from trainmon.diagnosis.reader import RunDirError, load_run, resolve_run_dir
 
 

@@ -9,9 +9,8 @@ import statistics
 import pytest
 
 from tests._support.simulate import row, write_run
+from trainmon.analysis.rules import Anomaly, Rules, SpikeRule, SpikeTracker, json_number, nonfinite_op
 from trainmon.diagnosis.reader import load_run
-from trainmon.diagnosis.rules import (Anomaly, Rules, SpikeRule, SpikeTracker, json_number,
-                                      nonfinite_op)
 from trainmon.diagnosis.scan import scan
 
 

@@ -21,17 +21,26 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from trainmon.stats.rows import StatRow, StepRows
-from trainmon.sinks import SinkOptions, create_sink
+from trainmon.output.tb_tags import TensorBoardSettings
+from trainmon.sinks import SinkOptions
 from trainmon.sinks.csv import CsvSink
-from trainmon.sinks.tensorboard import (TensorBoardSink, crc32c, encode_event, f32_bytes, frame_record,
-                                        masked_crc32c, value_prefix)
+from trainmon.sinks.tensorboard import (
+    TensorBoardSink,
+    crc32c,
+    encode_event,
+    f32_bytes,
+    frame_record,
+    masked_crc32c,
+    value_prefix,
+)
+from trainmon.stats.rows import StatRow, StepRows
 
 REPO = Path(__file__).resolve().parents[2]
 ALL_OPS = ("norm", "mean", "min", "max", "std", "zeros", "nans", "infs")
 PARAM_FAMILIES = ("grad_unreduced", "grad_reduced", "param_origin", "param_updated", "exp_avg", "exp_avg_sq")
 # Values that stress the float32 conversion: rounding, overflow, underflow, specials.
 SPECIAL = (0.1 + 0.2, 1e-30, 3.4e38, 1e39, -1e39, 1e-50, math.nan, math.inf, -math.inf, -0.0)
+PER_TENSOR = TensorBoardSettings(tags="per_tensor")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -103,7 +112,7 @@ def expected_scalars(rows) -> dict[str, list[tuple[int, float]]]:
 def expected_from_csv(rank_dir: Path) -> dict[str, list[tuple[int, float]]]:
     """Tags and float32 values derived from a rank's CSV files with plain pandas."""
     want: dict[str, list] = {}
-    for path in sorted(rank_dir.glob("*.csv")):
+    for path in sorted(rank_dir.glob("*_*-*.csv")):
         family = path.name.split(".")[0].rsplit("_", 1)[0]
         df = pd.read_csv(path, keep_default_na=False, na_values=["nan"], dtype={"name": str})
         cols = list(df.columns)
@@ -118,13 +127,75 @@ def expected_from_csv(rank_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return want
 
 
+PER_ROW = ("loss", "hyperparams", "steps")
+
+
+def csv_frames(rank_dir: Path):
+    """(family, stat columns, frame) of every family file of a rank, read with plain pandas."""
+    for path in sorted(rank_dir.glob("*_*-*.csv")):
+        family = path.name.split(".")[0].rsplit("_", 1)[0]
+        df = pd.read_csv(path, keep_default_na=False, na_values=["nan"], dtype={"name": str})
+        cols = list(df.columns)
+        first = next(i for i, c in enumerate(cols) if c in (*ALL_OPS, "update_ratio", "loss") or c.startswith("("))
+        yield family, cols[first:-2], df
+
+
+def expected_summary_from_csv(rank_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """The documented summary series (docs/tensorboard.md), computed from the CSV files with
+    pandas/numpy in float64: ``<family>.<op>/global|max|min|nonfinite|sum``."""
+    want: dict[str, list] = {}
+    for family, stats, df in csv_frames(rank_dir):
+        if family in PER_ROW:
+            continue
+        for step, g in df.groupby("step", sort=True):
+            for op in stats:
+                x = g[op].to_numpy(dtype=np.float64)
+                finite, numbers = np.isfinite(x), x[~np.isnan(x)]
+                if op in ("nans", "infs"):
+                    aggs = {"sum": x.sum(), "max": x.max()}
+                else:
+                    aggs = {"max": numbers.max() if numbers.size else math.nan,
+                            "min": numbers.min() if numbers.size else math.nan,
+                            "nonfinite": float((~finite).sum())}
+                    if op == "norm":
+                        aggs["global"] = float(np.sqrt(np.sum(x * x)))
+                for agg, v in aggs.items():
+                    want.setdefault(f"{family}.{op}/{agg}", []).append((int(step), float(v)))
+    return want
+
+
+def assert_same_summary(got: dict, want: dict) -> None:
+    """``got`` (event scalars) holds exactly the summary series of ``want``: aggregates that are
+    one of the CSV values (max, min) or counts are float32 of them exactly; the global norm
+    (a sum) to float32 precision."""
+    summary = {t: v for t, v in got.items() if not t.split("/", 1)[1].startswith("vp") and t != "loss.loss/step"}
+    assert sorted(summary) == sorted(want)
+    for tag, series in want.items():
+        g = summary[tag]
+        assert [s for s, _ in g] == [s for s, _ in series], tag
+        for (step, a), (_, b) in zip(g, series):
+            b32 = f32(b)
+            if tag.endswith("/global") and math.isfinite(b32):
+                assert a == pytest.approx(b32, rel=2e-7), (tag, step)
+            else:
+                assert (math.isnan(a) and math.isnan(b32)) or a == b32, (tag, step, a, b)
+
+
+def load_accumulator(event_dir: Path):
+    """TensorBoard's own EventAccumulator over a directory, keeping every event."""
+    from tensorboard.backend.event_processing import event_accumulator as ea
+
+    acc = ea.EventAccumulator(str(event_dir), size_guidance={ea.SCALARS: 0, ea.TENSORS: 0, ea.HISTOGRAMS: 0})
+    acc.Reload()
+    return acc
+
+
 def load_scalars(event_dir: Path) -> dict[str, list[tuple[int, float]]]:
     """Every scalar of a directory's event files, via TensorBoard's own loader (keep all)."""
     from tensorboard.backend.event_processing import event_accumulator as ea
 
     acc = ea.EventAccumulator(str(event_dir), size_guidance={ea.SCALARS: 0, ea.TENSORS: 0})
     acc.Reload()
-    assert acc.Tags()["tensors"] == []
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
@@ -187,7 +258,7 @@ def test_event_bytes_parse_as_tensorboard_protos():
 # ---------------------------------------------------------------------------------------------
 def test_every_family_step_and_op_reads_back_exactly(tmp_path):
     run = tmp_path / "run"
-    sink = TensorBoardSink(SinkOptions(rank_dir=run / "rank1", rank=1))
+    sink = TensorBoardSink(SinkOptions(rank_dir=run / "rank1", rank=1), PER_TENSOR)
     rows = write_rows(sink, steps=4, vpp_stages=2)
     sink.close()
 
@@ -206,9 +277,12 @@ def test_every_family_step_and_op_reads_back_exactly(tmp_path):
 
 
 def test_native_events_equal_the_csv_cells(tmp_path):
-    """format ["csv", "tensorboard"] through the real off-thread writer: TB == float32(CSV)."""
+    """The per-tensor layout behind the real off-thread writer, beside the CSV sink: TB == float32(CSV)."""
+    from trainmon.sinks.async_writer import AsyncSink, FanoutSink
+
     run = tmp_path / "run"
-    sink = create_sink(["csv", "tensorboard"], SinkOptions(rank_dir=run / "rank0", step_count_per_record=2))
+    options = SinkOptions(rank_dir=run / "rank0", step_count_per_record=2)
+    sink = AsyncSink(FanoutSink([CsvSink(options), TensorBoardSink(options, PER_TENSOR)], options))
     write_rows(sink, steps=5)
     sink.close()
     assert_same_scalars(load_scalars(tb_dir(run)), expected_from_csv(run / "rank0"))
@@ -231,7 +305,7 @@ def test_rows_that_change_between_steps_keep_their_own_tags(tmp_path):
         [*base[:2], dataclasses.replace(base[2], step=9)],                                # mixed steps
         base,
     ]
-    sink = TensorBoardSink(SinkOptions(rank_dir=tmp_path / "run" / "rank0"))
+    sink = TensorBoardSink(SinkOptions(rank_dir=tmp_path / "run" / "rank0"), PER_TENSOR)
     written = []
     for step, rows in enumerate(variants):
         rows = [dataclasses.replace(r, step=r.step if r.step == 9 else step,
@@ -250,7 +324,7 @@ def test_rows_that_change_between_steps_keep_their_own_tags(tmp_path):
 def test_ndigits_gives_the_rounded_csv_value(tmp_path):
     run = tmp_path / "run"
     options = SinkOptions(rank_dir=run / "rank0", ndigits=3)
-    csv_sink, tb_sink = CsvSink(options), TensorBoardSink(options)
+    csv_sink, tb_sink = CsvSink(options), TensorBoardSink(options, PER_TENSOR)
     rows = [StatRow("grad_reduced", "w", 0, {"norm": 0.123456789, "max": 98765.4321, "nans": 7, "min": math.nan})]
     for sink in (csv_sink, tb_sink):
         sink.write(StepRows.of(rows), 0)
@@ -266,7 +340,7 @@ def test_ndigits_gives_the_rounded_csv_value(tmp_path):
 def test_each_step_is_readable_as_soon_as_write_returns(tmp_path):
     """No buffering: a TensorBoard watching a live run sees every step that was written."""
     run = tmp_path / "run"
-    sink = TensorBoardSink(SinkOptions(rank_dir=run / "rank0"))
+    sink = TensorBoardSink(SinkOptions(rank_dir=run / "rank0"), PER_TENSOR)
     for step in range(3):
         sink.write(StepRows.of([StatRow("grad_reduced", "w", step, {"norm": float(step)})]), step)
         assert load_scalars(tb_dir(run))["grad_reduced.norm/vp0:w"][-1] == (step, float(step))
@@ -278,7 +352,7 @@ def test_each_step_is_readable_as_soon_as_write_returns(tmp_path):
 
 def test_a_record_cut_by_a_kill_leaves_earlier_steps_readable(tmp_path):
     run = tmp_path / "run"
-    sink = TensorBoardSink(SinkOptions(rank_dir=run / "rank0"))
+    sink = TensorBoardSink(SinkOptions(rank_dir=run / "rank0"), PER_TENSOR)
     rows = write_rows(sink, steps=3)
     sink.close()
     path = next(tb_dir(run).iterdir())
@@ -292,9 +366,9 @@ _CHILD = textwrap.dedent("""
     from pathlib import Path
     from trainmon.sinks import SinkOptions
     from trainmon.sinks.tensorboard import TensorBoardSink
-    from tests.sinks.test_tensorboard import family_rows
+    from tests.sinks.test_tensorboard import PER_TENSOR, family_rows
     from trainmon.stats.rows import StepRows
-    sink = TensorBoardSink(SinkOptions(rank_dir=Path({rank_dir!r})))
+    sink = TensorBoardSink(SinkOptions(rank_dir=Path({rank_dir!r})), PER_TENSOR)
     step = 0
     while True:
         sink.write(StepRows.of(family_rows(step, n_params=40)), step)

@@ -65,7 +65,10 @@ def test_a_buffer_of_views_costs_the_same_few_ops_whatever_its_number_of_tensors
     assert c.largest <= max(4 * _chunks(tensors), 4 * 4 * 2 * n)
 
 
-def test_tensors_not_of_one_aligned_buffer_cost_two_ops_each_plus_four_in_fp32_three_else():
+def test_tensors_not_of_one_aligned_buffer_cost_two_ops_each_plus_four_in_fp32_three_else(monkeypatch):
+    from trainmon.stats import device_rows
+
+    monkeypatch.setattr(device_rows, "_SMALL", 0)  # the per-tensor paths of tensors too large for segments
     separate = [torch.randn(256, 4) for _ in range(6)]
     misaligned = _views([300, 500, 700, 900, 1100, 1300])      # no common chunk of 256 elements
     assert _counted(StatsEngine(DEFAULT), separate).ops == 2 * 6 + 4      # _foreach_norm/_max
@@ -199,6 +202,7 @@ def test_a_buffer_larger_than_the_mask_scratch_is_counted_tensor_by_tensor(monke
     from trainmon.stats import device_rows
 
     monkeypatch.setattr(device_rows, "_SCRATCH_MAX", 1024)
+    monkeypatch.setattr(device_rows, "_SMALL", 0)
     tensors = _views([256 * 2] * 6)
     # each tensor: sum, amin, two masks, one count sum; the group: _foreach_norm/_max + 2 stacks
     assert _counted(StatsEngine(DEFAULT + ["nans", "infs"]), tensors).ops == 5 * 6 + 4
@@ -208,6 +212,7 @@ def test_counts_of_a_tensor_beyond_float32_exactness_are_not_batched_and_stay_ex
     from trainmon.stats import device_rows
 
     monkeypatch.setattr(device_rows, "_COUNT_EXACT", 1024)     # as a tensor of more than 2^24 elements
+    monkeypatch.setattr(device_rows, "_SMALL", 0)
     tensors = _views([256 * 2] * 5 + [256 * 5])
     tensors[5].view(-1)[::3] = math.nan
     engine = StatsEngine(DEFAULT + ["nans"])

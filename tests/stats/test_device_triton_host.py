@@ -6,6 +6,7 @@ than 32 bits)."""
 from __future__ import annotations
 
 import random
+import sys
 
 import pytest
 import torch
@@ -57,3 +58,38 @@ def test_the_launch_cache_passes_constexprs_as_the_installed_triton_launches_do(
         device_triton._constexprs_passed.cache_clear()
         assert device_triton._constexprs_passed() is want, version
     device_triton._constexprs_passed.cache_clear()
+
+
+def _triton_write_frames(n: int, monkeypatch) -> tuple[int, list[str]]:
+    """Python frames of one ``DeviceRows.write`` of ``n`` tiny tensors through the Triton route's
+    host side, the launches recorded instead of run (the interpreter would run them)."""
+    pytest.importorskip("triton")
+    from trainmon.stats.device_rows import DeviceRows
+
+    launched: list[str] = []
+    monkeypatch.setattr(device_triton, "_launch", lambda kernel, grid, *a, **m: launched.append(kernel.__name__))
+    rows = DeviceRows(torch.device("cpu"), ["count", "sum", "sumsq", "min", "max", "nans"], 1e-8)
+    rows._triton = device_triton.TritonRows(rows)
+    tensors = [torch.randn(4, 4) if k % 2 else torch.randn(4) for k in range(n)]
+    rows.write(tensors)  # first sight: the group's descriptor table
+    rows.clear()
+    launched.clear()
+    calls = 0
+
+    def profile(_frame, event, _arg):
+        nonlocal calls
+        calls += event == "call"
+
+    sys.setprofile(profile)
+    try:
+        rows.write(tensors)
+    finally:
+        sys.setprofile(None)
+    return calls, launched
+
+
+def test_the_triton_routes_host_side_takes_the_same_python_frames_for_64_or_512_tensors(monkeypatch):
+    calls64, launched64 = _triton_write_frames(64, monkeypatch)
+    calls512, launched512 = _triton_write_frames(512, monkeypatch)
+    assert launched64 == launched512 == ["chunk_partials", "tensor_rows"]
+    assert calls64 == calls512 <= 40

@@ -1,4 +1,5 @@
 """The fused CPU kernel against float64 truth and against the eager path."""
+
 from __future__ import annotations
 
 import math
@@ -23,7 +24,7 @@ def fused(request):
     request.addfinalizer(lambda: os.environ.pop(_fused_cpu.ENV, None))
     if not _fused_cpu.enabled():
         pytest.skip(f"fused CPU kernel does not build here: {_fused_cpu._state.get('error')}")
-    return _fused_cpu.partials_f32
+    return lambda tensors: _fused_cpu.partials_f32(tensors)[:, :5]  # count, sum, sumsq, min, max
 
 
 def truth(t: torch.Tensor) -> list[float]:
@@ -39,8 +40,7 @@ def eager(t: torch.Tensor) -> list[float]:
 
 
 def same(a: list[float], b: list[float], rtol: float) -> bool:
-    return all((math.isnan(x) and math.isnan(y)) or x == pytest.approx(y, rel=rtol, abs=1e-9)
-               for x, y in zip(a, b))
+    return all((math.isnan(x) and math.isnan(y)) or x == pytest.approx(y, rel=rtol, abs=1e-9) for x, y in zip(a, b))
 
 
 SIZES = [0, 1, 7, 15, 16, 17, 511, 512, 513, 1000, 4099, 65537, 300_001]
@@ -70,8 +70,11 @@ def test_nan_propagates_to_every_column_like_amin_amax(fused, where):
 
 
 def test_infinities_give_the_same_values_as_eager(fused):
-    pos = torch.ones(3000); pos[17] = math.inf
-    both = torch.ones(3000); both[2] = math.inf; both[2999] = -math.inf
+    pos = torch.ones(3000)
+    pos[17] = math.inf
+    both = torch.ones(3000)
+    both[2] = math.inf
+    both[2999] = -math.inf
     for t in (pos, both):
         assert same(fused([t])[0].tolist(), eager(t), 0.0), t[:3]
     assert fused([both])[0].tolist()[3:] == [-math.inf, math.inf]
@@ -98,16 +101,19 @@ def test_forty_million_equal_values_stay_accurate(fused):
     assert row[3] == row[4] == v
 
 
-def test_compute_partials_uses_it_only_for_lean_columns(fused):
+def test_compute_partials_uses_it_for_every_column_set(fused):
     g = torch.Generator().manual_seed(2)
-    tensors = [torch.randn(n, generator=g) for n in (5, 70_000)] + [torch.randn(9, generator=g).bfloat16(),
-                                                                    torch.arange(6), torch.empty(0)]
+    tensors = [torch.randn(n, generator=g) for n in (5, 70_000)] + [
+        torch.randn(9, generator=g).bfloat16(),
+        torch.arange(6),
+        torch.empty(0),
+    ]
     for cols in (COLS, ("count", "sumsq"), ("count", "min", "max")):
         rows = compute_partials(tensors, cols, 1e-8)
         for row, t in zip(rows, tensors):
             full = dict(zip(COLS, truth(t)))
             assert same(row.tolist(), [full[c] for c in cols], 1e-5), (cols, t.dtype)
-    # nans/zeros are not fused: the eager path still answers them
+    # nans/infs/zeros are fused too (tests/stats/test_fused_cpu_columns.py: every column)
     t = torch.tensor([0.0, math.nan, 1.0])
     row = compute_partials([t], ("count", "sumsq", "nans", "infs", "zeros"), 1e-8)[0].tolist()
     assert row[0] == 3 and math.isnan(row[1]) and row[2:] == [1.0, 0.0, 1.0]
@@ -116,28 +122,36 @@ def test_compute_partials_uses_it_only_for_lean_columns(fused):
 @pytest.mark.slow  # child processes that compile the kernel
 def test_build_failure_warns_once_and_falls_back(tmp_path):
     # A real failed build: no such compiler, in a fresh extensions dir.
-    script = ("import torch, trainmon.stats.partials as p\n"
-              "t = torch.randn(100)\n"
-              "a = p.compute_partials([t], ('count','sum','sumsq','min','max'), 0.0)[0]\n"
-              "b = p.compute_partials([t], ('count','sum','sumsq','min','max'), 0.0)[0]\n"
-              "assert torch.equal(a, b) and a[0] == 100, a\n"
-              "print('ok')\n")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), TRAINMON_FUSED_CPU="1",
-               CC=str(tmp_path / "no-such-compiler"), TRAINMON_CACHE_DIR=str(tmp_path / "cache"))
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                          timeout=120)
+    script = (
+        "import torch, trainmon.stats.partials as p\n"
+        "t = torch.randn(100)\n"
+        "a = p.compute_partials([t], ('count','sum','sumsq','min','max'), 0.0)[0]\n"
+        "b = p.compute_partials([t], ('count','sum','sumsq','min','max'), 0.0)[0]\n"
+        "assert torch.equal(a, b) and a[0] == 100, a\n"
+        "print('ok')\n"
+    )
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=str(REPO),
+        TRAINMON_FUSED_CPU="1",
+        CC=str(tmp_path / "no-such-compiler"),
+        TRAINMON_CACHE_DIR=str(tmp_path / "cache"),
+    )
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
     assert proc.stderr.count("fused CPU stats kernel is unavailable") == 1, proc.stderr
 
 
 def _enabled_in_subprocess(env_extra: dict, tmp_path: Path) -> subprocess.CompletedProcess:
-    script = ("import logging, torch; logging.basicConfig(level=logging.WARNING)\n"
-              "from trainmon.stats import _fused_cpu as f\n"
-              "print(f.enabled())\n")
+    script = (
+        "import logging, torch; logging.basicConfig(level=logging.WARNING)\n"
+        "from trainmon.stats import _fused_cpu as f\n"
+        "print(f.enabled())\n"
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("TRAINMON_FUSED_CPU", "CC")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), **env_extra)
-    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
 
 
 @pytest.mark.slow  # child processes that compile the kernel
@@ -147,16 +161,17 @@ def test_on_by_default_and_a_missing_compiler_is_one_warning(tmp_path):
         pytest.skip(f"no working C compiler here: {built.stderr[-300:]}")
     assert list((tmp_path / "c1").glob("trainmon_fused_*.so")), "the library is cached"
     # A later process loads the cached library: no compiler needed any more.
-    again = _enabled_in_subprocess({"TRAINMON_CACHE_DIR": str(tmp_path / "c1"),
-                                    "CC": str(tmp_path / "no-such-compiler")}, tmp_path)
+    again = _enabled_in_subprocess(
+        {"TRAINMON_CACHE_DIR": str(tmp_path / "c1"), "CC": str(tmp_path / "no-such-compiler")}, tmp_path
+    )
     assert again.stdout.strip() == "True", again.stderr
     # Nothing cached and no compiler, not asked for explicitly: eager path and one warning (a
     # slower path nobody chose is said, issue 34 item 19); TRAINMON_FUSED_CPU=0 is the quiet choice.
-    none = _enabled_in_subprocess({"TRAINMON_CACHE_DIR": str(tmp_path / "c2"),
-                                   "CC": str(tmp_path / "no-such-compiler")}, tmp_path)
+    none = _enabled_in_subprocess(
+        {"TRAINMON_CACHE_DIR": str(tmp_path / "c2"), "CC": str(tmp_path / "no-such-compiler")}, tmp_path
+    )
     assert none.returncode == 0 and none.stdout.strip() == "False" and none.stderr.count("WARNING") == 1
-    off = _enabled_in_subprocess({"TRAINMON_CACHE_DIR": str(tmp_path / "c3"), "TRAINMON_FUSED_CPU": "0"},
-                                 tmp_path)
+    off = _enabled_in_subprocess({"TRAINMON_CACHE_DIR": str(tmp_path / "c3"), "TRAINMON_FUSED_CPU": "0"}, tmp_path)
     assert off.stdout.strip() == "False" and not (tmp_path / "c3").exists(), "off: nothing is built"
     assert "WARNING" not in off.stderr
 

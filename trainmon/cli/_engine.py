@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,7 +19,17 @@ from trainmon.diagnosis.workdir import remove_stale
 from trainmon.output import runs
 from trainmon.output.cells import BadCellError
 
-__all__ = ["ENGINES", "AUTO_ENGINE_BYTES", "add_engine_argument", "use_engine", "check_settings", "engine_errors"]
+log = logging.getLogger("trainmon")
+
+__all__ = [
+    "engine_required",
+    "ENGINES",
+    "AUTO_ENGINE_BYTES",
+    "add_engine_argument",
+    "use_engine",
+    "check_settings",
+    "engine_errors",
+]
 
 ENGINES = ("auto", "duckdb", "memory")
 # ``--engine auto`` reads runs at least this large (bytes of family files) in DuckDB; smaller ones
@@ -27,7 +38,12 @@ ENGINES = ("auto", "duckdb", "memory")
 AUTO_ENGINE_BYTES = 256 * 2**20
 
 
-def add_engine_argument(parser: argparse.ArgumentParser, work: str) -> None:
+def add_engine_argument(parser: argparse.ArgumentParser, work: str, *, deprecated: bool = False) -> None:
+    """``deprecated``: the command always stages the run in DuckDB and runs its checks per bucket
+    (one code path for every size); ``--engine`` is accepted for a release, with one warning."""
+    if deprecated:
+        parser.add_argument("--engine", choices=ENGINES, default=None, help="deprecated, no effect")
+        return
     parser.add_argument(
         "--engine",
         choices=ENGINES,
@@ -49,6 +65,17 @@ def use_engine(choice: str, *run_dirs: str) -> bool:
     if choice != "auto":
         return choice == "duckdb"
     return engine.available() and _family_bytes(run_dirs) >= AUTO_ENGINE_BYTES
+
+
+def engine_required(choice: str | None) -> None:
+    """For a command that always runs in DuckDB: a clear error without it, one warning for the
+    deprecated ``--engine`` flag, and the ``use_engine`` housekeeping."""
+    remove_stale()
+    check_settings()
+    if choice is not None:
+        log.warning("trainmon: --engine is deprecated and has no effect: every run is staged in DuckDB")
+    if not engine.available():
+        raise CommandError("this command needs duckdb and pyarrow: pip install duckdb pyarrow")
 
 
 def check_settings() -> None:

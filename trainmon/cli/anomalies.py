@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import argparse
 from collections import Counter
-from typing import cast
 
+from trainmon.analysis.rules import PARAM_CHANGED, Anomaly, ByDesign, Findings, Rules, SpikeRule, Unjudged
 from trainmon.cli import CommandError
-from trainmon.cli._engine import add_engine_argument, engine_errors
-from trainmon.cli._engine import use_engine as use_engine_for
+from trainmon.cli._engine import add_engine_argument, engine_errors, engine_required
 from trainmon.cli._options import check_recorded, non_negative, rank_list
 from trainmon.cli._progress import Progress
 from trainmon.diagnosis import engine
-from trainmon.diagnosis.reader import DuplicateKeys, RunDirError, RunTable, duplicate_keys, load_run
+from trainmon.diagnosis.engine_buckets import bucket_scan_all
+from trainmon.diagnosis.reader import DuplicateKeys, RunDirError, RunTable
 from trainmon.diagnosis.report import dump_json, escape, parse_name_list, table
-from trainmon.diagnosis.rules import PARAM_CHANGED, Anomaly, ByDesign, Findings, Rules, SpikeRule, Unjudged
-from trainmon.diagnosis.scan import merge_runtime, scan_all
+from trainmon.diagnosis.scan import merge_runtime
 from trainmon.output.runs import escalations
 
 HELP = "list NaN/Inf and spikes of a run, earliest first in training-flow order"
@@ -64,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-runtime", action="store_true", help="ignore the anomalies.jsonl files alerts wrote during the run"
     )
-    add_engine_argument(parser, "scan the files")
+    add_engine_argument(parser, "scan the files", deprecated=True)
     parser.add_argument(
         "--limit",
         type=int,
@@ -113,46 +112,27 @@ def find_all(
     rules = _rules(args)
     non_negative(args.limit, "--limit")
     kinds, ranks = parse_name_list(args.kinds), rank_list(args.ranks)
-    use_engine = use_engine_for(getattr(args, "engine", "auto"), args.run_dir)
-    run: engine.RunFiles | RunTable
+    engine_required(getattr(args, "engine", None))
     try:
-        run = (
-            engine.run_files(args.run_dir, families=kinds, ranks=ranks)
-            if use_engine
-            else _load_run(args.run_dir, kinds, ranks, quiet=args.json)
-        )
+        run = engine.run_files(args.run_dir, families=kinds, ranks=ranks)
     except RunDirError as exc:
         raise CommandError(str(exc)) from None
     _check_names(kinds, run.families_on_disk, "family", run.path)
     _check_names(ranks, run.ranks_on_disk, "rank", run.path)
     if (rules.spike is not None or rules.threshold is not None) and run.stats:
         _check_names(rules.ops, run.stats, "stat", run.path)
-    # run_files' RunFiles with the engine, load_run's RunTable without
-    found = (
-        _engine_scan(cast(engine.RunFiles, run), rules, quiet=args.json, repeated=repeated)
-        if use_engine
-        else scan_all(cast(RunTable, run), rules)
-    )
-    if repeated is not None and not use_engine:
-        repeated.extend(duplicate_keys(cast(RunTable, run)))
+    found = _engine_scan(run, rules, quiet=args.json, repeated=repeated)
     if not args.no_runtime:
         found.anomalies = merge_runtime(found.anomalies, run.path, kinds=kinds, ranks=ranks, by_design=found.by_design)
     return run, found
-
-
-def _load_run(path, kinds, ranks, *, quiet: bool) -> RunTable:
-    progress = Progress("reading", 0, quiet=quiet)
-    try:
-        return load_run(path, families=kinds, ranks=ranks, progress=progress)
-    finally:
-        progress.done()
 
 
 def _engine_scan(files: engine.RunFiles, rules: Rules, *, quiet: bool, repeated=None) -> Findings:
     progress = Progress("anomalies", sum(len(v) for v in files.files.values()), quiet=quiet)
     try:
         with engine_errors(files.path):
-            return engine.engine_scan_all(files, rules, progress=progress, duplicates=repeated)
+            # DuckDB stages and partitions the rows; the one pandas rule set runs per bucket of names.
+            return bucket_scan_all(files, rules, progress=progress, duplicates=repeated)
     finally:
         progress.done()
 

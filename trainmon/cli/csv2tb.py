@@ -7,7 +7,11 @@ command follows); a ``.parquet`` file is never read as CSV.  Each family is conv
 (activations with their micro-steps, comm with its extra columns) into
 ``<run>/tensorboard/rank<R>/`` -- the directory and tags the native ``tensorboard`` format uses
 (:mod:`trainmon.output.tb_tags`), so the two are interchangeable.
-With ``-o DIR`` the events go to ``DIR/<run_id>/rank<R>/`` instead.
+With ``-o DIR`` the events go to ``DIR/<run_id>/rank<R>/`` instead.  The tag layout is the
+native sink's (``--tags summary`` by default, ``--tags per_tensor``, ``--names``), with the same
+histograms, step loss, custom-scalars layout and HParams record, and each step's events carry
+the wall time the run recorded for it (``rank<R>/step_times.tsv``; the conversion's time for runs
+written before step times were recorded).
 
 Re-running never duplicates: a rank's converted events are one file with a fixed name,
 written under a temporary name and moved over the previous one in one rename.  A rank whose
@@ -35,8 +39,16 @@ from trainmon.output.runs import (
     rank_dirs,
     rank_of,
     read_family_file,
+    step_times,
 )
-from trainmon.output.tb_tags import TB_DIRNAME, series_name
+from trainmon.output.tb_tags import (
+    PER_ROW_FAMILIES,
+    TAG_LAYOUTS,
+    TB_DIRNAME,
+    NameFilter,
+    TensorBoardSettings,
+    series_name,
+)
 
 HELP = "convert the CSV or Parquet files of a run (or of every run of an output dir) into TensorBoard event files"
 
@@ -61,6 +73,22 @@ def add_arguments(parser) -> None:
         metavar="DIR",
         help="write events to DIR/<run_id>/rank<R>/ instead of <run>/tensorboard/rank<R>/",
     )
+    parser.add_argument(
+        "--tags",
+        choices=TAG_LAYOUTS,
+        default="summary",
+        help='tag layout, as the native sink\'s "tensorboard": {"tags": ...} (default: summary: a few '
+        "series per family and statistic plus histograms; per_tensor: one series per tensor and statistic)",
+    )
+    parser.add_argument(
+        "--names",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="with --tags summary, also one series per statistic for the tensors matching this glob "
+        "(e.g. 'layers.0.*'); repeatable",
+    )
+    parser.add_argument("--no-histograms", action="store_true", help="no histograms of the per-tensor values")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -107,13 +135,17 @@ def run(args) -> int:
         runs, jobs = [run_dir], [(args.path, base / args.path.name)]
     else:
         raise CommandError(f"{args.path}: no trainmon run here (a run directory holds rank<R>/ directories)")
+    try:
+        settings = TensorBoardSettings(tags=args.tags, names=tuple(args.names), histograms=not args.no_histograms)
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
     total = sum(f.path.stat().st_size for rank, _ in jobs for fs in family_files(rank).values() for f in fs)
     started = time.perf_counter()
     results = []
     with _progress(total, disable=args.no_progress) as bar:
         for rank, target in jobs:
             try:
-                results.append(convert_rank(rank, target, progress=bar.update))
+                results.append(convert_rank(rank, target, progress=bar.update, settings=settings))
             except OSError as exc:
                 raise CommandError(f"cannot write {target}: {exc.strerror or exc}") from None
     _report(results, len(runs), time.perf_counter() - started)
@@ -153,8 +185,15 @@ def _report(results: list[RankResult], n_runs: int, seconds: float) -> None:
     )
 
 
-def convert_rank(rank_dir: Path, target: Path, *, progress: Callable[[int], object] | None = None) -> RankResult:
-    """Convert every family of one rank dir into ``target/CONVERTED_NAME`` (replacing it)."""
+def convert_rank(
+    rank_dir: Path,
+    target: Path,
+    *,
+    progress: Callable[[int], object] | None = None,
+    settings: TensorBoardSettings | None = None,
+) -> RankResult:
+    """Convert every family of one rank dir into ``target/CONVERTED_NAME`` (replacing it), in the
+    tag layout of ``settings`` (default: the native sink's default, ``summary``)."""
     from trainmon.sinks.tensorboard import EventFile
 
     rank_dir, target = Path(rank_dir), Path(target)
@@ -174,12 +213,15 @@ def convert_rank(rank_dir: Path, target: Path, *, progress: Callable[[int], obje
     target.mkdir(parents=True, exist_ok=True)
     _remove_stale_temps(target)
     tmp = target / f"{_TMP_PREFIX}{os.getpid()}.tmp"  # no "tfevents" in it: TensorBoard ignores it
-    events = EventFile(tmp)
+    times = step_times(rank_dir)
+    now = time.time()
+    events = EventFile(tmp, wall_time=min(times.values(), default=now))
     try:
-        converter = _Converter(events)
+        converter = _Converter(events, settings or TensorBoardSettings(), times, now)
         for f in files:
             converter.convert_file(f, result)
             _advance(progress, [f])
+        converter.finish(rank_dir.parent)
         events.close(sync=True)
         os.replace(tmp, target / CONVERTED_NAME)
     except BaseException:
@@ -200,11 +242,25 @@ def _remove_stale_temps(target: Path) -> None:
 
 
 class _Converter:
-    """Writes the events of one rank's files into one event file."""
+    """Writes the events of one rank's files into one event file, in the tag layout of
+    ``settings`` (the native sink's), each step stamped with the run's recorded time."""
 
-    def __init__(self, events):
+    def __init__(self, events, settings: TensorBoardSettings, times: dict[int, float], now: float):
+        from trainmon.sinks.tensorboard import SummaryEncoder
+
         self.events = events
+        self.settings = settings
+        self.times, self.now = times, now
+        self.summary = SummaryEncoder(settings.histograms)
+        self.names = NameFilter(settings.names)
+        self.ops_of: dict[str, tuple[str, ...]] = {}
+        self.first_step: int | None = None
         self._heads: dict[tuple, dict[tuple, list[bytes]]] = {}
+
+    def wall_time(self, step: int) -> float:
+        """When the run recorded ``step`` (``step_times.tsv``); the conversion's time for runs
+        written before trainmon recorded times."""
+        return self.times.get(step, self.now)
 
     def convert_file(self, f: FamilyFile, result: RankResult) -> None:
         import pandas as pd
@@ -227,28 +283,79 @@ class _Converter:
         roles = column_roles(df, FAMILY_STATS)
         if not roles.stats:
             return
-        self._write(f.family, df, roles)
+        self._write(f.family, df.reset_index(drop=True), roles)
         result.rows += len(df)
         result.scalars += len(df) * len(roles.stats)
 
     def _write(self, family: str, df, roles) -> None:
         import numpy as np
-
-        width = len(roles.stats)
-        heads = self._row_heads(family, df, roles)
         import pandas as pd
 
+        from trainmon.sinks.tensorboard import shape_numel
+
+        known = self.ops_of.get(family, ())
+        self.ops_of[family] = (*known, *(op for op in roles.stats if op not in known))
         # a cell that is not a number becomes NaN, as in the native sink
-        numbers = df[list(roles.stats)].apply(pd.to_numeric, errors="coerce")
+        values = df[list(roles.stats)].apply(pd.to_numeric, errors="coerce").to_numpy(dtype=np.float64)
+        steps = df["step"].to_numpy(dtype=np.int64)
+        summarized = not self.settings.per_tensor and family not in PER_ROW_FAMILIES
+        per_row = self._per_row_bodies(family, df, roles, values, summarized)
+        numels = None
+        if family == "grad_probe" and "shape" in df.columns:
+            numels = np.array([shape_numel(s) for s in df["shape"].tolist()], dtype=np.float64)
+        loss_col = roles.stats.index("loss") if family == "loss" and "loss" in roles.stats else None
+        cuts = [0, *(np.flatnonzero(np.diff(steps)) + 1).tolist(), len(steps)]
+        for a, b in pairwise(cuts):
+            step = int(steps[a])
+            parts = [per_row.get(step, b"")]
+            if summarized:
+                parts.append(
+                    self.summary.family(family, roles.stats, values[a:b], None if numels is None else numels[a:b])
+                )
+            if loss_col is not None:
+                parts.append(self.summary.step_loss(values[a:b, loss_col].tolist()))
+            self.events.write_event(step, self.wall_time(step), b"".join(parts))
+            self.first_step = step if self.first_step is None else min(self.first_step, step)
+
+    def _per_row_bodies(self, family: str, df, roles, values, summarized: bool) -> dict[int, bytes]:
+        """Step -> the bytes of one series per (row, statistic) of the rows written that way:
+        every row in the per-tensor layout and of the few-row families, else the rows ``names``
+        selects."""
+        import numpy as np
+
+        if summarized:
+            if not self.names:
+                return {}
+            names = df["name"].astype(str)
+            hits = {n: self.names(n) for n in names.unique()}
+            mask = names.map(hits).to_numpy(dtype=bool)
+            if not mask.any():
+                return {}
+            df, values = df[mask], values[mask]
+        width = len(roles.stats)
+        heads = self._row_heads(family, df, roles)
         with np.errstate(over="ignore"):  # beyond float32's range is +-inf, as in the native sink
-            values = numbers.to_numpy(dtype=np.float64).astype("<f4").tobytes()
+            raw = values.astype("<f4").tobytes()
         steps = df["step"].to_numpy(dtype=np.int64)
         cuts = [0, *(np.flatnonzero(np.diff(steps)) + 1).tolist(), len(steps)]
-        now = time.time()
+        out: dict[int, bytes] = {}
         for a, b in pairwise(cuts):
-            chunks = [values[i : i + 4] for i in range(a * width * 4, b * width * 4, 4)]
+            chunks = [raw[i : i + 4] for i in range(a * width * 4, b * width * 4, 4)]
             body = b"".join(chain.from_iterable(zip(chain.from_iterable(heads[a:b]), chunks)))
-            self.events.write_event(int(steps[a]), now, body)
+            out[int(steps[a])] = out.get(int(steps[a]), b"") + body
+        return out
+
+    def finish(self, run_dir: Path) -> None:
+        """The run's HParams record and custom-scalars layout (as the native sink writes them)."""
+        from trainmon.sinks.tensorboard import custom_scalars_value, hparams_value
+
+        if self.first_step is None:
+            return
+        wall = self.wall_time(self.first_step)
+        hparams = hparams_value(run_dir, wall)
+        if hparams is not None:
+            self.events.write_event(self.first_step, wall, hparams)
+        self.events.write_event(self.first_step, wall, custom_scalars_value(self.ops_of))
 
     def _row_heads(self, family: str, df, roles) -> list[list[bytes]]:
         """Value prefixes of each row's statistics, in ``roles.stats`` order."""

@@ -32,12 +32,26 @@ outputs and their grads are recorded.
 A copy of the model (``copy.deepcopy(model)``, the EMA idiom) carries these hooks: they check
 that the module they fire for is the monitored one and do nothing for a copy.
 
-Design: stats are computed inside the hook (partials stay on the device, no host read), so an
-in-place op later in the forward cannot change them and nothing holds the activation.  A tensor
-seen twice unchanged (output of one module, input of the next) is reduced once.  Forwards that
-run inside the autograd engine are checkpoint recomputations: they record no ``actv`` (the
-micro-batch was recorded in the real forward), but grad hooks are installed on them because the
-reentrant checkpoint's backward runs through the recomputed graph.
+Design: a hook does O(1) Python: it appends (family, stage, name, tensor, version, micro_step)
+to a pending batch.  The batch is reduced by ONE ``engine.partials`` call (the multi-tensor
+path: fused C kernel on CPU, the device path elsewhere) and captured in hook order (one
+``capture_tensors`` per run of one layout) at the end of each chunk's forward, at the end of each
+backward (``StepClock.on_backward_end``), at the step's end, and whenever it holds
+``TRAINMON_ACTV_BATCH_TENSORS`` tensors (default 256) or its referenced storages hold
+``TRAINMON_ACTV_BATCH_BYTES`` bytes (default 64 MiB: the extra memory batches may keep alive).
+
+Values never change.  An in-place op cannot be intercepted cheaply, so batching is learned per
+row slot (family, stage, name): the first time a slot is seen its tensor is reduced at once in
+the hook (as before batching) and its version counter (``t._version``) is kept; at the flush, a
+slot whose tensor's version did not move becomes batchable, one whose version moved (a
+``ReLU(inplace=True)`` after a Linear, ``x.add_(1)`` in a later module) is reduced at once on every
+later step.  Should a batchable slot's tensor be changed in place on a later step (data-dependent
+control flow), the flush sees the moved version and drops that row (one WARNING) and the slot is
+reduced at once from then on: a recorded value is always the one the tensor had at hook time.
+A tensor seen twice in a batch (output of one module, input of the next) is reduced once.
+Forwards that run inside the autograd engine are checkpoint recomputations: they record no
+``actv`` (the micro-batch was recorded in the real forward), but grad hooks are installed on
+them because the reentrant checkpoint's backward runs through the recomputed graph.
 """
 
 from __future__ import annotations
@@ -53,10 +67,10 @@ import torch.nn as nn
 from trainmon.collectors.base import Collector, register_collector
 from trainmon.collectors.module_io import (
     HookedModule,
+    _graph_task_id,
     hook_fn,
     in_backward,
     io_names,
-    is_recordable,
     model_files,
     pick,
     replace_tensors,
@@ -67,6 +81,7 @@ from trainmon.collectors.module_io import (
 )
 from trainmon.core.dtensor import dtensor_parts
 from trainmon.core.hooks import Handle, replace_recompile_warnings, skip_standalone_frames
+from trainmon.errors import env_int
 from trainmon.families import Family
 from trainmon.stats.engine import Tracked
 
@@ -75,27 +90,6 @@ __all__ = ["ActivationCollector"]
 log = logging.getLogger(__name__)
 
 _alias = torch.ops.aten.alias.default  # a view with the same elements; its backward returns grad itself
-
-
-class _RowCache:
-    """Partials rows of tensors already reduced in this pass, by identity and version."""
-
-    def __init__(self) -> None:
-        self._rows: dict[int, tuple[Any, int, torch.Tensor]] = {}
-
-    def get(self, t: torch.Tensor) -> torch.Tensor | None:
-        hit = self._rows.get(id(t))
-        if hit is None or hit[0]() is not t or _version(t) != hit[1]:
-            return None
-        return hit[2]
-
-    def put(self, t: torch.Tensor, row: torch.Tensor) -> None:
-        version = _version(t)
-        if version >= 0:
-            self._rows[id(t)] = (weakref.ref(t), version, row)
-
-    def clear(self) -> None:
-        self._rows.clear()
 
 
 class _HookedTensors:
@@ -167,8 +161,18 @@ class ActivationCollector(Collector):
         self._live = True
         self._forward = not cfg.backward_only
         self._backward = not cfg.forward_only
-        self._cache = _RowCache()
         self._hooked = _HookedTensors()
+        # Pending batch: (family, vpp, name, tensor, version at hook time, micro_step, shape, row
+        # or None when batched).  Bounded by tensors and by the bytes of the storages referenced.
+        self._batch: list[tuple] = []
+        self._batch_bytes = 0
+        self._eager_rows: dict[tuple[int, int], Any] = {}  # (id, version) -> row reduced in a hook
+        self._max_tensors = env_int("TRAINMON_ACTV_BATCH_TENSORS", 256)
+        self._max_bytes = env_int("TRAINMON_ACTV_BATCH_BYTES", 64 << 20)
+        self._safe: set[tuple[str, int, str]] = set()  # slots seen unchanged until their flush
+        self._unsafe: set[tuple[str, int, str]] = set()  # slots changed in place: reduced at once
+        self._flush_queued = False  # a backward-end flush is registered for this backward
+        self._warned_moved = False
         self._counts: list[int] = [0] * len(self.ctx.chunks)
         self._count_step = self.ctx.clock.step
         # True from the start of a model forward without autograd (torch.no_grad, inference_mode:
@@ -205,6 +209,8 @@ class ActivationCollector(Collector):
         self._grad_hook = self.ctx.guard.gated(self, self._on_grad, self.ctx.clock)
         self._base_grad_hook = self.ctx.guard.gated(self, self._on_base_grad, self.ctx.clock)
         self._backward_mark = self.ctx.guard.wrap(self, self._on_backward_start)
+        # Runs in the autograd engine's callback: a failure there must not reach training.
+        self._guarded_backward_flush = self.ctx.guard.wrap(self, self._backward_flush)
 
     def _gated(self, fn: Any) -> Any:
         """A module hook that costs one flag check on steps that are not collected."""
@@ -234,6 +240,7 @@ class ActivationCollector(Collector):
         clock = self.ctx.clock
         if module is not self.ctx.chunks[vpp] or not clock.collecting or in_backward():
             return  # not the monitored chunk: a copy of the model (copy.deepcopy) carries the hook
+        self._flush()  # rows of earlier passes go before this forward's mark
         # Decided once per forward, here, not per module: a reentrant checkpoint runs its
         # segment's real forward with grad off inside a training forward.
         self._eval_pass = not torch.is_grad_enabled()
@@ -247,11 +254,11 @@ class ActivationCollector(Collector):
             self._drop_unfinished(vpp)
         self._counts[vpp] += 1
         self._open[vpp] = self.ctx.engine.mark()
-        self._cache.clear()
 
     def _drop_unfinished(self, vpp: int) -> None:
         """The last forward of chunk ``vpp`` raised before returning (caught by the training
         loop): its rows belong to no micro-batch, and the next forward takes its micro_step."""
+        self._flush()  # its batched rows are captured after its mark, so dropped with the others
         dropped = self.ctx.engine.drop_since(self._open.pop(vpp), Family.ACTV, vpp)
         self._counts[vpp] -= 1
         if not self._warned_raise:
@@ -269,6 +276,7 @@ class ActivationCollector(Collector):
         run nested ones."""
         if module is not self.ctx.chunks[vpp] or not self.ctx.clock.collecting or in_backward():
             return
+        self._flush()
         self._open.pop(vpp, None)
         if not self._backward or not torch.is_grad_enabled():
             return
@@ -286,8 +294,16 @@ class ActivationCollector(Collector):
         recorded (None: the module's arguments unchanged)."""
         if module is not hm.module or self._eval_pass:
             return None  # a copy of the model (copy.deepcopy) carries the hook, or an evaluation
-        if not kwargs and len(args) == 1 and type(args[0]) in _PLAIN and not hm.spec and is_recordable(args[0]):
-            return self._one_input(hm, args[0])  # the common call: one plain tensor, fewer frames
+        if (  # the common call: one plain tensor, fewer frames (is_recordable inlined)
+            not kwargs
+            and len(args) == 1
+            and type(t := args[0]) in _PLAIN
+            and not hm.spec
+            and t.layout == torch.strided
+            and not t.is_meta
+            and not t.is_complex()
+        ):
+            return self._one_input(hm, t)
         tensors = tensors_of(kwargs, tensors_of(args)) if kwargs else tensors_of(args)
         if not tensors:
             return None
@@ -331,9 +347,11 @@ class ActivationCollector(Collector):
     def _one_input(self, hm: HookedModule, t: torch.Tensor) -> Any:
         """``_inputs`` for a module called with one plain tensor and no per-target spec."""
         name = io_names(hm.label, "input", 1)[0]
-        recompute = in_backward()
+        recompute = _graph_task_id() != -1  # in_backward(), inlined: hot path
         if self._forward and not recompute:
-            self._capture_one(Family.ACTV, hm.vpp_stage, name, t, self._micro(hm.vpp_stage))
+            vpp = hm.vpp_stage
+            micro = max(self._counts[vpp] - 1, 0) if self._count_step == self.ctx.clock.step else 0  # _micro
+            self._enqueue(Family.ACTV, vpp, name, t, micro, None)  # t is a plain tensor
         if not (self._backward and t.requires_grad and torch.is_grad_enabled()):
             return None
         a = _alias(t)
@@ -343,10 +361,18 @@ class ActivationCollector(Collector):
     def _outputs(self, hm: HookedModule, module: nn.Module, _args: Any, output: Any) -> None:
         if module is not hm.module or self._eval_pass:
             return  # a copy of the model (copy.deepcopy) carries the hook, or an evaluation
-        if type(output) in _PLAIN and not hm.spec and is_recordable(output):  # the common call
+        if (  # the common call; is_recordable inlined
+            type(output) in _PLAIN
+            and not hm.spec
+            and output.layout == torch.strided
+            and not output.is_meta
+            and not output.is_complex()
+        ):
             name = io_names(hm.label, "output", 1)[0]
-            if self._forward and not in_backward():
-                self._capture_one(Family.ACTV, hm.vpp_stage, name, output, self._micro(hm.vpp_stage))
+            if self._forward and _graph_task_id() == -1:  # not in backward (a recompute)
+                vpp = hm.vpp_stage
+                micro = max(self._counts[vpp] - 1, 0) if self._count_step == self.ctx.clock.step else 0  # _micro
+                self._enqueue(Family.ACTV, vpp, name, output, micro, None)
             if self._backward and output.requires_grad and torch.is_grad_enabled():
                 self._hook_shared(output, (hm.vpp_stage, name))
             return
@@ -382,10 +408,10 @@ class ActivationCollector(Collector):
             hooked.append(name)
 
     def _hook_grad(self, t: torch.Tensor, names: list[tuple[int, str]], fallback: bool = True) -> None:
-        self._hooked.add(t, names)
+        self._hooked._names[(id(t), t._version)] = (weakref.ref(t), names)  # _hooked.add, inlined
         fired = [False]
         t.register_hook(functools.partial(self._grad_hook, names, fired))
-        base = _same_elements_base(t) if fallback else None
+        base = _same_elements_base(t) if fallback and t._base is not None else None  # no frame for a non-view
         if base is not None:
             # A hook on a view is lost when the view is later modified in place (Linear on a 3-D
             # input returns a view; ReLU(inplace=True) then rebases it).  Its base still gets
@@ -398,8 +424,12 @@ class ActivationCollector(Collector):
         fired[0] = True
         if grad is not None and self._live:
             if len(names) == 1:  # the common case, fewer frames
-                micro = self.ctx.clock.enter_backward()
-                self._capture_one(Family.ACTV_GRAD, names[0][0], names[0][1], grad, micro)
+                clock = self.ctx.clock  # enter_backward() only on the pass's first grad: one frame less
+                micro = clock.backward_index if clock._in_backward else clock.enter_backward()
+                if type(grad) in _PLAIN:
+                    self._enqueue(Family.ACTV_GRAD, names[0][0], names[0][1], grad, micro, None)
+                else:
+                    self._capture(Family.ACTV_GRAD, names[0][0], [names[0][1]], [grad], micro)
             else:
                 self._capture_grad(names, grad, None)
 
@@ -425,36 +455,104 @@ class ActivationCollector(Collector):
         micro: int,
         shape: tuple[int, ...] | None = None,
     ) -> None:
-        if any(type(t) not in _PLAIN for t in tensors):
+        if any([type(t) not in _PLAIN for t in tensors]):
             tensors = [_waited(t) for t in tensors]
-        if any(_is_dtensor(t) for t in tensors):
+        if any([_is_dtensor(t) for t in tensors]):
+            self._flush()  # rows stay in hook order
             self._capture_dtensors(family, vpp, names, tensors, micro)
             return
-        cache, engine = self._cache, self.ctx.engine
-        rows = [cache.get(t) for t in tensors]
-        missing: dict[int, list[int]] = {}  # distinct tensor -> its positions: reduced once
-        for i, r in enumerate(rows):
-            if r is None:
-                missing.setdefault(id(tensors[i]), []).append(i)
-        if missing:
-            fresh = engine.partials([tensors[at[0]] for at in missing.values()], no_sync=True)
-            for at, row in zip(missing.values(), fresh):
-                for i in at:
-                    rows[i] = row
-                cache.put(tensors[at[0]], row)
-        engine.capture_tensors(family, vpp, names, tensors, rows, micro_step=micro, shape=shape)
+        for name, t in zip(names, tensors):
+            self._enqueue(family, vpp, name, t, micro, shape)
 
-    def _capture_one(self, family: str, vpp: int, name: str, t: torch.Tensor, micro: int) -> None:
-        """``_capture`` of one tensor under one name (most hook calls)."""
-        if type(t) not in _PLAIN:
-            self._capture(family, vpp, [name], [t], micro)
+    def _enqueue(
+        self, family: str, vpp: int, name: str, t: torch.Tensor, micro: int, shape: tuple[int, ...] | None
+    ) -> None:
+        """Append ``t`` to the pending batch: reduced now if its slot is not known to be safe from
+        in-place changes before the flush, else at the flush.  No Python frame per row beyond this."""
+        version = -1 if t.is_inference() else t._version
+        row = None
+        if (family, vpp, name) not in self._safe:
+            # Reduced now; a tensor already reduced now in this batch with these values (the
+            # output of one module is the input of the next) is reduced once.
+            row = self._eager_rows.get((id(t), version))
+            if row is None:
+                row = self._eager_rows[(id(t), version)] = self.ctx.engine.partial(t)
+        nbytes = t.untyped_storage().nbytes()
+        if self._batch_bytes + nbytes > self._max_bytes:
+            self._flush()  # the references held never exceed the bound (one bigger tensor alone)
+        self._batch.append((family, vpp, name, t, version, micro, shape, row))
+        self._batch_bytes += nbytes
+        if len(self._batch) >= self._max_tensors or self._batch_bytes >= self._max_bytes:
+            self._flush()
+        elif family == Family.ACTV_GRAD and not self._flush_queued:
+            self._flush_queued = True
+            self.ctx.clock.on_backward_end(self._guarded_backward_flush)
+
+    def _backward_flush(self) -> None:
+        self._flush_queued = False
+        if self._live:
+            self._flush()
+
+    def _flush(self) -> None:
+        """Reduce the pending batch in one ``partials`` call and capture it in hook order."""
+        batch = self._batch
+        if not batch:
             return
-        cache = self._cache
-        row = cache.get(t)
-        if row is None:
-            row = self.ctx.engine.partial(t)
-            cache.put(t, row)
-        self.ctx.engine.capture_one(family, vpp, name, t, row, micro)
+        self._batch, self._batch_bytes = [], 0
+        self._eager_rows.clear()
+        moved = [(-1 if e[3].is_inference() else e[3]._version) != e[4] for e in batch]
+        # Rows by (tensor, version): one reduction per distinct tensor and values in the batch.
+        fresh = {(id(e[3]), e[4]): e[7] for e in batch if e[7] is not None}
+        need = {
+            (id(e[3]), e[4]): e[3]
+            for e, m in zip(batch, moved)
+            if e[7] is None and not m and (id(e[3]), e[4]) not in fresh
+        }
+        if need:
+            fresh.update(zip(need, self.ctx.engine.partials(list(need.values()), no_sync=True)))
+        if any(moved):
+            self._learn_moved(batch, moved)
+        self._safe.update(
+            [e[:3] for e, m in zip(batch, moved) if e[7] is not None and not m and e[:3] not in self._unsafe]
+        )
+        run: list[tuple] = []
+        key: tuple | None = None
+        for e, m in zip(batch, moved):
+            if m and e[7] is None:
+                continue  # changed in place before its batch ran: its values are gone (warned)
+            k = (e[0], e[1], e[5], e[6])
+            if k != key and run:
+                self._capture_run(key, run, fresh)
+                run = []
+            key = k
+            run.append(e)
+        if run:
+            self._capture_run(key, run, fresh)
+
+    def _capture_run(self, key: Any, run: list[tuple], fresh: dict[tuple[int, int], Any]) -> None:
+        family, vpp, micro, shape = key
+        rows = [fresh[(id(e[3]), e[4])] if e[7] is None else e[7] for e in run]
+        self.ctx.engine.capture_tensors(
+            family, vpp, [e[2] for e in run], [e[3] for e in run], rows, micro_step=micro, shape=shape
+        )
+
+    def _learn_moved(self, batch: list[tuple], moved: list[bool]) -> None:
+        """Slots whose tensor changed in place before the flush are reduced in the hook from now on."""
+        lost = [e[2] for e, m in zip(batch, moved) if m and e[7] is None]
+        for e, m in zip(batch, moved):
+            if m:
+                self._unsafe.add(e[:3])
+                self._safe.discard(e[:3])
+        if lost and not self._warned_moved:
+            self._warned_moved = True
+            log.warning(
+                "trainmon: %d activation rows (%s) are not recorded at step %d: their tensors were "
+                "changed in place before their batch was reduced; they are reduced in the hook "
+                "from now on. Warned once",
+                len(lost),
+                ", ".join(lost[:3]),
+                self.ctx.clock.step,
+            )
 
     def _capture_dtensors(
         self, family: str, vpp: int, names: list[str], tensors: list[torch.Tensor], micro: int
@@ -471,14 +569,14 @@ class ActivationCollector(Collector):
             self.ctx.engine.capture(family, [Tracked(name, local, vpp, shape)], micro_step=micro, group=group)
 
     def on_step_end(self) -> None:
+        self._flush()
         for vpp in list(self._open):  # still open at the step's end: that forward raised
             self._drop_unfinished(vpp)
-        self._cache.clear()
         self._hooked.clear()
 
     def detach(self) -> None:
+        self._flush()  # what was recorded is kept
         self._live = False  # grad hooks already on tensors of this step become no-ops
         self._open.clear()
-        self._cache.clear()
         self._hooked.clear()
         super().detach()

@@ -41,11 +41,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from trainmon.diagnosis.flow import FLOW_KEYS, phase_of
+from trainmon.analysis.flow import FLOW_KEYS, phase_of
+from trainmon.analysis.rules import json_number
 from trainmon.diagnosis.model_meta import StageDifference, diff_initial, diff_structure, meta_ranks, read_model_meta
 from trainmon.diagnosis.names import match_names
 from trainmon.diagnosis.reader import EXTRA_PREFIX, RunTable
-from trainmon.diagnosis.rules import json_number
 from trainmon.families import NOT_SCALAR, Family, Phase
 
 __all__ = [

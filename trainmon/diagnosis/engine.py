@@ -23,29 +23,19 @@ Exactly the same findings as ``scan.scan`` (tests compare both on the fault runs
 from __future__ import annotations
 
 import itertools
-import math
 import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainmon.diagnosis.flow import family_rank
-from trainmon.diagnosis.reader import FamilyStatsView, RunDirError, ranked_dirs, resolve_run_dir
-from trainmon.diagnosis.rules import (
-    COUNT_OPS,
-    PARAM_AFTER,
-    PARAM_BEFORE,
-    PARAM_CHANGE_RTOL,
-    PARAM_CHANGED,
-    RATIO_FAMILIES,
+from trainmon.analysis.flow import family_rank
+from trainmon.analysis.rules import (
     Anomaly,
-    ByDesign,
     Findings,
     Rules,
-    Unjudged,
-    judges_drops,
 )
+from trainmon.diagnosis.reader import FamilyStatsView, RunDirError, ranked_dirs, resolve_run_dir
 from trainmon.diagnosis.workdir import WorkDir
 from trainmon.errors import DamagedFileError, EnvError, env_int
 from trainmon.output import runs
@@ -182,7 +172,11 @@ def _csv_rows(f: FamilyFile) -> int:
     with open(f.path, "rb") as fh:
         header = fh.readline()
         if not header.strip():  # the sink never leaves an empty file: damage, as for the other readers
-            raise DamagedFileError(f.path, "empty file (no header)")
+            size = os.fstat(fh.fileno()).st_size
+            # the in-memory reader's words for an empty file (``output.runs``): one message per damage
+            raise DamagedFileError(
+                f.path, "empty file (0 bytes): no header and no rows" if size == 0 else "empty file (no header)"
+            )
         first = fh.readline()
         if not first.strip():
             return 0
@@ -544,294 +538,10 @@ class _Family:
         else:  # no copy: names are unique in every step (all but comm-like families)
             self.con.execute("CREATE OR REPLACE TEMP VIEW o AS SELECT *, 0::BIGINT AS occurrence FROM o0n")
 
-    def _nonfinite_ops(self) -> list[str]:
-        if self.family in RATIO_FAMILIES:
-            return []
-        return [c for c in COUNT_OPS if c in self.stats] + [c for c in self.stats if c not in COUNT_OPS]
-
-    def nonfinite(self, *, first_unit: bool = True) -> tuple[list[tuple], list[tuple]]:
-        """The nonfinite rule on this unit.  Whether a series is non-finite by design (``rules``
-        docstring) is known only after the family's last unit, so for the series whose first
-        row is non-finite (kept with every series' first row in table ``nf_first`` across the
-        family's units; ``first_unit``: start it) each non-finite row comes back both ways.
-        Returns (rows, maybe): the findings of the other series, and per row of those series
-        (series key, its finding as a plain row, its finding against the first row or None)."""
-        ops = self._nonfinite_ops()
-        if not ops:
-            return [], []
-        self._first_rows(ops, first_unit)
-        same = _NF_SERIES.format("o")
-        vs, ds = [self._v(op) for op in ops], [f"n.nf_d{i}" for i in range(len(ops))]
-        bad = " ".join(f"WHEN {self._bad(op)} THEN {_lit(op)}" for op in ops)
-        worse = " ".join(f"WHEN {_worse(op, v, d)} THEN {_lit(op)}" for op, v, d in zip(ops, vs, ds))
-        values = " ".join(f"WHEN {_lit(op)} THEN {v}" for op, v in zip(ops, vs))
-        base = " ".join(f"WHEN {_lit(op)} THEN nf_d{i}" for i, op in enumerate(ops))
-        found = self.con.execute(f"""
-            SELECT g, step, name, rank, op, CASE op {values} END, 'nonfinite', micro_step, vpp_stage, NULL, occurrence,
-                   nf_design, worse, CASE worse {values} END, CASE worse {base} END
-            FROM (SELECT o.*, n.*, CASE {bad} END AS op, CASE WHEN n.nf_design THEN CASE {worse} END END AS worse
-                  FROM o JOIN nf_first n ON {same} WHERE {self._tensor_rows()})
-            WHERE op IS NOT NULL""").fetchall()
-        rows, maybe = [], []
-        for r in found:
-            plain, (candidate, worse_op, worse_value, first_value) = r[:11], r[11:]
-            if not candidate:
-                rows.append(plain)
-                continue
-            against = None
-            if worse_op is not None:
-                against = plain[:4] + (worse_op, worse_value) + plain[6:9] + (first_value,) + plain[10:]
-            key = (plain[3], plain[8], plain[2], plain[7], plain[10])  # rank, vpp_stage, name, micro_step, occurrence
-            maybe.append((key, plain, against))
-        alike = " AND ".join(_same_way(op, v, d) for op, v, d in zip(ops, vs, ds))
-        any_bad = " OR ".join(self._bad(op) for op in ops)
-        self.con.execute(f"""
-            UPDATE nf_first AS n SET nf_constant = nf_constant AND x.alike, nf_last = greatest(nf_last, x.last),
-                   nf_every = nf_every AND x.every, nf_rows = nf_rows + x.n
-            FROM (SELECT o.rank, o.vpp_stage, o.name, o.micro_step, o.occurrence,
-                         bool_and({alike}) AS alike, max(o.step) AS last, bool_and({any_bad}) AS every, count(*) AS n
-                  FROM o JOIN nf_first n ON {same} WHERE n.nf_design AND {self._tensor_rows()}
-                  GROUP BY ALL) x
-            WHERE {_NF_SERIES.format("x")}""")
-        return rows, maybe
-
-    def _first_rows(self, ops: list[str], first_unit: bool) -> None:
-        """Add to ``nf_first`` the first row (earliest step, then file order) of each series of
-        this unit not seen in an earlier unit: its values of ``ops`` and whether it is non-finite."""
-        fields = ", ".join(f"'d{i}': {self._v(op)}" for i, op in enumerate(ops))
-        bad = " OR ".join(self._bad(op) for op in ops)
-        first = f"""SELECT rank AS nf_rank, vpp_stage AS nf_vpp_stage, name AS nf_name, micro_step AS nf_micro_step,
-                    occurrence AS nf_occurrence,
-                    arg_min({{'step': step, 'bad': {bad}, {fields}}}, {{'step': step, 'g': g}}) AS f
-                    FROM o WHERE {self._tensor_rows()} GROUP BY ALL"""
-        columns = ", ".join(f"f.d{i} AS nf_d{i}" for i in range(len(ops)))
-        rows = f"""SELECT nf_rank, nf_vpp_stage, nf_name, nf_micro_step, nf_occurrence, f.step AS nf_first_step,
-                   f.bad AS nf_design, true AS nf_constant, f.step AS nf_last, true AS nf_every,
-                   0::BIGINT AS nf_rows, {columns} FROM ({first}) x"""
-        if first_unit:
-            self.con.execute(f"CREATE OR REPLACE TEMP TABLE nf_first AS {rows}")
-        else:
-            self.con.execute(f"""INSERT INTO nf_first SELECT * FROM ({rows}) x
-                WHERE NOT EXISTS (SELECT 1 FROM nf_first n WHERE x.nf_rank = n.nf_rank
-                    AND x.nf_vpp_stage = n.nf_vpp_stage AND x.nf_name IS NOT DISTINCT FROM n.nf_name
-                    AND x.nf_micro_step = n.nf_micro_step AND x.nf_occurrence = n.nf_occurrence)""")
-
-    def by_design(self) -> list[ByDesign]:
-        """The family's by-design notes, from ``nf_first`` after its last unit (then dropped)."""
-        ops = self._nonfinite_ops()
-        if not ops:
-            return []
-        ds = ", ".join(f"nf_d{i}" for i in range(len(ops)))
-        found = self.con.execute(f"""
-            SELECT nf_rank, nf_vpp_stage, nf_name, nf_micro_step, nf_occurrence, nf_first_step, nf_last,
-                   nf_constant, {ds} FROM nf_first WHERE nf_design AND nf_every AND nf_rows >= 2""").fetchall()
-        self.con.execute("DROP TABLE IF EXISTS nf_first")
-        notes = []
-        for rank, vpp, name, micro, occ, first, last, constant, *firsts in found:
-            evidence = tuple(
-                (op, float(v)) for op, v in zip(ops, firsts) if (v > 0 if op in COUNT_OPS else not math.isfinite(v))
-            )
-            notes.append(
-                ByDesign(
-                    kind=self.family,
-                    name=name,
-                    rank=int(rank),
-                    first_step=int(first),
-                    last_step=int(last),
-                    evidence=evidence,
-                    constant=bool(constant),
-                    micro_step=None if int(micro) < 0 else int(micro),
-                    vpp_stage=int(vpp),
-                    occurrence=int(occ),
-                )
-            )
-        return notes
-
-    def keep_params(self, stats: Sequence[str], *, first_unit: bool) -> None:
-        """``param_changed``: this unit's ``param_updated`` rows, as of the next step, into table
-        ``param_before`` (values of ``stats`` as ``p0``, ``p1``...)."""
-        values = ", ".join(f"{self._v(op)} AS p{i}" for i, op in enumerate(stats))
-        rows = f"SELECT rank, vpp_stage, name, occurrence, step + 1 AS step, {values} FROM o"
-        if first_unit:
-            self.con.execute(f"CREATE OR REPLACE TEMP TABLE param_before AS {rows}")
-        else:
-            self.con.execute(f"INSERT INTO param_before {rows}")
-
-    def param_changes(self, stats: Sequence[str], rtol: float = PARAM_CHANGE_RTOL) -> list[tuple]:
-        """``param_changed`` on this unit of ``param_origin``: rows that differ from ``param_before``."""
-        vs, ps = [self._v(op) for op in stats], [f"b.p{i}" for i in range(len(stats))]
-        differ = " ".join(f"WHEN {_differs(v, p, rtol)} THEN {_lit(op)}" for op, v, p in zip(stats, vs, ps))
-        values = " ".join(f"WHEN {_lit(op)} THEN {v}" for op, v in zip(stats, vs))
-        base = " ".join(f"WHEN {_lit(op)} THEN p{i}" for i, op in enumerate(stats))
-        return self.con.execute(f"""
-            SELECT g, step, name, rank, op, CASE op {values} END, {_lit(PARAM_CHANGED)}, micro_step, vpp_stage,
-                   CASE op {base} END, occurrence
-            FROM (SELECT o.*, {", ".join(ps)}, CASE {differ} END AS op
-                  FROM o JOIN param_before b ON o.rank = b.rank AND o.vpp_stage = b.vpp_stage
-                       AND o.name IS NOT DISTINCT FROM b.name AND o.occurrence = b.occurrence AND o.step = b.step)
-            WHERE op IS NOT NULL""").fetchall()
-
-    def _bad(self, op: str) -> str:
-        # DuckDB orders NaN above every number (NaN > 0 is true there): guard it as numpy does.
-        v = self._v(op)
-        return f"(NOT isnan({v}) AND {v} > 0)" if op in COUNT_OPS else f"NOT isfinite({v})"
-
-    def spikes(
-        self, op: str, rule, *, carried: str | None = None, keep: str | None = None, unjudged: list | None = None
-    ) -> list[tuple]:
-        """Candidates from bounds on each row's windowed median (fast), then each candidate's
-        baseline exactly, in pandas' arithmetic, from its window's values; the rule is applied to
-        that exact baseline.  ``carried``: a table of earlier values of these series (an earlier
-        part of the same ranks, all of them before this part's steps: ``RunFiles.units``) that
-        the windows start from; ``keep``: the table to leave each series' last values in, for the
-        next part; ``unjudged``: gets (values, steps) the warm-up left unjudged."""
-        v, w = self._v(op), int(rule.window)
-        if not self._has_series:  # the same series for every op
-            self._series_ids()
-            self._has_series = True
-        # The finite values of ``op`` with their series number: the windows sort these four
-        # integer and float columns only (partitioning by the five key columns, a text one among
-        # them, cost ~40% more).
-        earlier = ""
-        if carried is not None:
-            same = _SAME_SERIES.format("c")
-            earlier = f"UNION ALL SELECT c.g, c.step, s.sid, c.v, true FROM {carried} c JOIN series s ON {same}"
-        self.con.execute(f"""CREATE OR REPLACE TEMP TABLE fin AS
-            SELECT g, step, sid, {v} AS v, false AS carried FROM o JOIN series s ON {_SAME_SERIES.format("o")}
-            WHERE {self._tensor_rows()} AND isfinite({v}) {earlier}""")
-        window = f"WINDOW win AS (PARTITION BY sid ORDER BY step, g ROWS BETWEEN {w} PRECEDING AND 1 PRECEDING)"
-        # The median of a window lies in [min, max] of its values, so |median| lies in [lo, hi]
-        # below: a row can only fire if it would fire against one of those bounds.  min/max
-        # windows cost less than a median window, and the exact check below decides.
-        bounds = f"""SELECT g, step, sid, v, carried, count(v) OVER win AS n,
-                     CASE WHEN min(v) OVER win > 0 THEN min(v) OVER win
-                          WHEN max(v) OVER win < 0 THEN -max(v) OVER win ELSE 0 END AS lo,
-                     greatest(abs(min(v) OVER win), abs(max(v) OVER win)) AS hi FROM fin {window}"""
-        if unjudged is not None:
-            n, steps = self.con.execute(f"""SELECT count(*), list(DISTINCT step) FROM (
-                SELECT step, carried, count(v) OVER win AS n FROM fin {window})
-                WHERE NOT carried AND n < {int(rule.warmup)}""").fetchone()
-            unjudged.append((int(n), {int(x) for x in steps or ()}))
-        if self._spike_candidates(bounds, "lo", "hi", rule) > self._BOUND_CANDIDATES:
-            # Bounds too loose (values around zero, wild series): the median itself.
-            median = f"""SELECT g, step, sid, v, carried, count(v) OVER win AS n, abs(median(v) OVER win) AS m
-                         FROM fin {window}"""
-            self._spike_candidates(median, "m", "m", rule)
-        if keep is not None:
-            self._keep_last(keep, carried, w)
-        candidates = self.con.execute("""
-            SELECT c.g, o.step, o.name, o.rank, o.micro_step, o.vpp_stage, o.occurrence, c.v
-            FROM spike_cand c JOIN o USING (g) ORDER BY c.g""").fetchall()
-        if not candidates:
-            return []
-        # Each candidate's window: the ``w`` finite values before it in its series (carried ones
-        # come from earlier steps).
-        windows = dict(
-            self.con.execute(f"""
-            SELECT c.g, list(s.v ORDER BY s.step DESC, s.g DESC)[1:{w}]
-            FROM spike_cand c JOIN fin s USING (sid)
-            WHERE s.step < c.step OR (s.step = c.step AND s.g < c.g) GROUP BY c.g""").fetchall()
-        )
-        out = []
-        down = judges_drops(self.family)
-        for g, step, name, rank, micro, vpp, occ, value in candidates:
-            base = _median(windows[g])
-            if rule.fires(value, base, down=down):
-                out.append((g, step, name, rank, op, value, "spike", micro, vpp, base, occ))
-        return out
-
-    def _keep_last(self, keep: str, carried: str | None, w: int) -> None:
-        """Table ``keep``: each series' last ``w`` finite values (rows ``fin`` holds, carried ones
-        included), and the carried values of series this part does not have."""
-        self.con.execute(f"""CREATE OR REPLACE TEMP TABLE {keep}_next AS
-            SELECT s.rank, s.vpp_stage, s.name, s.micro_step, s.occurrence, f.step, f.g, f.v
-            FROM fin f JOIN series s USING (sid)
-            QUALIFY row_number() OVER (PARTITION BY f.sid ORDER BY f.step DESC, f.g DESC) <= {w}""")
-        if carried is not None:
-            self.con.execute(f"""INSERT INTO {keep}_next SELECT * FROM {carried} c
-                WHERE NOT EXISTS (SELECT 1 FROM series s WHERE {_SAME_SERIES.format("c")})""")
-        self.con.execute(f"DROP TABLE IF EXISTS {keep}")
-        self.con.execute(f"ALTER TABLE {keep}_next RENAME TO {keep}")
-
-    def _series_ids(self) -> None:
-        """Table ``series``: each (rank, vpp_stage, name, micro_step, occurrence) of ``o`` and its number ``sid``."""
-        self.con.execute("""CREATE OR REPLACE TEMP TABLE series AS
-            SELECT *, (row_number() OVER ())::INTEGER AS sid
-            FROM (SELECT DISTINCT rank, vpp_stage, name, micro_step, occurrence FROM o)""")
-
-    # Candidates per family beyond which the median bounds are given up for the median itself
-    # (each candidate's exact window is a join with its series' earlier rows).
-    _BOUND_CANDIDATES = 10_000
-
-    def _spike_candidates(self, windows: str, lo: str, hi: str, rule) -> int:
-        """Table ``spike_cand``: the rows (g, step, sid, v) of ``windows`` whose |baseline| in
-        ``[lo, hi]`` could fire ``rule``, a little wider than the rule, since DuckDB's median
-        (lo + (hi - lo) / 2) and pandas' ((lo + hi) / 2) can differ in the last bit, and the
-        latter overflows near the float64 maximum (> 8e307).  Returns their number."""
-        slack, floor, factor = 1.0 - 1e-9, float(rule.floor), float(rule.factor)
-        f = f"{floor!r}"
-        # A drop is judged only for the families whose values are >= 0 by definition.
-        drop = f"OR (abs(v) + {f}) * {factor * slack!r} <= {hi} + {f}" if judges_drops(self.family) else ""
-        self.con.execute(f"""CREATE OR REPLACE TEMP TABLE spike_cand AS
-            SELECT g, step, sid, v FROM ({windows})
-            WHERE NOT carried AND n >= {int(rule.warmup)} AND ({lo} + {f} = 0 OR {hi} > 8e307
-                  OR abs(v) + {f} >= {factor * slack!r} * ({lo} + {f})
-                  {drop})""")
-        return self.con.execute("SELECT count(*) FROM spike_cand").fetchone()[0]
-
-    def over_threshold(self, op: str, threshold: float) -> list[tuple]:
-        v = self._v(op)
-        return self.con.execute(f"""
-            SELECT g, step, name, rank, {_lit(op)}, {v}, 'threshold', micro_step, vpp_stage, NULL, occurrence
-            FROM o WHERE isfinite({v}) AND abs({v}) > {float(threshold)!r}""").fetchall()
-
-    def positions(self, rows: list[tuple]) -> dict[int, int]:
-        """Row ``g`` -> its index in its (rank, step, micro_step), for the found rows' groups only."""
-        if not rows:
-            return {}
-        hits = list({(r[3], r[1], r[7]) for r in rows})
-        _fill(self.con, "hit", {"rank": "INTEGER", "step": "BIGINT", "micro_step": "BIGINT"}, hits)
-        wanted = {r[0] for r in rows}
-        found = self.con.execute(f"""
-            SELECT g, {POSITION} FROM o SEMI JOIN hit USING (rank, step, micro_step)""").fetchall()
-        return {g: p for g, p in found if g in wanted}
-
-
-# Rows of ``{}`` in the series of ``n`` (a row of ``nf_first``).
-_NF_SERIES = """{0}.rank = n.nf_rank AND {0}.vpp_stage = n.nf_vpp_stage AND {0}.name IS NOT DISTINCT FROM n.nf_name
-    AND {0}.micro_step = n.nf_micro_step AND {0}.occurrence = n.nf_occurrence"""
-
-
-def _worse(op: str, v: str, d: str) -> str:
-    """SQL: value ``v`` of a by-design series is worse than its first row's ``d`` (``rules.worse_op``)."""
-    if op in COUNT_OPS:  # DuckDB orders NaN above every number: guard it as numpy does
-        return f"(NOT isnan({v}) AND NOT isnan({d}) AND {v} > {d})"
-    return f"(NOT isfinite({v}) AND isfinite({d}))"
-
-
-def _same_way(op: str, v: str, d: str) -> str:
-    """SQL: ``v`` is non-finite exactly as the first row's ``d`` (equal counts, same finiteness)."""
-    if op in COUNT_OPS:
-        return f"({v} = {d} OR (isnan({v}) AND isnan({d})))"
-    return f"(isfinite({v}) = isfinite({d}))"
-
-
-def _differs(v: str, p: str, rtol: float) -> str:
-    """SQL: ``v`` and ``p`` differ beyond ``rtol`` relative (NaN equals NaN, Inf equals the same Inf)."""
-    close = f"(isfinite({v}) AND isfinite({p}) AND abs({v} - {p}) <= {float(rtol)!r} * greatest(abs({v}), abs({p})))"
-    return f"NOT ({v} = {p} OR (isnan({v}) AND isnan({p})) OR {close})"
-
 
 def _chunks(paths: Sequence[str]) -> list[list[str]]:
     """``paths`` in runs of at most ``FILES_PER_READ``, in order."""
     return [list(paths[i : i + FILES_PER_READ]) for i in range(0, len(paths), FILES_PER_READ)]
-
-
-def _median(values: list[float]) -> float:
-    """pandas' rolling median: the middle value, or (a + b) / 2 of the two middle ones."""
-    ordered = sorted(values)
-    n = len(ordered)
-    return ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
 
 
 def _fill(con, table: str, columns: Mapping[str, str], rows: Sequence[tuple]) -> None:
@@ -887,172 +597,15 @@ class Engine:
 def engine_scan(
     files: RunFiles, rules: Rules = Rules(), *, threads: int | None = None, progress=None, duplicates=None
 ) -> list[Anomaly]:
-    """Every anomaly of the run's files, in training-flow order: ``scan.scan`` of the same run
-    (``duplicates``: ``engine_scan_all``'s)."""
+    """Every anomaly of the run's files, in training-flow order (``engine_scan_all``'s)."""
     return engine_scan_all(files, rules, threads=threads, progress=progress, duplicates=duplicates).anomalies
 
 
 def engine_scan_all(
     files: RunFiles, rules: Rules = Rules(), *, threads: int | None = None, progress=None, duplicates=None
 ) -> Findings:
-    """``scan.scan_all`` of the same run: the anomalies, the by-design notes, the spike warm-up.
-    ``duplicates``: a ``reader.DuplicateKeys`` to add the run's repeated keys to."""
-    # Ties in flow order keep the in-memory scan's order: every nonfinite, then spikes, then
-    # thresholds, then param changes.
-    found: dict[str, list[Anomaly]] = {"nonfinite": [], "spike": [], "threshold": [], PARAM_CHANGED: []}
-    notes: list[ByDesign] = []
-    unjudged: list[tuple[int, set[int]]] = []
-    params = _param_stats(files) if rules.param_changed else []
-    with Engine(threads) as eng:
-        if params:
-            _keep_params(eng.con, files, params)
-        for family, stats in files.family_stats.items():
-            units = files.units(family)
-            pending: dict[tuple, list] = {}
-            for k, unit in enumerate(units):
-                fam = _Family(eng.con, family, unit.files, stats, headers=files.headers)
-                then = k + 1 < len(units) and units[k + 1].continues  # the next part needs the windows' tails
-                _scan_unit(
-                    fam,
-                    rules,
-                    found,
-                    progress,
-                    carried=unit.continues,
-                    keep=then,
-                    first=k == 0,
-                    unjudged=unjudged,
-                    pending=pending,
-                )
-                fam.report_duplicates(duplicates)
-                if rules.nonfinite and k + 1 == len(units):
-                    designs = fam.by_design()
-                    notes += designs
-                    found["nonfinite"] += _settle(pending, designs)
-            if params and family == PARAM_AFTER:
-                found[PARAM_CHANGED] += _param_changes(eng.con, files, params)
-    spikes = Unjudged.merge(rules.spike.warmup, unjudged) if rules.spike is not None else None
-    anomalies = sorted([a for part in found.values() for a in part], key=Anomaly.sort_key)
-    return Findings(anomalies, sorted(notes, key=ByDesign.sort_key), spikes)
+    """``scan.scan_all`` of the run's files: DuckDB stages them, the one pandas rule set runs per
+    bucket of names (``engine_buckets.bucket_scan_all``)."""
+    from trainmon.diagnosis.engine_buckets import bucket_scan_all
 
-
-def _settle(pending: dict[tuple, list], designs: list[ByDesign]) -> list[Anomaly]:
-    """The findings of the series whose first row was non-finite: against that row for those
-    that turned out non-finite by design, else every non-finite row."""
-    by_design = {
-        (d.rank, d.vpp_stage, d.name, -1 if d.micro_step is None else d.micro_step, d.occurrence) for d in designs
-    }
-    out: list[Anomaly] = []
-    for key, both in pending.items():
-        if key in by_design:
-            out += [against for _, against in both if against is not None]
-        else:
-            out += [plain for plain, _ in both]
-    return out
-
-
-def _param_stats(files: RunFiles) -> list[str]:
-    """The stats ``param_changed`` compares: param_origin's that param_updated has too."""
-    before = files.family_stats.get(PARAM_BEFORE, ())
-    return [op for op in files.family_stats.get(PARAM_AFTER, ()) if op in before]
-
-
-def _keep_params(con, files: RunFiles, stats: list[str]) -> None:
-    """Table ``param_before``: every ``param_updated`` row, as of the step after it."""
-    for k, unit in enumerate(files.units(PARAM_BEFORE)):
-        fam = _Family(con, PARAM_BEFORE, unit.files, files.family_stats[PARAM_BEFORE], headers=files.headers)
-        fam.ordered_view()
-        fam.check_cells()
-        fam.keep_params(stats, first_unit=k == 0)
-        _drop_unit(con)
-
-
-def _param_changes(con, files: RunFiles, stats: list[str]) -> list[Anomaly]:
-    """``param_changed``: the ``param_origin`` rows that differ from ``param_before``."""
-    out: list[Anomaly] = []
-    for unit in files.units(PARAM_AFTER):
-        fam = _Family(con, PARAM_AFTER, unit.files, files.family_stats[PARAM_AFTER], headers=files.headers)
-        fam.ordered_view()
-        rows = fam.param_changes(stats)
-        position = fam.positions(rows)
-        out += [_anomaly(PARAM_AFTER, r, position[r[0]]) for r in rows]
-        _drop_unit(con)
-    con.execute("DROP TABLE IF EXISTS param_before")
-    return out
-
-
-def _scan_unit(
-    fam: _Family,
-    rules: Rules,
-    found: dict[str, list[Anomaly]],
-    progress,
-    *,
-    carried: bool,
-    keep: bool,
-    first: bool = True,
-    unjudged: list | None = None,
-    pending: dict | None = None,
-) -> None:
-    """The rules on one unit of a family's files; findings into ``found`` by rule.  ``carried``:
-    the spike windows start from the series' tails the previous unit kept; ``keep``: keep this
-    unit's tails for the next; ``first``: the family's first unit (the by-design state starts);
-    ``pending``: gets the nonfinite findings of series that may be non-finite by design, both
-    ways, by series (``_Family.nonfinite``), for ``_settle``."""
-    con = fam.con
-    fam.ordered_view()
-    fam.check_cells()
-    rows: list[tuple] = []
-    maybe: list[tuple] = []
-    if rules.nonfinite:
-        plain, maybe = fam.nonfinite(first_unit=first)
-        rows += plain
-    ops = [o for o in rules.ops if o in fam.stats]
-    if rules.spike is not None:
-        for i, op in enumerate(ops):
-            tail = f"spike_tail_{i}"
-            rows += fam.spikes(
-                op, rules.spike, carried=tail if carried else None, keep=tail if keep else None, unjudged=unjudged
-            )
-            if carried and not keep:
-                con.execute(f"DROP TABLE IF EXISTS {tail}")
-    if rules.threshold is not None:
-        for op in ops:
-            rows += fam.over_threshold(op, rules.threshold)
-    position = fam.positions(rows + [m[1] for m in maybe])
-    for r in rows:
-        found[r[6]].append(_anomaly(fam.family, r, position[r[0]]))
-    if pending is not None:
-        for key, plain, against in maybe:
-            at = position[plain[0]]
-            pending.setdefault(key, []).append(
-                (_anomaly(fam.family, plain, at), None if against is None else _anomaly(fam.family, against, at))
-            )
-    if progress is not None:
-        n = con.execute("SELECT count(*) FROM o").fetchone()[0]
-        progress.update(files=len(fam.rank_of), rows=n)
-    _drop_unit(con)
-
-
-def _drop_unit(con) -> None:
-    """Drop what one unit's scan left (the carried tables stay)."""
-    con.execute("DROP VIEW o")
-    for table in ("o1", "fin", "series", "spike_cand"):
-        con.execute(f"DROP TABLE IF EXISTS {table}")
-    con.execute("DROP TABLE o0")
-
-
-def _anomaly(family: str, r: tuple, position: int) -> Anomaly:
-    _, step, name, rank, op, value, rule, micro, vpp, base, occurrence = r
-    return Anomaly(
-        step=int(step),
-        kind=family,
-        name=name,
-        rank=int(rank),
-        op=op,
-        value=float("nan") if value is None else float(value),
-        rule=rule,
-        micro_step=None if int(micro) < 0 else int(micro),
-        vpp_stage=int(vpp),
-        baseline=None if base is None else float(base),
-        position=int(position),
-        occurrence=int(occurrence),
-    )
+    return bucket_scan_all(files, rules, threads=threads, progress=progress, duplicates=duplicates)

@@ -30,8 +30,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from trainmon.analysis.flow import FLOW_KEYS, PHASES, phase_of
 from trainmon.diagnosis.engine import POSITION, Engine, RunFiles, _Family, _lit, _q
-from trainmon.diagnosis.flow import FLOW_KEYS, PHASES, phase_of
 from trainmon.diagnosis.reader import EXTRA_PREFIX, RunTable, numel_column
 from trainmon.errors import env_int
 
@@ -309,6 +309,59 @@ class Span:
 
 
 # ----------------------------------------------------------------------------- the commands
+
+
+def bucket_scan_all(
+    files: RunFiles, rules, *, rows_per_bucket: int = 0, threads: int | None = None, progress=None, duplicates=None
+):
+    """``scan.scan_all`` of the run's files, one bucket of names at a time: the same findings in
+    the same order (every rule looks along one name's series, never across names; the loss
+    scaler's skips, which clear other names' non-finite grads, are found first from the
+    ``steps`` rows)."""
+    from trainmon.analysis.rules import Anomaly, ByDesign, Findings, Unjudged
+    from trainmon.diagnosis.scan import STEPS_FAMILY, _concat, _to_anomaly, scan_all, skipped_steps
+
+    anomalies: list = []
+    notes: list = []
+    unjudged: list[tuple[int, set[int]]] = []
+    with Engine(threads) as eng:
+        run = StagedRun(eng, files, "a", progress=progress, by_name=True, duplicates=duplicates)
+        per_name = run.code_rows()
+        bucket_ranges = consecutive_runs(per_name, rows_per_bucket or bucket_rows())
+        rows = dict(per_name)
+        sizes = [sum(rows.get(c, 0) for c in range(lo, hi + 1)) for lo, hi in bucket_ranges]
+        sorts = consecutive_runs(enumerate(sizes), sort_rows())
+        if progress is not None:
+            progress.phase("anomalies: sorting", len(sorts), "runs of names")
+        run.partition([(bucket_ranges[a][0], bucket_ranges[b][1]) for a, b in sorts], progress)
+        skips = _concat([])
+        if STEPS_FAMILY in run.families:
+            fam = run.families.index(STEPS_FAMILY)
+            codes = [
+                c
+                for (c,) in run.con.execute(
+                    f"SELECT DISTINCT name FROM {run.prefix}_staged WHERE fam = {fam}"
+                ).fetchall()
+            ]
+            parts = [skipped_steps(run.bucket(int(c), int(c))) for c in codes]
+            skips = _concat([p for p in parts if not p.empty])
+        if progress is not None:
+            progress.phase("anomalies: checking", len(bucket_ranges), "buckets")
+        warmup = rules.spike.warmup if rules.spike is not None else 0
+        for first, last in bucket_ranges:
+            found = scan_all(run.bucket(first, last), rules, skips=skips)
+            anomalies += found.anomalies
+            notes += found.by_design
+            if found.unjudged is not None:
+                unjudged.append((found.unjudged.values, set(found.unjudged.steps)))
+            if progress is not None:
+                progress.advance()
+    anomalies += [_to_anomaly(r) for r in skips.itertuples(index=False)]
+    return Findings(
+        sorted(anomalies, key=Anomaly.sort_key),
+        sorted(notes, key=ByDesign.sort_key),
+        Unjudged.merge(warmup, unjudged) if rules.spike is not None else None,
+    )
 
 
 def engine_ranks(

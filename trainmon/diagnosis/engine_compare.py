@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 import pandas as pd
 
+from trainmon.analysis.flow import FLOW_KEYS, PHASES, phase_of
 from trainmon.diagnosis import engine
 from trainmon.diagnosis.compare import (
     ALIGN_KEYS,
@@ -28,7 +29,6 @@ from trainmon.diagnosis.compare import (
 )
 from trainmon.diagnosis.engine import Engine, RunFiles, _q
 from trainmon.diagnosis.engine_buckets import GROUP, Span, StagedRun, consecutive_runs
-from trainmon.diagnosis.flow import FLOW_KEYS, PHASES, phase_of
 from trainmon.diagnosis.reader import numel_column
 from trainmon.families import NOT_SCALAR
 

@@ -33,10 +33,10 @@ from typing import SupportsIndex
 import numpy as np
 import pandas as pd
 
-from trainmon.diagnosis.flow import flow_key, phase_of
+from trainmon.analysis.flow import flow_key, phase_of
+from trainmon.analysis.rules import COUNT_OPS, SpikeRule, json_number, spike_baselines
 from trainmon.diagnosis.reader import RunTable
-from trainmon.diagnosis.rules import COUNT_OPS, SpikeRule, json_number
-from trainmon.diagnosis.scan import _baselines, nonfinite
+from trainmon.diagnosis.scan import nonfinite
 from trainmon.families import FAMILIES
 
 __all__ = ["RankIssue", "CHECKS", "check_ranks", "issue_order", "REPLICATED"]
@@ -194,7 +194,7 @@ def _history(frame: pd.DataFrame, op: str, ranks: Sequence[int], rule: SpikeRule
     if not rows.empty:
         ids = rows.groupby(["rank", *_KEY[1:]], sort=False).ngroup().to_numpy()
         v = rows[op].to_numpy(float)
-        base = _baselines(ids, v, rule)
+        base = spike_baselines(ids, v, rule)
         score[rows.index] = np.abs(np.log((np.abs(v) + rule.floor) / (np.abs(base) + rule.floor)))
     _, arrays = _pivot(frame, [], ranks, {"_hist": score.to_numpy()})
     return arrays["_hist"]

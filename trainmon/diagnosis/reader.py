@@ -36,7 +36,7 @@ from typing import cast
 
 import pandas as pd
 
-from trainmon.diagnosis.flow import FLOW_KEYS, PHASES, family_rank, phase_of
+from trainmon.analysis.flow import FLOW_KEYS, PHASES, family_rank, phase_of
 from trainmon.errors import TrainmonError
 from trainmon.output import runs
 

@@ -14,8 +14,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from trainmon.diagnosis.reader import RunTable, load_run, ranked_dirs, resolve_run_dir
-from trainmon.diagnosis.rules import (
+from trainmon.analysis.rules import (
     ALERTS_FILE,
     COUNT_OPS,
     PARAM_AFTER,
@@ -34,7 +33,11 @@ from trainmon.diagnosis.rules import (
     SpikeRule,
     Unjudged,
     judges_drops,
+    spike_baselines,
+    spike_hits,
+    threshold_hits,
 )
+from trainmon.diagnosis.reader import RunTable, load_run, ranked_dirs, resolve_run_dir
 
 __all__ = [
     "nonfinite",
@@ -65,8 +68,6 @@ _COLUMNS = [
     "position",
     "occurrence",
 ]
-# Series per block of the spike matrix: bounds memory at block x longest series floats.
-_BLOCK = 4096
 
 
 def _tensor_rows(frame: pd.DataFrame, stats: Sequence[str]) -> pd.Series:
@@ -207,31 +208,6 @@ def _designs(sub, family, ordered, counts, values, bad, ids, first, design, by_d
     return notes
 
 
-def _baselines(keys: np.ndarray, values: np.ndarray, rule: SpikeRule) -> np.ndarray:
-    """Median of each value's previous ``window`` values of the same series (NaN in warm-up).
-
-    ``keys`` are series ids, rows already in step order within a series.
-    """
-    order = np.argsort(keys, kind="stable")
-    k_sorted, v_sorted = keys[order], values[order]
-    starts = np.r_[0, np.flatnonzero(np.diff(k_sorted)) + 1]
-    lengths = np.diff(np.r_[starts, len(k_sorted)])
-    index = np.arange(len(k_sorted)) - np.repeat(starts, lengths)
-    out_sorted = np.full(len(k_sorted), np.nan)
-    for first in range(0, len(starts), _BLOCK):
-        block = slice(first, first + _BLOCK)
-        s, n = starts[block], lengths[block]
-        rows = np.arange(s[0], s[-1] + n[-1])
-        col = np.repeat(np.arange(len(s)), n)
-        matrix = np.full((int(n.max()), len(s)), np.nan)
-        matrix[index[rows], col] = v_sorted[rows]
-        base = pd.DataFrame(matrix).rolling(rule.window, min_periods=rule.warmup).median().shift(1)
-        out_sorted[rows] = base.to_numpy()[index[rows], col]
-    out = np.empty_like(out_sorted)
-    out[order] = out_sorted
-    return out
-
-
 def spikes(table: RunTable, rule: SpikeRule, ops: Sequence[str]) -> pd.DataFrame:
     """Rows whose stat in ``ops`` left its running baseline (``rules`` module docstring)."""
     return _spikes(table, rule, ops)[0]
@@ -250,15 +226,10 @@ def _spikes(table: RunTable, rule: SpikeRule, ops: Sequence[str]) -> tuple[pd.Da
             rows = rows.sort_values("step", kind="mergesort")
             ids = rows.groupby(_SERIES, sort=False).ngroup().to_numpy()
             values = rows[op].to_numpy(dtype=float)
-            base = _baselines(ids, values, rule)
+            base = spike_baselines(ids, values, rule)
             warming = np.isnan(base)
             unjudged.append((int(warming.sum()), set(rows["step"].to_numpy()[warming].astype(int).tolist())))
-            with np.errstate(invalid="ignore", divide="ignore"):  # a zero/NaN baseline: judged below
-                ratio = (np.abs(values) + rule.floor) / (np.abs(base) + rule.floor)
-                hit = ratio >= rule.factor
-                if judges_drops(family):
-                    hit |= ratio <= 1.0 / rule.factor
-            hit &= ~warming
+            hit = spike_hits(values, base, rule, down=judges_drops(family))
             if hit.any():
                 found.append(_result(rows[hit], family, op, values[hit], "spike", base[hit]))
     return _concat(found), Unjudged.merge(rule.warmup, unjudged)
@@ -269,8 +240,8 @@ def over_threshold(table: RunTable, threshold: float, ops: Sequence[str]) -> pd.
     for family, stats in table.family_stats.items():
         sub = table.family(family)
         for op in (o for o in ops if o in stats):
-            v = sub[op].astype(float)
-            hit = np.isfinite(v) & (v.abs() > threshold)
+            v = sub[op].to_numpy(dtype=float, na_value=np.nan)
+            hit = threshold_hits(v, threshold)
             if hit.any():
                 found.append(_result(sub[hit], family, op, v[hit], "threshold"))
     return _concat(found)
@@ -313,13 +284,15 @@ def scan(table: RunTable, rules: Rules = Rules()) -> list[Anomaly]:
     return scan_all(table, rules).anomalies
 
 
-def scan_all(table: RunTable, rules: Rules = Rules()) -> Findings:
+def scan_all(table: RunTable, rules: Rules = Rules(), *, skips: pd.DataFrame | None = None) -> Findings:
     """Every anomaly of the table in training-flow order, the non-finite-by-design notes, and
-    what the spike rule's warm-up left unjudged."""
+    what the spike rule's warm-up left unjudged.  ``skips``: the whole run's ``skipped_steps``
+    when ``table`` is one bucket of its names (they are then not reported again here)."""
     parts: list[pd.DataFrame] = []
     notes: list[ByDesign] = []
     unjudged: Unjudged | None = None
-    skips = skipped_steps(table)
+    own_skips = skips is None
+    skips = skipped_steps(table) if skips is None else skips
     if rules.nonfinite:
         skipped = set(zip(skips["rank"].astype(int), skips["step"].astype(int))) if not skips.empty else None
         found_nf, notes = _nonfinite(table, skipped)
@@ -332,7 +305,8 @@ def scan_all(table: RunTable, rules: Rules = Rules()) -> Findings:
     if rules.param_changed:
         parts.append(param_changes(table))
     found = _without_expected(_concat([p for p in parts if not p.empty]), skips)
-    found = _concat([p for p in (found, skips) if not p.empty])
+    if own_skips:
+        found = _concat([p for p in (found, skips) if not p.empty])
     anomalies = sorted((_to_anomaly(r) for r in found.itertuples(index=False)), key=Anomaly.sort_key)
     return Findings(anomalies, sorted(notes, key=ByDesign.sort_key), unjudged)
 

@@ -10,6 +10,7 @@
         rank<R>/anomalies.jsonl                   run-time alerts
         rank<R>/model_meta.json                   the model as monitoring began (loss_alignment)
         rank<R>/stack_info.csv                    where each module is called from (stack_info)
+        rank<R>/step_times.tsv                    when each recorded step was recorded (``step<TAB>unix time``)
         tensorboard/rank<R>/events.out.tfevents.* TensorBoard events (see ``tb_tags``)
 
 ``<a>-<b>`` is the window of ``step_count_per_record`` steps a file holds; ``<k>`` (1, 2, ...)
@@ -30,6 +31,9 @@ __all__ = [
     "ALERTS_FILE",
     "MODEL_META",
     "STACK_INFO_FILE",
+    "STEP_TIMES_FILE",
+    "step_time_line",
+    "parse_step_times",
     "SIMILARITIES_FILE",
     "SIMILARITY_SUMMARY_PNG",
     "TB_DIRNAME",
@@ -48,6 +52,10 @@ RUN_ESCALATIONS = "escalations"  # key of run.json: one object per escalation (d
 ALERTS_FILE = "anomalies.jsonl"
 MODEL_META = "model_meta.json"
 STACK_INFO_FILE = "stack_info.csv"  # columns vpp_stage,name,stack (frames outermost first, one per line)
+# One line per recorded step, ``<step>\t<wall time>`` (Unix seconds, repr of a float), appended when
+# the step's rows are written (CSV and Parquet sinks).  Not ``.csv``: no reader of family files
+# may take it for one.  ``csv2tb`` stamps events with these times.
+STEP_TIMES_FILE = "step_times.tsv"
 # ``trainmon similarity -o DIR``: the table and the charts it writes.
 SIMILARITIES_FILE = "similarities.csv"
 SIMILARITY_SUMMARY_PNG = "summary_similarities.png"
@@ -110,3 +118,24 @@ def parse_family_file(path: Path) -> FamilyFile | None:
     if m is None:
         return None
     return FamilyFile(int(m["start"]), int(m["part"] or 0), int(m["end"]), m["family"], path, m["ext"])
+
+
+def step_time_line(step: int, wall_time: float) -> str:
+    """One line of ``STEP_TIMES_FILE``: the step and its wall time at full precision."""
+    return f"{int(step)}\t{float(wall_time)!r}\n"
+
+
+def parse_step_times(text: str) -> dict[int, float]:
+    """Step -> wall time of a ``STEP_TIMES_FILE``'s text.  The first time of a step wins (a step
+    recorded again, after a resume, keeps when it was first recorded); a last line without its end
+    of line (cut short by a kill) and a line that is not ``<int>\t<float>`` are skipped."""
+    times: dict[int, float] = {}
+    for line in text.split("\n")[:-1]:
+        step, sep, wall = line.partition("\t")
+        try:
+            parsed = int(step), float(wall)
+        except ValueError:
+            continue
+        if sep:
+            times.setdefault(*parsed)
+    return times

@@ -22,7 +22,16 @@ from typing import TYPE_CHECKING
 
 from trainmon.errors import DamagedFileError
 from trainmon.families import FAMILIES
-from trainmon.output.layout import NOT_RUNS, RUN_ESCALATIONS, RUN_META, FamilyFile, parse_family_file, parse_rank_dir
+from trainmon.output.layout import (
+    NOT_RUNS,
+    RUN_ESCALATIONS,
+    RUN_META,
+    STEP_TIMES_FILE,
+    FamilyFile,
+    parse_family_file,
+    parse_rank_dir,
+    parse_step_times,
+)
 from trainmon.output.validate import EXTRA_FIELD, check_header, validate_family_frame
 from trainmon.stats.table import STAT_NAMES
 
@@ -33,6 +42,7 @@ __all__ = [
     "FamilyFile",
     "ColumnRoles",
     "escalations",
+    "step_times",
     "find_runs",
     "is_run_dir",
     "rank_dirs",
@@ -82,6 +92,16 @@ def escalations(run_dir: str | Path) -> list[dict]:
             items = info.get(RUN_ESCALATIONS, []) if isinstance(info, dict) else []
             return [e for e in items if isinstance(e, dict)] if isinstance(items, list) else []
     return []
+
+
+def step_times(rank_dir: str | Path) -> dict[int, float]:
+    """Step -> when it was recorded (Unix seconds) of one rank (``STEP_TIMES_FILE``); {} for a run
+    written before trainmon recorded times, or when the file cannot be read."""
+    try:
+        text = (Path(rank_dir) / STEP_TIMES_FILE).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return {}
+    return parse_step_times(text)
 
 
 def rank_of(rank_dir: str | Path) -> int | None:

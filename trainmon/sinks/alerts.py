@@ -1,7 +1,7 @@
 """Run-time alerts as a sink: the anomaly rules applied to every row as it is recorded.
 
 It receives each step's ``StatRow``s like any sink (off the training thread, behind the async
-writer), judges them with ``trainmon.diagnosis.rules`` and
+writer), judges them with ``trainmon.analysis.rules`` and
 
 * appends one JSON object per anomaly to ``<rank_dir>/anomalies.jsonl`` (fields in
   docs/diagnosis.md): one ``os.write`` of whole lines per step on an ``O_APPEND`` fd, so a killed
@@ -26,8 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from trainmon.diagnosis.escalation import AlertLatch, Trigger
-from trainmon.diagnosis.rules import (
+from trainmon.analysis.rules import (
     ALERTS_FILE,
     RATIO_FAMILIES,
     SKIP_EXPECTED,
@@ -42,6 +41,7 @@ from trainmon.diagnosis.rules import (
     judges_drops,
     nonfinite_op,
 )
+from trainmon.diagnosis.escalation import AlertLatch, Trigger
 from trainmon.sinks.base import Sink, SinkOptions
 from trainmon.stats.rows import StatRow, StepRows, paced
 

@@ -28,6 +28,7 @@ from typing import SupportsFloat, cast
 
 from trainmon.output.layout import family_file_name, partial_file_name, window_bounds
 from trainmon.sinks.base import LostRows, Sink, SinkOptions, register_sink, sync_dir
+from trainmon.sinks.step_times import StepTimes
 from trainmon.stats.rows import RowBlock, StepRows, paced
 
 __all__ = ["CsvSink"]
@@ -210,6 +211,7 @@ class CsvSink(Sink):
         self._tails: dict[tuple, str] = {}  # (shape, dtype) -> ",shape,dtype\n"
         self._lost = LostRows(self._dir, logger)
         self._warned_removed = False
+        self._times = StepTimes(self._dir)  # step_times.tsv: when each written step was recorded
 
     # -- Sink interface -------------------------------------------------------------------
 
@@ -218,6 +220,8 @@ class CsvSink(Sink):
             grouped = self._group_blocks(rows.blocks())
             for (family, a, columns), lines in grouped.items():
                 self._append(family, a, columns, lines)
+            if grouped:
+                self._times.record(step, rows.wall_time)
 
     def flush(self) -> None:
         # Every write() already reached the kernel; there is nothing buffered here.
@@ -226,6 +230,7 @@ class CsvSink(Sink):
     def close(self) -> None:
         with self._lock:
             self._fds.close_all(sync=True)
+            self._times.close()
             sync_dir(self._dir)
             self._lost.report()
 

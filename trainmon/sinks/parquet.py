@@ -35,6 +35,7 @@ import pyarrow.parquet as pq  # type: ignore[import-untyped]  # pyarrow ships no
 
 from trainmon.output.layout import TMP_SUFFIX, family_file_name, window_bounds
 from trainmon.sinks.base import LostRows, Sink, SinkOptions, register_sink, sync_dir
+from trainmon.sinks.step_times import StepTimes
 from trainmon.stats.rows import RowBlock, StepRows, paced
 
 __all__ = ["ParquetSink", "COMPRESSION"]
@@ -119,13 +120,17 @@ class ParquetSink(Sink):
         self._claimed: set[Path] = set()
         self._lock = threading.Lock()
         self._lost = LostRows(self._dir, logger)
+        self._times = StepTimes(self._dir)  # step_times.tsv: when each written step was recorded
 
     # -- Sink interface -------------------------------------------------------------------
 
     def write(self, rows: StepRows, step: int) -> None:
         with self._lock:
-            for b in paced(rows.blocks(), 4):
+            blocks = rows.blocks()
+            for b in paced(blocks, 4):
                 self._add(b)
+            if blocks:
+                self._times.record(int(step), rows.wall_time)  # shared with a CSV sink of this rank
             # A window is finished once a step at or past its end has been written (steps only
             # grow; a window left behind by a skipped step is finished too).
             for key, w in list(self._open.items()):
@@ -145,6 +150,7 @@ class ParquetSink(Sink):
             for w in self._open.values():
                 self._finish(w)
             self._open.clear()
+            self._times.close()
             sync_dir(self._dir)
             self._lost.report()
 

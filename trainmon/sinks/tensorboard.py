@@ -1,7 +1,12 @@
 """Native TensorBoard output: one event file per rank, one event per step holding every value.
 
 Where and under which tags is decided in :mod:`trainmon.output.tb_tags` (shared with
-``trainmon csv2tb``).  Implementation choices:
+``trainmon csv2tb``, which also uses the encoders here).  The default "summary" layout writes per
+family and statistic a few aggregates (:func:`summary_values`) and a histogram of the per-tensor
+values (:func:`value_histogram`, grad_probe's intervals: :func:`probe_histogram`), computed from
+the float64 values the CSV holds with numpy, one call per family and statistic; the run's
+custom-scalars layout and HParams record are built with TensorBoard's own protos.  Every event
+of a step carries the step's recorded time (``StepRows.wall_time``).  Implementation choices:
 
 * **Values are float32.** TensorBoard keeps scalars as float32 (``simple_value``; its
   default Rust data server has no other scalar type), so every value written is the float32
@@ -22,17 +27,21 @@ Where and under which tags is decided in :mod:`trainmon.output.tb_tags` (shared 
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import math
 import numbers
 import operator
 import os
+import re
 import socket
 import struct
 import sys
 import threading
 import time
 from collections.abc import Iterable, Sequence
+from datetime import datetime
 from itertools import chain, count
 from pathlib import Path
 from typing import SupportsFloat, cast
@@ -40,12 +49,31 @@ from typing import SupportsFloat, cast
 import numpy as np
 
 from trainmon.families import NOT_SCALAR
-from trainmon.output.tb_tags import event_dir, scalar_tag, series_name
+from trainmon.output.tb_tags import (
+    COUNT_OPS,
+    PER_ROW_FAMILIES,
+    PROBE_HISTOGRAM_TAG,
+    STEP_LOSS_TAG,
+    NameFilter,
+    TensorBoardSettings,
+    chart_regex,
+    event_dir,
+    histogram_tag,
+    scalar_tag,
+    series_name,
+    summary_aggregates,
+    summary_tag,
+)
 from trainmon.sinks.base import Sink, SinkOptions, register_sink
-from trainmon.stats.rows import StatRow, StepRows, paced
+from trainmon.stats.rows import RowBlock, StatRow, StepRows, paced
 
 __all__ = [
     "TensorBoardSink",
+    "TensorBoardSettings",
+    "SummaryEncoder",
+    "custom_scalars_value",
+    "hparams_value",
+    "shape_numel",
     "EventFile",
     "crc32c",
     "masked_crc32c",
@@ -352,54 +380,437 @@ class _StepTemplate:
         self.count = len(heads)
 
 
+# --------------------------------------------------------------------------------------------
+# The summary layout: a few series per (family, statistic), histograms, the step loss.  Shared
+# with ``csv2tb`` so that both write the same events from the same float64 values.
+# --------------------------------------------------------------------------------------------
+_HIST_BUCKETS = 30  # at most, as tf.summary.histogram
+_PROBE_LABEL = re.compile(r"^\((\S+), (\S+)[\])]$")
+
+
+def summary_values(op: str, x: np.ndarray) -> list[tuple[str, float]]:
+    """``(aggregate, value)`` of one statistic over a family's tensors (``x``: float64, one per
+    tensor).  Sums are exact (``math.fsum``) so they do not depend on the order of the rows."""
+    out: list[tuple[str, float]] = []
+    numbers = x[~np.isnan(x)]
+    for aggregate in summary_aggregates(op):
+        if aggregate == "sum":
+            value = math.fsum(x.tolist())
+        elif aggregate == "global":
+            value = math.sqrt(math.fsum((x * x).tolist())) if x.size else math.nan
+        elif aggregate == "max":
+            value = float(numbers.max()) if numbers.size else math.nan
+        elif aggregate == "min":
+            value = float(numbers.min()) if numbers.size else math.nan
+        else:  # nonfinite
+            value = float(np.count_nonzero(~np.isfinite(x)))
+        out.append((aggregate, value))
+    return out
+
+
+def _histogram_body(lefts: np.ndarray, rights: np.ndarray, counts: np.ndarray, x_sum: float, x_sq: float) -> bytes:
+    """A ``HistogramProto``: TensorBoard reads bucket ``i`` as ``(bucket_limit[i-1], bucket_limit[i]]``
+    from ``min`` to ``max``."""
+    return b"".join(
+        (
+            b"\x09" + _pack_f64(float(lefts[0])),  # min
+            b"\x11" + _pack_f64(float(rights[-1])),  # max
+            b"\x19" + _pack_f64(float(counts.sum())),  # num
+            b"\x21" + _pack_f64(x_sum),  # sum
+            b"\x29" + _pack_f64(x_sq),  # sum_squares
+            _field(6, rights.astype("<f8").tobytes()),  # bucket_limit, packed
+            _field(7, counts.astype("<f8").tobytes()),  # bucket, packed
+        )
+    )
+
+
+def histogram_value(tag: str, histo: bytes) -> bytes:
+    """A ``Summary.value`` entry ``{tag, histo}``."""
+    return _field(1, _field(1, tag.encode("utf-8")) + _field(5, histo))
+
+
+def value_histogram(x: np.ndarray) -> bytes | None:
+    """The histogram of the finite values of ``x`` (None when there is none): up to 30 equal
+    buckets from min to max, right-closed as TensorBoard reads them."""
+    x = x[np.isfinite(x)]
+    if not x.size:
+        return None
+    lo, hi = float(x.min()), float(x.max())
+    k = 1 if lo == hi else min(_HIST_BUCKETS, max(1, math.isqrt(x.size - 1) + 1))
+    i = np.arange(k + 1, dtype=np.float64)
+    edges = lo / k * (k - i) + hi / k * i  # never overflows, even from -3e38 to 3e38
+    edges[0], edges[-1] = lo, hi
+    counts = np.bincount(np.searchsorted(edges[1:-1], x, side="left"), minlength=k).astype(np.float64)
+    with np.errstate(over="ignore"):
+        return _histogram_body(edges[:-1], edges[1:], counts, math.fsum(x.tolist()), math.fsum((x * x).tolist()))
+
+
+def probe_intervals(labels: Sequence[str]) -> tuple[list[int], np.ndarray, np.ndarray] | None:
+    """Columns and finite ``(left, right)`` edges of grad_probe's interval columns (``"(-inf, -1]"``,
+    ..., ``"(1, inf)"``); the open ends get the width of the bounds' span.  None if there are none."""
+    cols, lefts, rights = [], [], []
+    for j, label in enumerate(labels):
+        m = _PROBE_LABEL.match(str(label))
+        if m is None:
+            continue
+        try:
+            lo, hi = float(m.group(1)), float(m.group(2))
+        except ValueError:
+            continue
+        cols.append(j)
+        lefts.append(lo)
+        rights.append(hi)
+    if not cols:
+        return None
+    left, right = np.array(lefts), np.array(rights)
+    edges = np.concatenate((left, right))
+    bounds = np.unique(edges[np.isfinite(edges)]) if np.isfinite(edges).any() else np.zeros(1)
+    width = float(bounds[-1] - bounds[0]) if bounds.size > 1 else max(1.0, abs(float(bounds[0])))
+    left[~np.isfinite(left)] = float(bounds[0]) - width
+    right[~np.isfinite(right)] = float(bounds[-1]) + width
+    return cols, left, right
+
+
+def probe_histogram(labels: Sequence[str], fractions: np.ndarray, numels: np.ndarray) -> bytes | None:
+    """grad_probe's intervals as one histogram: the number of grad elements of every probed
+    parameter in each interval (its fraction times its element count, summed over parameters)."""
+    found = probe_intervals(labels)
+    if found is None or not len(fractions):
+        return None
+    cols, left, right = found
+    counts = np.nansum(fractions[:, cols] * numels[:, None], axis=0)
+    mids = (left + right) / 2
+    with np.errstate(over="ignore", invalid="ignore"):
+        return _histogram_body(left, right, counts, float((counts * mids).sum()), float((counts * mids * mids).sum()))
+
+
+class SummaryEncoder:
+    """The summary-layout bytes of a family's rows at one step (both the sink and ``csv2tb``)."""
+
+    def __init__(self, histograms: bool = True):
+        self.histograms = histograms
+        self._prefixes: dict[str, bytes] = {}
+
+    def _prefix(self, tag: str) -> bytes:
+        head = self._prefixes.get(tag)
+        if head is None:
+            head = self._prefixes[tag] = value_prefix(tag)
+        return head
+
+    def family(self, family: str, ops: Sequence[str], values: np.ndarray, numels: np.ndarray | None = None) -> bytes:
+        """``values``: float64, one row per tensor, one column per statistic of ``ops``."""
+        parts: list[bytes] = []
+        for j, op in enumerate(ops):
+            x = values[:, j]
+            for aggregate, v in summary_values(op, x):
+                parts.append(self._prefix(summary_tag(family, op, aggregate)))
+                parts.append(f32_bytes(v))
+            if self.histograms and op not in COUNT_OPS:
+                histo = value_histogram(x)
+                if histo is not None:
+                    parts.append(histogram_value(histogram_tag(family, op), histo))
+        if self.histograms and family == "grad_probe":
+            weights = numels if numels is not None else np.ones(len(values))
+            histo = probe_histogram(ops, values, weights)
+            if histo is not None:
+                parts.append(histogram_value(PROBE_HISTOGRAM_TAG, histo))
+        return b"".join(parts)
+
+    def step_loss(self, losses: Sequence[float]) -> bytes:
+        """``STEP_LOSS_TAG``: the mean of a step's micro-batch losses (exact sum: order-free)."""
+        return self._prefix(STEP_LOSS_TAG) + f32_bytes(math.fsum(losses) / len(losses))
+
+
+def shape_numel(shape: object) -> int:
+    """Elements of a shape as the sinks hold it (a tuple) or the CSV writes it (``"[64, 32]"``)."""
+    if isinstance(shape, str):
+        dims = [d for d in shape.strip("[]() ").split(",") if d.strip()]
+        try:
+            return math.prod(int(d) for d in dims)
+        except ValueError:
+            return 1
+    try:
+        return math.prod(int(d) for d in cast(Iterable, shape))
+    except (TypeError, ValueError):
+        return 1
+
+
+# --------------------------------------------------------------------------------------------
+# Run-level records: the custom-scalars layout and the HParams of the run.
+# --------------------------------------------------------------------------------------------
+_REDUCE_PAIR = ("grad_unreduced", "grad_reduced")
+
+
+def _family_order(family: str) -> tuple[int, str]:
+    from trainmon.families import FAMILIES
+
+    names = [str(f) for f in FAMILIES]
+    return (names.index(family) if family in names else len(names), family)
+
+
+def custom_scalars_value(ops_of: dict[str, tuple[str, ...]]) -> bytes:
+    """The ``custom_scalars__config__`` summary value (TensorBoard's ``layout_pb2``): a category
+    per family with one multi-line chart per statistic (every series of ``<family>.<op>``), and
+    grad_unreduced next to grad_reduced per statistic (before / after the reduce)."""
+    from tensorboard.compat.proto import summary_pb2, tensor_pb2, tensor_shape_pb2
+    from tensorboard.plugins.custom_scalar import layout_pb2, metadata
+
+    def chart(family: str, op: str):
+        return layout_pb2.Chart(
+            title=f"{family}.{op}", multiline=layout_pb2.MultilineChartContent(tag=[chart_regex(family, op)])
+        )
+
+    families = sorted(ops_of, key=_family_order)
+    categories = []
+    if all(f in ops_of for f in _REDUCE_PAIR):
+        common = [op for op in ops_of[_REDUCE_PAIR[0]] if op in ops_of[_REDUCE_PAIR[1]]]
+        charts = [chart(f, op) for op in common for f in _REDUCE_PAIR]
+        categories.append(layout_pb2.Category(title="grad: before vs after the reduce", chart=charts))
+    for family in families:
+        categories.append(layout_pb2.Category(title=family, chart=[chart(family, op) for op in ops_of[family]]))
+    layout = layout_pb2.Layout(category=categories)
+    tensor = tensor_pb2.TensorProto(
+        dtype="DT_STRING", string_val=[layout.SerializeToString()], tensor_shape=tensor_shape_pb2.TensorShapeProto()
+    )
+    value = summary_pb2.Summary.Value(
+        tag=metadata.CONFIG_SUMMARY_TAG, tensor=tensor, metadata=metadata.create_summary_metadata()
+    )
+    return summary_pb2.Summary(value=[value]).SerializeToString()
+
+
+def _flatten(prefix: str, value: object, out: dict[str, object]) -> None:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _flatten(f"{prefix}.{k}" if prefix else str(k), v, out)
+    elif isinstance(value, (bool, int, float, str)):
+        out[prefix] = value
+    else:  # lists, null: as their JSON text
+        out[prefix] = json.dumps(value)
+
+
+def run_hparams(run_dir: Path) -> tuple[dict[str, object], str | None, float | None]:
+    """The HParams of a run: its ``run.json`` (run id, world size) and the keys of the config file
+    it names, flattened (``grad_probe.bounds``); lists and null as JSON text.  Also the run id and
+    start time.  Empty when the run has no readable ``run.json``."""
+    from trainmon.output.layout import RUN_META
+
+    try:
+        info = json.loads((run_dir / RUN_META).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}, None, None
+    if not isinstance(info, dict):
+        return {}, None, None
+    hparams: dict[str, object] = {}
+    config_file = info.get("config_file")
+    if isinstance(config_file, str):
+        try:
+            config = json.loads(Path(config_file).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            config = None
+        if isinstance(config, dict):
+            _flatten("", config, hparams)
+    for key in ("run_id", "world_size"):
+        if isinstance(info.get(key), (str, int)):
+            hparams[key] = info[key]
+    started = None
+    try:
+        started = datetime.strptime(str(info.get("started")), "%Y-%m-%dT%H:%M:%S%z").timestamp()
+    except (ValueError, OverflowError):
+        pass
+    run_id = info.get("run_id")
+    return hparams, run_id if isinstance(run_id, str) else None, started
+
+
+def hparams_value(run_dir: Path, first_step_time: float) -> bytes | None:
+    """The HParams plugin's session record of a run (``hparams.summary_v2.hparams_pb``), or None;
+    it started at ``run.json``'s ``started``, else when its first step was recorded."""
+    hparams, run_id, started = run_hparams(run_dir)
+    if not hparams:
+        return None
+    from tensorboard.plugins.hparams.summary_v2 import hparams_pb
+
+    start = first_step_time if started is None else started
+    return hparams_pb(hparams, trial_id=run_id, start_time_secs=start).SerializeToString()
+
+
 def tb_rank_dir(options: SinkOptions) -> Path:
     rank_dir = Path(options.rank_dir)
     return event_dir(rank_dir.parent, rank_dir.name)
 
 
+def _block_of(b: RowBlock, keep: list[int]) -> RowBlock:
+    """The rows ``keep`` of a block."""
+    return dataclasses.replace(
+        b,
+        names=[b.names[i] for i in keep],
+        vpp_stages=[b.vpp_stages[i] for i in keep],
+        shapes=[b.shapes[i] for i in keep],
+        dtypes=[b.dtypes[i] for i in keep],
+        values=[b.values[i] for i in keep],
+    )
+
+
 @register_sink("tensorboard")
 class TensorBoardSink(Sink):
-    """Writes :class:`StatRow` s as TensorBoard scalars under ``<run>/tensorboard/rank<R>/``.
+    """Writes a step's rows as TensorBoard events under ``<run>/tensorboard/rank<R>/``.
 
-    One tag per (row, statistic): ``<family>.<op>/vp<vpp>:<name>[:<key>=<value>...][:micro<m>]``
-    (see :mod:`trainmon.output.tb_tags`), at TensorBoard step = the row's ``step``; values are
-    ``simple_value`` float32 of the CSV cells.  ``shape`` and ``dtype`` are not written.
+    The tag layout is ``settings.tags`` (:class:`TensorBoardSettings`, the ``"tensorboard"``
+    config block): ``"summary"`` (default) writes a few series per family and statistic plus
+    histograms, ``"per_tensor"`` one series per (row, statistic):
+    ``<family>.<op>/vp<vpp>:<name>[:<key>=<value>...][:micro<m>]`` (see
+    :mod:`trainmon.output.tb_tags`).  TensorBoard step = the row's ``step``, wall time = when the
+    step was recorded (``StepRows.wall_time``); values are ``simple_value`` float32 of the CSV cells.
+    The run's custom-scalars layout and HParams record are written with the first step.
     """
 
-    def __init__(self, options: SinkOptions):
+    settings_schema = TensorBoardSettings
+
+    def __init__(self, options: SinkOptions, settings: TensorBoardSettings | None = None):
         super().__init__(options)
         self.directory = tb_rank_dir(options)
+        settings = settings or getattr(options, "settings", None)
+        # the "tensorboard" config block, parsed by the loader (settings_schema); absent: the defaults
+        self.settings = settings if isinstance(settings, TensorBoardSettings) else TensorBoardSettings()
+        self._names = NameFilter(self.settings.names)
         self._value = None if options.ndigits is None else make_rounder(options.ndigits)
+        self._number = make_rounder(None)
         self._file: EventFile | None = None
         self._prefixes: dict[tuple, list[bytes]] = {}
         self._template = _StepTemplate()
+        self._summary = SummaryEncoder(self.settings.histograms)
+        self._ops_of: dict[str, tuple[str, ...]] = {}  # family -> its statistics, as laid out
+        self._hparams_written = False
+        self._warned: set[str] = set()
+        self._losses: dict[int, tuple[float, list[float]]] = {}  # step -> (wall time, micro-batch losses)
         self._lock = threading.Lock()
         self._failed: OSError | None = None
         self._lost_steps = 0
         self._closed = False
 
     def write(self, rows: StepRows, step: int) -> None:
-        if any(b.family in NOT_SCALAR for b in rows.blocks()):  # packed bits are no scalar series
-            rows = StepRows.of(r for r in rows if r.family not in NOT_SCALAR)
-        if not rows:
+        blocks = [b for b in rows.blocks() if b.family not in NOT_SCALAR]  # packed bits: no scalar series
+        if not blocks:
             return
         with self._lock:
             if self._closed or self._failed is not None:
                 self._lost_steps += 1
                 return
             try:
+                data = self._encode(blocks, rows.wall_time)
                 if self._file is None:
-                    self._file = EventFile(self.directory / event_file_name())
-                self._file.append(self._encode(rows))
+                    self._file = EventFile(self.directory / event_file_name(), wall_time=rows.wall_time)
+                self._file.append(data)
             except OSError as exc:
-                self._failed = exc
-                self._lost_steps += 1
-                logger.warning(
-                    "trainmon: cannot write TensorBoard events to %s (%s); TensorBoard "
-                    "output of this rank stops here, training continues",
-                    self.directory,
-                    exc,
-                )
+                self._fail(exc)
+
+    def _fail(self, exc: OSError) -> None:
+        self._failed = exc
+        self._lost_steps += 1
+        logger.warning(
+            "trainmon: cannot write TensorBoard events to %s (%s); TensorBoard output of this rank stops here, "
+            "training continues",
+            self.directory,
+            exc,
+        )
+
+    # -- encoding -----------------------------------------------------------------------------
+
+    def _encode(self, blocks: list[RowBlock], wall_time: float) -> bytes:
+        bodies: dict[int, list[bytes]] = {}
+        steps = {b.step for b in blocks}
+        out = [self._finished_losses(steps)]
+        out.extend(self._run_records(blocks, min(steps), wall_time))
+        per_row, summarized = self._split(blocks)
+        if per_row:
+            for step, body in self._row_bodies(StepRows(lambda: per_row)).items():
+                bodies.setdefault(step, []).append(body)
+        for (step, family, ops), values, numels in self._family_values(summarized):
+            bodies.setdefault(step, []).append(self._summary.family(family, ops, values, numels))
+        self._collect_losses(blocks, wall_time)
+        out.extend(frame_record(encode_event(step, wall_time, b"".join(parts))) for step, parts in bodies.items())
+        return b"".join(out)
+
+    def _split(self, blocks: list[RowBlock]) -> tuple[list[RowBlock], list[RowBlock]]:
+        """Blocks written one series per row, and blocks summarized."""
+        if self.settings.per_tensor:
+            return blocks, []
+        per_row = [b for b in blocks if b.family in PER_ROW_FAMILIES]
+        summarized = [b for b in blocks if b.family not in PER_ROW_FAMILIES]
+        if self._names:
+            for b in summarized:
+                keep = [i for i, hit in enumerate(map(self._names, b.names)) if hit]
+                if keep:
+                    per_row.append(b if len(keep) == len(b.names) else _block_of(b, keep))
+        return per_row, summarized
+
+    def _values(self, b: RowBlock) -> np.ndarray:
+        """A block's values as float64 (rows x statistics): the CSV cells' numbers."""
+        if self._value is None and b.plain:
+            try:
+                return np.array(b.values, dtype=np.float64).reshape(len(b.names), len(b.stats))
+            except (TypeError, ValueError):
+                pass
+        value = self._value or self._number
+        return np.array([[value(v) for v in row] for row in b.values], dtype=np.float64).reshape(
+            len(b.names), len(b.stats)
+        )
+
+    def _family_values(self, blocks: list[RowBlock]):
+        """``((step, family, ops), values, numels)`` per family (all its micro-steps, stages and
+        calls together) and step."""
+        groups: dict[tuple, list[RowBlock]] = {}
+        for b in paced(blocks, 8):
+            groups.setdefault((b.step, b.family, b.stats), []).append(b)
+        for key, group in groups.items():
+            values = np.concatenate([self._values(b) for b in group])
+            numels = None
+            if key[1] == "grad_probe":
+                numels = np.array([shape_numel(s) for b in group for s in b.shapes], dtype=np.float64)
+            yield key, values, numels
+
+    def _collect_losses(self, blocks: list[RowBlock], wall_time: float) -> None:
+        for b in blocks:
+            if b.family == "loss" and "loss" in b.stats:
+                j = b.stats.index("loss")
+                _, losses = self._losses.setdefault(b.step, (wall_time, []))
+                losses.extend(float(v) for v in self._values(b)[:, j])
+
+    def _finished_losses(self, steps: set[int] | None) -> bytes:
+        """Step-loss events of the steps that are complete: those before the steps now written
+        (a step's late ``record_loss`` rows come as a write of their own), or all (``None``)."""
+        done = [s for s in self._losses if steps is None or s not in steps]
+        return b"".join(
+            frame_record(encode_event(s, self._losses[s][0], self._summary.step_loss(self._losses.pop(s)[1])))
+            for s in done
+        )
+
+    def _run_records(self, blocks: list[RowBlock], step: int, wall_time: float) -> list[bytes]:
+        """The HParams record (once) and the custom-scalars layout (again whenever a family or a
+        statistic appears).  Neither may cost the step's values: a failure is one warning."""
+        values = []
+        if not self._hparams_written:
+            self._hparams_written = True
+            values.append(
+                self._guarded("the HParams record", hparams_value, Path(self.options.rank_dir).parent, wall_time)
+            )
+        grew = False
+        for b in blocks:
+            known = self._ops_of.get(b.family, ())
+            if not set(b.stats) <= set(known):
+                self._ops_of[b.family] = (*known, *(op for op in b.stats if op not in known))
+                grew = True
+        if grew:
+            values.append(self._guarded("the custom-scalars layout", custom_scalars_value, self._ops_of))
+        return [frame_record(encode_event(step, wall_time, v)) for v in values if v]
+
+    def _guarded(self, what: str, build, *args) -> bytes | None:
+        try:
+            return build(*args)
+        except Exception as exc:  # a TensorBoard without the plugin, a config file that is not JSON, ...
+            if what not in self._warned:
+                self._warned.add(what)
+                logger.warning("trainmon: %s of %s is not written (%s); the values are", what, self.directory, exc)
+            return None
 
     def _heads(self, row: StatRow) -> list[bytes]:
         key: tuple | None
@@ -422,13 +833,12 @@ class TensorBoardSink(Sink):
                 self._prefixes[key] = heads
         return heads
 
-    def _encode(self, rows: Sequence[StatRow]) -> bytes:
-        """One framed event per distinct row step (one per call in practice)."""
-        now = time.time()
+    def _row_bodies(self, rows: Sequence[StatRow]) -> dict[int, bytes]:
+        """Summary bodies of one series per (row, statistic), per distinct row step."""
         if self._value is None and len(set(map(_step_of, rows))) == 1:
             body = self._template.body(rows, self._heads)
             if body is not None:
-                return frame_record(encode_event(rows[0].step, now, body))
+                return {rows[0].step: body}
         by_step: dict[int, list] = {}
         value, f32 = self._value, f32_bytes
         for row in paced(rows):
@@ -437,7 +847,7 @@ class TensorBoardSink(Sink):
             for head, v in zip(self._heads(row), values):
                 parts.append(head)
                 parts.append(f32(v))
-        return b"".join(frame_record(encode_event(s, now, b"".join(p))) for s, p in by_step.items())
+        return {s: b"".join(p) for s, p in by_step.items()}
 
     def flush(self) -> None:
         # Every write() already reached the file; durability beyond the page cache is close()'s job.
@@ -448,6 +858,11 @@ class TensorBoardSink(Sink):
             if self._closed:
                 return
             self._closed = True
+            if self._file is not None and self._losses and self._failed is None:
+                try:
+                    self._file.append(self._finished_losses(None))
+                except OSError as exc:
+                    self._fail(exc)
             if self._file is not None:
                 self._file.close(sync=True)
         if self._lost_steps:

@@ -1,21 +1,34 @@
-"""The fused one-pass CPU partials (count, sum, sumsq, min, max): a small C kernel.
+"""The fused one-pass CPU partials: a small C kernel that serves every column.
 
-The eager CPU path runs four ATen reductions per tensor (sum, sum of squares, amin, amax), each
-a separate pass over memory plus dispatch overhead.  This kernel reads each tensor once.  It is
-plain C (no torch headers): the first use compiles it with the system C compiler in ~0.3 s into
-``~/.cache/trainmon`` (``TRAINMON_CACHE_DIR`` to move it), later processes load the cached
-library only after the ownership, mode and content-hash checks of ``_kernel_cache``, and it is called through
-``ctypes`` with the tensor's data pointer.  On by default for
-CPU tensors; ``TRAINMON_FUSED_CPU=0`` turns it off.  No compiler, or a failed build, means one
-WARNING per process (naming the fix) and the eager path (same values, slower).
+The eager CPU path runs one ATen reduction per statistic and tensor (sum, sum of squares, amin,
+amax, NaN/Inf counts, zero count, variance), each a separate pass over memory plus dispatch
+overhead.  This kernel reads each tensor once (a second, cache-resident pass over each block of
+512 elements only when ``m2`` is asked for), and a whole batch of tensors is one C call
+(``trainmon_partials_many``): the Python side builds three arrays (data pointers, element counts,
+dtypes) with list comprehensions, so a batch costs the same few Python frames whatever its size.
+It is plain C (no torch headers): the first use compiles it with the system C compiler in ~0.3 s
+into ``~/.cache/trainmon`` (``TRAINMON_CACHE_DIR`` to move it), later processes load the cached
+library only after the ownership, mode and content-hash checks of ``_kernel_cache``, and it is
+called through ``ctypes``.  On by default for CPU tensors; ``TRAINMON_FUSED_CPU=0`` turns it off.
+No compiler, or a failed build, means one WARNING per process (naming the fix) and the eager path
+(same values, slower).
 
-Accuracy: 16 float lanes accumulate blocks of 512 elements (32 per lane), and every block's sums
-are added in float64, so the error does not grow with the tensor size (at least as accurate as the
-eager blocked path).  A block whose float sums overflow (finite elements above ~1e18) is summed
-again in double, so any finite tensor gets finite sums; only such blocks pay for it.  min/max propagate NaN
-like ``torch.amin``/``amax``: a NaN anywhere makes the
-sum of squares NaN (and only a NaN can), which is the trigger.  The lanes are independent, so the
-compiler vectorizes them without fast-math and results do not depend on the vector width.
+Accuracy and semantics (the eager path's, ``partials._cpu_values``):
+- Sums: 16 float lanes accumulate blocks of 512 elements (32 per lane), and every block's sums
+  are added in float64, so the error does not grow with the tensor size.  A block whose float sums
+  are not finite (finite elements above ~1e18 overflow the squares, or a NaN/Inf) is redone in
+  double, so any finite tensor gets finite sums; only such blocks pay for it.
+- NaN/Inf counts come from that double redo: a finite block has none, so counting is free
+  elsewhere (the eager path's trigger, per block instead of per tensor).
+- min/max are NaN if any element is NaN, like ``torch.amin``/``amax``; ±Inf are ordinary values.
+- zeros counts ``abs(x) < eps`` with ``eps`` rounded to float32, as the eager path's fp32
+  comparison does (bf16/fp16 values are exact in float32).
+- m2 (sum of squared deviations from the mean): per block, a second float pass shifted by the
+  block's float mean (``sum(d^2) - sum(d)^2/512``, exact up to float rounding of the squares);
+  blocks combine in double with Chan's formula (``stats.table``).  A NaN or Inf anywhere makes it
+  NaN, as ``torch.var`` does.
+The lanes are independent, so the compiler vectorizes them without fast-math and results do not
+depend on the vector width.
 """
 
 from __future__ import annotations
@@ -27,6 +40,7 @@ import os
 import platform
 import shutil
 import subprocess
+from array import array
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -34,7 +48,7 @@ import torch
 
 from trainmon.stats import _kernel_cache
 
-__all__ = ["enabled", "fill_rows", "partials_f32", "partials_into", "FUSED_DTYPES", "ENV"]
+__all__ = ["enabled", "fill_rows", "partials_f32", "partials_into", "FUSED_DTYPES", "ENV", "COLUMNS"]
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +56,8 @@ ENV = "TRAINMON_FUSED_CPU"
 _OFF = ("0", "false", "no", "off")
 FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# The kernel's values, in ``partials._DEVICE_ORDER``: ``cols`` index this tuple.
+COLUMNS = ("count", "sum", "sumsq", "min", "max", "nans", "infs", "zeros", "m2")
 
 _C_SOURCE = r"""
 #include <stdint.h>
@@ -50,73 +66,169 @@ _C_SOURCE = r"""
 
 #define LANES 16
 #define BLOCK 512
+/* Output values, in the order of partials._DEVICE_ORDER. */
+enum { C_COUNT, C_SUM, C_SUMSQ, C_MIN, C_MAX, C_NANS, C_INFS, C_ZEROS, C_M2, C_ALL };
 
 static inline float f32_at(const void* p, int64_t i) { return ((const float*)p)[i]; }
 static inline float bf16_at(const void* p, int64_t i) {
   uint32_t u = (uint32_t)((const uint16_t*)p)[i] << 16; float f; memcpy(&f, &u, 4); return f;
 }
+/* fp16 -> float without branches (the loops stay vectorized): rebias the exponent (Inf/NaN to
+   255); a subnormal gets exponent 2^-14 added and subtracted, which is exact and needs no
+   denormal arithmetic (DAZ/FTZ cannot change it). */
 static inline float f16_at(const void* p, int64_t i) {
-  uint16_t h = ((const uint16_t*)p)[i];
-  uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, bits;
-  if (exp == 0) {
-    if (mant == 0) { bits = sign; }
-    else { exp = 113; while (!(mant & 0x400u)) { mant <<= 1; exp--; } bits = sign | (exp << 23) | ((mant & 0x3ffu) << 13); }
-  } else if (exp == 31) { bits = sign | 0x7f800000u | (mant << 13); }
-  else { bits = sign | ((exp + 112) << 23) | (mant << 13); }
-  float f; memcpy(&f, &bits, 4); return f;
+  uint32_t h = ((const uint16_t*)p)[i];
+  uint32_t em = (h & 0x7fffu) << 13, exp = em & 0x0f800000u;
+  uint32_t bits = em + (exp == 0x0f800000u ? (224u << 23) : exp == 0 ? (113u << 23) : (112u << 23));
+  float f; memcpy(&f, &bits, 4);
+  f = exp == 0 ? f - 0x1p-14f : f;
+  memcpy(&bits, &f, 4); bits |= (h & 0x8000u) << 16;
+  memcpy(&f, &bits, 4); return f;
 }
 
-#define ONE_PASS(NAME, LOAD)                                                              \
-static void NAME(const void* p, int64_t n, double* out) {                                 \
-  double sum = 0.0, sumsq = 0.0;                                                           \
+/* Chan et al.: fold a piece (count nb, mean mb, m2 m2b) into the running (n, mean, m2). */
+static inline void chan(double* n, double* mean, double* m2, double nb, double mb, double m2b) {
+  if (*n == 0.0) { *n = nb; *mean = mb; *m2 = m2b; return; }
+  double tot = *n + nb, delta = mb - *mean;
+  *mean += delta * (nb / tot);
+  *m2 += m2b + delta * delta * (*n * nb / tot);
+  *n = tot;
+}
+
+/* EXACT: elements [i0, i0+len) in double (a block whose float sums are not finite, and the tail):
+   sum, sum of squares, NaN/Inf counts and (m2 != 0) the mean and m2 of the piece, two passes. */
+#define EXACT(NAME, LOAD)                                                                  \
+static void NAME(const void* p, int64_t i0, int64_t len, int m2, double* r) {              \
+  double s = 0.0, q = 0.0, nans = 0.0, infs = 0.0;                                        \
+  for (int64_t k = i0; k < i0 + len; ++k) {                                               \
+    double x = LOAD(p, k); s += x; q += x * x; nans += isnan(x) != 0; infs += isinf(x) != 0; \
+  }                                                                                        \
+  r[0] = s; r[1] = q; r[2] = nans; r[3] = infs; r[4] = len ? s / (double)len : 0.0; r[5] = 0.0; \
+  if (m2) {                                                                                \
+    double d2 = 0.0, mean = r[4];                                                          \
+    for (int64_t k = i0; k < i0 + len; ++k) { double d = LOAD(p, k) - mean; d2 += d * d; } \
+    r[5] = d2;                                                                             \
+  }                                                                                        \
+}
+
+/* DEV: sum(d) and sum(d^2), d = x - shift, over the block at i (cache-resident: just read).  An
+   explicit vector type (GCC and Clang): written as lane arrays, GCC vectorizes this loop across
+   blocks with a horizontal add per element, 5x slower. */
+typedef float lanes_t __attribute__((vector_size(LANES * sizeof(float))));
+#define DEV(NAME, LOAD)                                                                    \
+static void NAME(const void* p, int64_t i, float shift, double* sd, double* sdd) {         \
+  lanes_t d1 = {0}, d2 = {0};                                                              \
+  for (int64_t k = 0; k < BLOCK; k += LANES) {                                             \
+    lanes_t x;                                                                             \
+    for (int j = 0; j < LANES; ++j) x[j] = LOAD(p, i + k + j);                             \
+    x -= shift; d1 += x; d2 += x * x;                                                      \
+  }                                                                                        \
+  *sd = 0.0; *sdd = 0.0;                                                                   \
+  for (int j = 0; j < LANES; ++j) { *sd += d1[j]; *sdd += d2[j]; }                         \
+}
+
+/* ONE_PASS: one tensor's values.  ZEROS and M2 are compile-time constants, so the lean variant
+   (neither) is the same loop as before they existed.  Blocks of 512 elements go through 16
+   independent float lanes (vectorized without fast-math); each block's sums are added in double.
+   A block whose float sums are not finite (overflow, NaN or Inf) is redone in double, which also
+   counts its NaN/Inf elements: finite blocks have none.  m2: a second float pass over the
+   (cache-resident) block, shifted by its float mean, gives the block's exact-order m2; blocks are
+   combined in double with Chan's formula. */
+#define ONE_PASS(NAME, LOAD, EXACT_FN, DEV_FN, ZEROS, M2)                                \
+static void NAME(const void* p, int64_t n, float eps, double* out) {                      \
+  double sum = 0.0, sumsq = 0.0, nans = 0.0, infs = 0.0, zeros = 0.0;                     \
+  double cn = 0.0, cmean = 0.0, cm2 = 0.0;                                                 \
   float mn[LANES], mx[LANES];                                                              \
   for (int j = 0; j < LANES; ++j) { mn[j] = INFINITY; mx[j] = -INFINITY; }                 \
   int64_t i = 0;                                                                           \
   const int64_t whole = n / BLOCK * BLOCK;                                                 \
   for (; i < whole; i += BLOCK) {                                                          \
     float s[LANES] = {0}, q[LANES] = {0};                                                  \
+    int32_t z[LANES] = {0};                                                                \
     for (int64_t k = 0; k < BLOCK; k += LANES) {                                           \
       for (int j = 0; j < LANES; ++j) {                                                    \
         float x = LOAD(p, i + k + j);                                                      \
         s[j] += x; q[j] += x * x;                                                          \
         mn[j] = x < mn[j] ? x : mn[j]; mx[j] = x > mx[j] ? x : mx[j];                      \
+        if (ZEROS) z[j] += fabsf(x) < eps;                                                 \
       }                                                                                    \
     }                                                                                      \
-    double bs = 0.0, bq = 0.0;                                                             \
+    double bs = 0.0, bq = 0.0, bmean = 0.0, bm2 = 0.0;                                     \
     for (int j = 0; j < LANES; ++j) { bs += s[j]; bq += q[j]; }                            \
-    if (!isfinite(bs + bq)) { /* float lanes overflowed (or a NaN/Inf): redo in double */  \
-      bs = 0.0; bq = 0.0;                                                                  \
-      for (int64_t k = 0; k < BLOCK; ++k) { double x = LOAD(p, i + k); bs += x; bq += x * x; } \
+    if (ZEROS) { int64_t zb = 0; for (int j = 0; j < LANES; ++j) zb += z[j]; zeros += (double)zb; } \
+    int exact = !isfinite(bs + bq);                                                        \
+    if (M2 && !exact) {                                                                    \
+      float shift = (float)(bs / BLOCK); double sd, sdd; DEV_FN(p, i, shift, &sd, &sdd);   \
+      bmean = (double)shift + sd / BLOCK; bm2 = sdd - sd * sd / BLOCK;                     \
+      exact = !isfinite(bm2); /* deviations overflowed the float lanes */                  \
+    }                                                                                      \
+    if (exact) {                                                                           \
+      double r[6]; EXACT_FN(p, i, BLOCK, M2, r);                                           \
+      bs = r[0]; bq = r[1]; nans += r[2]; infs += r[3]; bmean = r[4]; bm2 = r[5];          \
     }                                                                                      \
     sum += bs; sumsq += bq;                                                                \
+    if (M2) chan(&cn, &cmean, &cm2, BLOCK, bmean, bm2 < 0.0 ? 0.0 : bm2);                  \
   }                                                                                        \
   float lo = mn[0], hi = mx[0];                                                            \
   for (int j = 1; j < LANES; ++j) { lo = mn[j] < lo ? mn[j] : lo; hi = mx[j] > hi ? mx[j] : hi; } \
-  for (; i < n; ++i) {                                                                     \
-    float x = LOAD(p, i);                                                                  \
-    sum += x; sumsq += (double)x * x;                                                      \
-    lo = x < lo ? x : lo; hi = x > hi ? x : hi;                                            \
+  if (i < n) {                                                                             \
+    for (int64_t k = i; k < n; ++k) {                                                      \
+      float x = LOAD(p, k);                                                                \
+      lo = x < lo ? x : lo; hi = x > hi ? x : hi;                                          \
+      if (ZEROS) zeros += fabsf(x) < eps;                                                  \
+    }                                                                                      \
+    double r[6]; EXACT_FN(p, i, n - i, M2, r);                                             \
+    sum += r[0]; sumsq += r[1]; nans += r[2]; infs += r[3];                                \
+    if (M2) chan(&cn, &cmean, &cm2, (double)(n - i), r[4], r[5]);                          \
   }                                                                                        \
-  if (isnan(sumsq)) { lo = hi = NAN; }                                                     \
-  out[0] = (double)n; out[1] = sum; out[2] = sumsq; out[3] = lo; out[4] = hi;              \
+  if (nans != 0.0) { lo = hi = NAN; }  /* like torch.amin/amax */                         \
+  out[C_COUNT] = (double)n; out[C_SUM] = sum; out[C_SUMSQ] = sumsq; out[C_MIN] = lo;       \
+  out[C_MAX] = hi; out[C_NANS] = nans; out[C_INFS] = infs; out[C_ZEROS] = zeros;          \
+  /* a NaN or Inf anywhere: m2 is NaN, as torch.var gives */                               \
+  out[C_M2] = (nans != 0.0 || infs != 0.0) ? NAN : cm2;                                    \
 }
 
-ONE_PASS(pass_f32, f32_at)
-ONE_PASS(pass_bf16, bf16_at)
-ONE_PASS(pass_f16, f16_at)
+#define PASSES(T, LOAD)                                                                    \
+  EXACT(exact_##T, LOAD)                                                                   \
+  DEV(dev_##T, LOAD)                                                                       \
+  ONE_PASS(pass_##T, LOAD, exact_##T, dev_##T, 0, 0)                                                \
+  ONE_PASS(pass_##T##_z, LOAD, exact_##T, dev_##T, 1, 0)                                            \
+  ONE_PASS(pass_##T##_m, LOAD, exact_##T, dev_##T, 0, 1)                                            \
+  ONE_PASS(pass_##T##_zm, LOAD, exact_##T, dev_##T, 1, 1)
 
-/* kind: 0 float32, 1 bfloat16, 2 float16.  Column j of the row gets value cols[j]
-   (0 count, 1 sum, 2 sumsq, 3 min, 4 max).  Returns 0, or -1 for an unknown kind. */
-int trainmon_partials(const void* data, int64_t n, int kind, double* row, int64_t width,
-                      const int64_t* cols) {
-  double full[5];
-  switch (kind) {
-    case 0: pass_f32(data, n, full); break;
-    case 1: pass_bf16(data, n, full); break;
-    case 2: pass_f16(data, n, full); break;
-    default: return -1;
+PASSES(f32, f32_at)
+PASSES(bf16, bf16_at)
+PASSES(f16, f16_at)
+
+typedef void (*pass_fn)(const void*, int64_t, float, double*);
+static const pass_fn PASS[3][4] = {
+  {pass_f32, pass_f32_z, pass_f32_m, pass_f32_zm},
+  {pass_bf16, pass_bf16_z, pass_bf16_m, pass_bf16_zm},
+  {pass_f16, pass_f16_z, pass_f16_m, pass_f16_zm},
+};
+
+/* Rows of n tensors: tensor t (data ptrs[t], numels[t] elements of kinds[t]: 0 float32,
+   1 bfloat16, 2 float16) fills out[t * width + j] with value cols[j] (C_COUNT .. C_M2).  zeros
+   counts |x| < eps compared in float32, as the eager path's fp32 comparison does.  Returns 0, -1
+   for a bad column, or t + 1 for the first tensor it cannot read (unknown kind, null data). */
+int64_t trainmon_partials_many(const int64_t* ptrs, const int64_t* numels, const int32_t* kinds,
+                               int64_t n, double* out, int64_t width, const int64_t* cols,
+                               double eps) {
+  int variant = 0;
+  for (int64_t j = 0; j < width; ++j) {
+    if (cols[j] < 0 || cols[j] >= C_ALL) return -1;
+    if (cols[j] == C_ZEROS) variant |= 1;
+    if (cols[j] == C_M2) variant |= 2;
   }
-  for (int64_t j = 0; j < width; ++j) row[j] = full[cols[j]];
+  const float feps = (float)eps;
+  double full[C_ALL];
+  for (int64_t t = 0; t < n; ++t) {
+    const void* data = (const void*)(intptr_t)ptrs[t];
+    if (kinds[t] < 0 || kinds[t] > 2 || numels[t] < 0 || (!data && numels[t])) return t + 1;
+    PASS[kinds[t]][variant](data, numels[t], feps, full);
+    double* row = out + t * width;
+    for (int64_t j = 0; j < width; ++j) row[j] = full[cols[j]];
+  }
   return 0;
 }
 """
@@ -132,31 +244,55 @@ def enabled() -> bool:
     return _function() is not None
 
 
-def fill_rows(tensors: Sequence[torch.Tensor], out: torch.Tensor, start: int, cols: Sequence[int]) -> None:
-    """``partials_into`` without its argument checks, for the engine's own step buffer (the
-    per-capture path of every hook)."""
-    fn = _state["fn"]
+def fill_rows(
+    tensors: Sequence[torch.Tensor], out: torch.Tensor, start: int, cols: Sequence[int], eps: float = 1e-8
+) -> None:
+    """``partials_into`` without its argument checks, for the engine's own step buffer: one C
+    call for the whole batch.  The per-tensor arrays are built with list comprehensions (one
+    Python frame each, whatever the number of tensors: the hot path of every capture).  Raises
+    ValueError if a tensor cannot be read (the caller then goes one by one)."""
     colmap = _COLMAPS.get(cols)  # type: ignore[call-overload]
     if colmap is None:
         colmap = _COLMAPS[tuple(cols)] = (ctypes.c_int64 * len(cols))(*cols)
+    if not all([t.is_contiguous() for t in tensors]):
+        # detach: a copy of an activation must not record autograd history
+        tensors = [t if t.is_contiguous() else t.detach().contiguous() for t in tensors]
+    # Kept alive until the call returns (the copies above, too, through ``tensors``).
+    ptrs = array("q", [t.data_ptr() for t in tensors])
+    numels = array("q", [t.numel() for t in tensors])
+    kinds = array("i", [_KIND.get(t.dtype, -1) for t in tensors])
     width = len(cols)
-    row = out.data_ptr() + start * width * 8
-    for t in tensors:
-        if not t.is_contiguous():
-            with torch.no_grad():  # a copy of an activation must not record autograd history
-                t = t.contiguous()
-        ptr, n = t.data_ptr(), t.numel()
-        if not ptr and n:  # no data behind it (a FakeTensor): reading address 0 would crash the process
-            raise ValueError("the tensor has no data (its data pointer is null)")
-        if fn(ptr, n, _KIND[t.dtype], row, width, colmap) != 0:  # type: ignore[operator]
-            raise ValueError(f"fused CPU kernel: unsupported dtype {t.dtype}")
-        row += width * 8
+    bad = _state["fn"](  # type: ignore[operator]
+        ptrs.buffer_info()[0],
+        numels.buffer_info()[0],
+        kinds.buffer_info()[0],
+        len(ptrs),
+        out.data_ptr() + start * width * 8,
+        width,
+        colmap,
+        eps,
+    )
+    if bad:
+        raise ValueError(_refusal(bad, tensors))
 
 
-def partials_into(tensors: Sequence[torch.Tensor], out: torch.Tensor, start: int, cols: Sequence[int]) -> None:
+def _refusal(code: int, tensors: Sequence[torch.Tensor]) -> str:
+    """The kernel's refusal as a sentence (never on the hot path)."""
+    if code < 0:
+        return "fused CPU kernel: a column index outside 0..8"
+    t = tensors[code - 1]
+    if t.dtype not in _KIND:
+        return f"fused CPU kernel: unsupported dtype {t.dtype}"
+    return "the tensor has no data (its data pointer is null)"  # a FakeTensor: reading 0 would crash
+
+
+def partials_into(
+    tensors: Sequence[torch.Tensor], out: torch.Tensor, start: int, cols: Sequence[int], eps: float = 1e-8
+) -> None:
     """Write rows ``start..`` of ``out`` (contiguous float64 ``[rows, len(cols)]``, CPU):
     column ``j`` of a tensor's row is fused value ``cols[j]`` (0 count, 1 sum, 2 sumsq, 3 min,
-    4 max).  ``tensors``: CPU tensors of a ``FUSED_DTYPES`` dtype."""
+    4 max, 5 nans, 6 infs, 7 zeros (``abs(x) < eps``), 8 m2).  ``tensors``: CPU tensors of a
+    ``FUSED_DTYPES`` dtype."""
     fn = _function()
     if fn is None:
         raise RuntimeError(f"fused CPU kernel unavailable: {_state.get('error')}")
@@ -171,13 +307,14 @@ def partials_into(tensors: Sequence[torch.Tensor], out: torch.Tensor, start: int
         raise ValueError(
             "partials_into: out must be a contiguous float64 [rows, len(cols)] matrix with room for every tensor"
         )
-    fill_rows(tensors, out, start, tuple(cols))
+    fill_rows(tensors, out, start, tuple(cols), eps)
 
 
-def partials_f32(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``[len(tensors) x 5]`` float64: count, sum, sumsq, min, max, one pass per tensor."""
-    out = torch.empty((len(tensors), 5), dtype=torch.float64)
-    partials_into(tensors, out, 0, range(5))
+def partials_f32(tensors: Sequence[torch.Tensor], eps: float = 1e-8) -> torch.Tensor:
+    """``[len(tensors) x 9]`` float64, one pass per tensor: count, sum, sumsq, min, max, nans,
+    infs, zeros, m2 (``COLUMNS``)."""
+    out = torch.empty((len(tensors), len(COLUMNS)), dtype=torch.float64)
+    partials_into(tensors, out, 0, range(len(COLUMNS)), eps)
     return out
 
 
@@ -186,16 +323,18 @@ def _function():
         _state["fn"] = None
         try:
             lib = _kernel_cache.load(_library_name(), _compile)
-            fn = lib.trainmon_partials
+            fn = lib.trainmon_partials_many
             fn.argtypes = [
                 ctypes.c_void_p,
-                ctypes.c_int64,
-                ctypes.c_int,
+                ctypes.c_void_p,
                 ctypes.c_void_p,
                 ctypes.c_int64,
                 ctypes.c_void_p,
+                ctypes.c_int64,
+                ctypes.c_void_p,
+                ctypes.c_double,
             ]
-            fn.restype = ctypes.c_int
+            fn.restype = ctypes.c_int64
             _state["fn"] = fn
         except Exception as exc:
             _state["error"] = f"{type(exc).__name__}: {exc}"

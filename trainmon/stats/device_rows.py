@@ -73,6 +73,15 @@ _MASKS_OUT = all(hasattr(op, "out") for op in (torch.ops.aten.isnan, torch.ops.a
 _WIDTH_MAX = 1 << 12  # chunk width of the batched path: the largest power of two dividing every
 _WIDTH_MIN = 256  # boundary, at most this; below _WIDTH_MIN the tensors are reduced one by one
 _COUNT_EXACT = 1 << 24  # batched counts are summed in fp32: exact for tensors up to this many elements
+# Small tensors of any layout (one ``write``'s separate weights, activations) are reduced as
+# segments of one flat buffer per dtype (``_segments``): a constant number of ops per batch. Each
+# tensor is cut into blocks of ``_BLOCK`` elements, summed in order within a block (float32, so a
+# block's error stays ~_BLOCK ulps) and the blocks per tensor: blocked accumulation, as torch.sum.
+_SMALL = 1 << 12  # elements of a tensor at most to join a segment batch (larger: its own reductions,
+# whose launches are not the cost and which make no full-size temporary)
+_SEG_BUDGET = 1 << 20  # elements of one segment batch at most (its temporaries: a few 4 MiB float32 copies)
+_BLOCK = 256
+_SEG_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _CHUNKS_PER_ROW = 256  # a batched group's float32 partials stay within 1 KiB per row: a tensor that
 # alone spans more chunks is reduced by itself (3 ops reading it, no temporary), where the launches a
 # batch saves are nothing next to reading it; small tensors beside it lend the group their share
@@ -150,14 +159,6 @@ def _batches(key: tuple[tuple[int, int], ...], device: torch.device) -> list[tup
     return out
 
 
-def _storage_ptr(t: torch.Tensor) -> int | None:
-    """The address of ``t``'s storage; None for tensors without one (XLA, lazy, functional)."""
-    try:
-        return t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):
-        return None
-
-
 def _to_device(values: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
     host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.int64)
     if device.type == "cpu":
@@ -190,6 +191,7 @@ class DeviceRows:
         self.pads: dict[int, int] = {}  # row -> implicit zeros of a sparse tensor (its values were reduced)
         self._scratch: dict[Any, torch.Tensor] = {}  # stream -> [counts, size] bool masks (see _count)
         self._layouts: dict[tuple, list[tuple[list[int], _FlatLayout]]] = {}  # seen (see _flat_groups)
+        self._seg_layouts: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._batchable = set(self.values) <= {"sum", "sumsq", "min", "max"}  # not m2 (std)
         self._triton = device_triton.TritonRows(self) if device_triton.supported(device, self.values) else None
 
@@ -207,20 +209,29 @@ class DeviceRows:
         return "device" if self._triton is None else "device-triton"
 
     # -- hooks ---------------------------------------------------------------------------------
-    @torch.no_grad()
     def write(self, tensors: Sequence[torch.Tensor]) -> list[tuple[DeviceRows, int]]:
+        """``_write`` with autograd off (``torch.no_grad()``'s decorator costs ~8 Python frames a
+        call; the C switch none)."""
+        grad = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            return self._write(tensors)
+        finally:
+            torch._C._set_grad_enabled(grad)
+
+    def _write(self, tensors: Sequence[torch.Tensor]) -> list[tuple[DeviceRows, int]]:
         """Reduce ``tensors`` into new rows; returns their handles.  No sync, no H2D copy (but at
         the first sight of a flat layout, see ``_FlatLayout``).  Tensors that are views of one contiguous
         buffer (Megatron's/DDP's grad buckets, DeepSpeed's flat partitions, flattened params) are
         reduced together: O(1) + O(row chunks) ops for the group instead of 3 per tensor.  A sparse
         tensor is reduced by its stored values; its implicit zeros join its row on the host."""
         pads: dict[int, int] = {}
-        if any(t.layout is not STRIDED for t in tensors):
+        if any([t.layout is not STRIDED for t in tensors]):  # a list: a generator is a frame per item
             tensors, pads = explicit_elements(tensors)
         with self.lock:
             start = len(self.numels)
-            self.numels.extend(0 for _ in tensors)
-            self.kinds.extend(_F32 for _ in tensors)
+            self.numels.extend([0] * len(tensors))
+            self.kinds.extend([_F32] * len(tensors))
             rows: list[int] = [-1] * len(tensors)
             pos = start
             if self._triton is not None:
@@ -230,7 +241,12 @@ class DeviceRows:
                 for j, k in enumerate(idx):
                     rows[k] = pos + j
                 pos += len(idx)
-            separate = self._foreach_group(tensors, rows)
+            small = self._small_group(tensors, rows)
+            if small:
+                for j, k in enumerate(self._segments(tensors, small, pos)):
+                    rows[k] = pos + j
+                pos += len(small)
+            separate = self._foreach_group(tensors, rows) if pos - start < len(tensors) else []
             if separate:
                 self._foreach([tensors[k] for k in separate], pos)
                 for j, k in enumerate(separate):
@@ -257,6 +273,123 @@ class DeviceRows:
             self._triton = None
             return max([pos, *(r + 1 for r in rows)])
 
+    def _small_group(self, tensors: Sequence[torch.Tensor], rows: list[int]) -> list[int]:
+        """Indices of the not yet placed small plain fp32/bf16/fp16 tensors when there are enough
+        of them for ``_segments`` (fewer take the per-tensor ops: fewer than its ~20)."""
+        if len(tensors) < _MIN_BATCH or not self.values:
+            return []
+        ks = [
+            k
+            for k, t in enumerate(tensors)
+            if rows[k] < 0 and type(t) in _PLAIN and t.dtype in _SEG_DTYPES and t.numel() <= _SMALL
+        ]
+        return ks if len(ks) >= _MIN_BATCH else []
+
+    def _segments(self, tensors: Sequence[torch.Tensor], idx: list[int], row: int) -> list[int]:
+        """``tensors[idx]`` into rows ``row..`` as segment batches: one per dtype (the zeros
+        threshold is the dtype's) and per ``_SEG_BUDGET`` elements; returns the indices in row
+        order.  No Python call per tensor: plain loops and comprehensions only."""
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for k in idx:
+            by_dtype.setdefault(tensors[k].dtype, []).append(k)
+        order: list[int] = []
+        for dtype, ks in by_dtype.items():
+            numels = [tensors[k].numel() for k in ks]
+            begin = total = 0
+            for j, n in enumerate(numels):
+                if total + n > _SEG_BUDGET and j > begin:
+                    self._segment_batch([tensors[k] for k in ks[begin:j]], numels[begin:j], dtype, row + len(order))
+                    order += ks[begin:j]
+                    begin, total = j, 0
+                total += n
+            self._segment_batch([tensors[k] for k in ks[begin:]], numels[begin:], dtype, row + len(order))
+            order += ks[begin:]
+        return order
+
+    def _segment_batch(self, group: list[torch.Tensor], numels: list[int], dtype: torch.dtype, row: int) -> None:
+        """One batch of small tensors of one dtype into rows ``row..``: their elements flattened
+        into one buffer (one ``cat``), every column reduced per block of ``_BLOCK`` elements, then
+        per tensor (``segment_reduce`` with the layout's cached lengths), the columns stacked and
+        written into the row buffer as one block per buffer chunk (no view per row).  min/max go
+        to the float32 columns (exact for bf16/fp16); m2 takes the tensor's mean back to its
+        elements (``repeat_interleave``, output size known on the host: no sync)."""
+        key = tuple(numels)
+        layout = self._seg_layouts.get(key)  # inline: the common case costs no frame
+        blocks, tensor_blocks, lengths = layout if layout is not None else self._segment_layout(key)
+        flat = torch._C._nn.flatten_dense_tensors(group)  # contiguous + view + cat, in C++
+        x = flat if dtype == _F32 else flat.to(_F32)
+
+        seg = torch.segment_reduce  # blocks, then the blocks of each tensor (inline: no frame per column)
+        vcols: list[torch.Tensor] = []
+        total = None
+        for c in self.values:
+            if c == "sum":
+                total = seg(seg(x, "sum", lengths=blocks), "sum", lengths=tensor_blocks)
+                vcols.append(total)
+            elif c == "sumsq":
+                # each tensor scaled by a power of two at or near its largest |x| before squaring
+                # (exact; 0, Inf and NaN keep scale 1): a sum of squares beyond float32 (|x| above
+                # ~1.8e19) still gives a finite norm, and squares below its range do not vanish
+                peak = seg(seg(x.abs(), "max", lengths=blocks), "max", lengths=tensor_blocks)
+                scale = torch.exp2(torch.floor(torch.log2(peak)))
+                scale = torch.where(torch.isfinite(scale) & (scale > 0), scale, torch.ones_like(scale))
+                y = x / scale.repeat_interleave(lengths, output_size=x.numel())
+                norm = seg(seg(y * y, "sum", lengths=blocks), "sum", lengths=tensor_blocks)
+                vcols.append(norm.sqrt_().mul_(scale))
+            elif c == "min":
+                vcols += [
+                    seg(seg(x, "min", lengths=blocks), "min", lengths=tensor_blocks),
+                    seg(seg(x, "max", lengths=blocks), "max", lengths=tensor_blocks),
+                ]
+            elif c == "m2":
+                count = lengths.to(_F32)
+                if total is None:
+                    total = seg(seg(x, "sum", lengths=blocks), "sum", lengths=tensor_blocks)
+                dev = x - (total / count).repeat_interleave(lengths, output_size=x.numel())
+                vcols.append(seg(seg(dev * dev, "sum", lengths=blocks), "sum", lengths=tensor_blocks) / count)
+        ccols = []
+        for col in self.counts:  # the masks inline (no frame per count); zeros at the dtype's eps
+            if col == "nans":
+                mask = torch.isnan(flat)
+            elif col == "infs":
+                mask = torch.isinf(flat)
+            else:
+                mask = flat.abs() < self._eps_in(dtype)
+            ccols.append(seg(seg(mask.to(_F32), "sum", lengths=blocks), "sum", lengths=tensor_blocks))
+        self.numels[row : row + len(numels)] = numels
+        values = torch.stack(vcols, dim=1) if vcols else None
+        counts = torch.stack(ccols, dim=1) if ccols else None
+        done = 0
+        while done < len(numels):  # rows may continue into the next chunk of the row buffer
+            chunk, r = self._chunk(row + done)
+            n = min(len(numels) - done, self.capacity - r)
+            if values is not None:
+                chunk.values[r : r + n, : values.shape[1]].copy_(values[done : done + n])
+            if counts is not None and chunk.counts is not None:
+                chunk.counts[r : r + n].copy_(counts[done : done + n])
+            done += n
+
+    def _segment_layout(self, numels: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(block lengths, blocks per tensor, elements per tensor) on the device for a batch of
+        ``numels``: built at the first sight of the shapes (the one host->device copy), cached."""
+        cached = self._seg_layouts.get(numels)
+        if cached is None:
+            blocks: list[int] = []
+            per: list[int] = []
+            for n in numels:  # an empty tensor keeps one empty block: every tensor has a row
+                full, rest = divmod(n, _BLOCK)
+                mine = [_BLOCK] * full + ([rest] if rest or not full else [])
+                blocks += mine
+                per.append(len(mine))
+            if len(self._seg_layouts) > 256:
+                self._seg_layouts.clear()
+            cached = self._seg_layouts[numels] = (
+                self.to_device(blocks),
+                self.to_device(per),
+                self.to_device(list(numels)),
+            )
+        return cached
+
     def _foreach_group(self, tensors: Sequence[torch.Tensor], rows: list[int]) -> list[int]:
         """Indices of the not yet placed non-empty fp32 tensors when there are enough for the
         multi-tensor norms and maxima of ``_foreach`` (bf16/fp16: ``_foreach_norm`` would round
@@ -274,9 +407,11 @@ class DeviceRows:
         by_storage: dict[tuple[int, torch.dtype], list[int]] = {}
         for k, t in enumerate(tensors):  # plain tensors only: a subclass's storage may not be its data
             if rows[k] < 0 and type(t) in _PLAIN and t.dtype in _FLAT_DTYPES and t.numel() and t.is_contiguous():
-                ptr = _storage_ptr(t)
-                if ptr is not None:
-                    by_storage.setdefault((ptr, t.dtype), []).append(k)
+                try:  # inline, not _storage_ptr: no Python frame per tensor
+                    ptr = t.untyped_storage().data_ptr()
+                except (RuntimeError, NotImplementedError):
+                    continue  # no storage (XLA, lazy, functional)
+                by_storage.setdefault((ptr, t.dtype), []).append(k)
         groups = []
         for idx in by_storage.values():
             if len(idx) >= _MIN_BATCH:

@@ -224,7 +224,14 @@ class TritonRows:
         ``rows`` (caller order); returns the next free row."""
         groups: dict[torch.dtype, list[int]] = {}
         for k, t in enumerate(tensors):
-            if rows[k] < 0 and type(t) in PLAIN_TENSORS and t.dtype in FLOAT_DTYPES and t.numel() and dense(t):
+            # is_contiguous first: ``dense`` (a Python call) only for the rare non-contiguous tensor
+            if (
+                rows[k] < 0
+                and type(t) in PLAIN_TENSORS
+                and t.dtype in FLOAT_DTYPES
+                and t.numel()
+                and (t.is_contiguous() or dense(t))
+            ):
                 groups.setdefault(t.dtype, []).append(k)
         if not groups:
             return pos
@@ -299,8 +306,7 @@ class TritonRows:
         while done < len(tensors):  # one rows launch per chunk of the row buffer it writes into
             n = self._rows_launch(part, first, chunks, done, len(tensors) - done, row + done, table=True)
             done += n
-        for j, t in enumerate(tensors):
-            self.rows.numels[row + j] = t.numel()
+        self.rows.numels[row : row + len(tensors)] = [t.numel() for t in tensors]
 
     def _rows_launch(
         self, part: torch.Tensor, first: torch.Tensor, chunks: int, first_tensor: int, n: int, row: int, *, table: bool
@@ -346,7 +352,8 @@ class TritonRows:
     def _table(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, int, int] | None:
         """(packed int64 descriptors, chunks, chunk size) of a group, cached by its addresses;
         None when an address is not a whole number of elements from the first tensor's."""
-        key = (tensors[0].dtype, tuple((t.data_ptr(), t.numel()) for t in tensors))
+        # a list, not a generator: a generator is one Python frame per tensor
+        key = (tensors[0].dtype, tuple([(t.data_ptr(), t.numel()) for t in tensors]))
         if key in self._tables:
             return self._tables[key]
         if len(self._tables) > 256:

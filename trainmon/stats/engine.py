@@ -200,7 +200,7 @@ class StatsEngine:
             with host.lock:
                 start = host.reserve(1)
                 try:
-                    fill_rows((t,), host.tensor, start, cols)
+                    fill_rows((t,), host.tensor, start, cols, self.eps)
                     return start
                 except Exception:
                     pass  # no strided storage (sparse, ...): the general path below handles it

@@ -1,9 +1,11 @@
 """Per-tensor mergeable partials of CPU tensors (accelerator tensors: ``stats.device_rows``).
 
 ``write_cpu_rows`` is the engine's path for CPU tensors: rows go straight into its step buffer,
-through the fused one-pass kernel (``_fused_cpu``) when it serves the columns, else through the
-eager reductions below.  ``compute_partials(tensors, columns, eps)`` returns one float64 row per
-tensor (a convenience for tests and tools; accelerator tensors go through ``DeviceRows`` there).
+through the fused one-pass kernel (``_fused_cpu``: every column, float32/bf16/fp16 strided
+tensors, one C call per batch) unless it is off or unavailable, else through the eager reductions
+below (which also serve every other dtype and layout, and define the values the kernel matches).
+``compute_partials(tensors, columns, eps)`` returns one float64 row per tensor (a convenience for
+tests and tools; accelerator tensors go through ``DeviceRows`` there).
 
 Accuracy notes (why the code looks like this):
 - fp32 ``vector_norm`` on CPU drifts on large tensors (~3e-3 relative at 40M elements), so large
@@ -69,7 +71,7 @@ def compute_partials(
     tensors: Sequence[torch.Tensor], columns: Sequence[str], eps: float, no_sync: bool = False
 ) -> list[torch.Tensor]:
     """Partials rows, one ``[len(columns)]`` float64 CPU tensor per input.  CPU tensors take the
-    engine's CPU path (fused kernel for lean columns when it is on); others the device path,
+    engine's CPU path (the fused kernel when it is on); others the device path,
     read back at once (this function waits for the device: not for hooks)."""
     from trainmon.stats.device_rows import DeviceRows
 
@@ -77,7 +79,6 @@ def compute_partials(
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = defaultdict(list)
     for i, t in enumerate(tensors):
         groups[(t.device, t.dtype)].append(i)
-    lean = set(columns) <= _LEAN_COLUMNS
     for (device, dtype), idx in groups.items():
         group = [tensors[i] for i in idx]
         if device.type != "cpu":
@@ -85,12 +86,11 @@ def compute_partials(
             dev.write(group)
             mats = list(torch.from_numpy(dev.snapshot().rows(columns)).unbind(0))  # type: ignore[union-attr]
         elif (
-            lean
-            and dtype in _fused_cpu.FUSED_DTYPES
+            dtype in _FUSED_DTYPES
             and all(t.layout is STRIDED for t in group)
-            and _fused_cpu.enabled()
+            and (fused := fused_columns(columns)) is not None
         ):
-            mats = _fused_rows(group, columns)
+            mats = _fused_rows(group, fused, eps)
         else:
             mats = [_cpu_row(t, columns, eps) for t in group]
         for i, row in zip(idx, mats):
@@ -98,18 +98,18 @@ def compute_partials(
     return rows  # type: ignore[return-value]
 
 
-_LEAN_COLUMNS = {"count", "sum", "sumsq", "min", "max"}
 _FUSED_DTYPES = frozenset(_fused_cpu.FUSED_DTYPES)
-_FUSED_INDEX = {"count": 0, "sum": 1, "sumsq": 2, "min": 3, "max": 4}
+_FUSED_INDEX = {c: i for i, c in enumerate(_fused_cpu.COLUMNS)}
 _FUSED_MAPS: dict[tuple[str, ...], tuple[int, ...] | None] = {}
 
 
 def fused_columns(columns: Sequence[str]) -> tuple[int, ...] | None:
-    """The fused kernel's value for each column, or None when it cannot serve these columns
-    (nans, zeros, m2) or is off or unavailable.  Decided once per engine."""
+    """The fused kernel's value for each column (it serves every partial today; a partial added
+    without a kernel value takes the eager path), or None when the kernel is off
+    (``TRAINMON_FUSED_CPU=0``) or unavailable.  Decided once per engine."""
     key = tuple(columns)
     if key not in _FUSED_MAPS:
-        _FUSED_MAPS[key] = tuple(_FUSED_INDEX[c] for c in key) if set(key) <= _LEAN_COLUMNS else None
+        _FUSED_MAPS[key] = tuple(_FUSED_INDEX[c] for c in key) if set(key) <= _FUSED_INDEX.keys() else None
     return _FUSED_MAPS[key] if _FUSED_MAPS[key] is not None and _fused_cpu.enabled() else None
 
 
@@ -122,9 +122,9 @@ def write_cpu_rows(
     model, hence no per-row tensors and few Python frames."""
     with host.lock:
         start = host.reserve(len(tensors))
-        if fused is not None and all(t.dtype in _FUSED_DTYPES for t in tensors):
+        if fused is not None and all([t.dtype in _FUSED_DTYPES for t in tensors]):  # a list: one frame
             try:
-                _fused_cpu.fill_rows(tensors, host.tensor, start, fused)
+                _fused_cpu.fill_rows(tensors, host.tensor, start, fused, eps)
                 return range(start, start + len(tensors))
             except Exception:
                 pass  # a tensor without strided storage among them (sparse, ...): one by one below
@@ -145,7 +145,7 @@ def _rows_one_by_one(
         for k, t in enumerate(tensors):
             try:
                 if fused is not None and t.dtype in _FUSED_DTYPES and t.layout is STRIDED:
-                    _fused_cpu.fill_rows([t], host.tensor, start + k, fused)
+                    _fused_cpu.fill_rows([t], host.tensor, start + k, fused, eps)
                 else:
                     host.array[start + k] = _cpu_values(t, columns, eps)
             except Exception as exc:
@@ -154,11 +154,10 @@ def _rows_one_by_one(
     return [skipped.get(k, r) for k, r in enumerate(rows)] if skipped else rows
 
 
-def _fused_rows(group: list[torch.Tensor], columns: Sequence[str]) -> list[torch.Tensor]:
-    """The fused one-pass kernel (on unless TRAINMON_FUSED_CPU=0): all five lean columns in one read."""
-    mat = _fused_cpu.partials_f32(group)
-    if tuple(columns) != tuple(_FUSED_INDEX):
-        mat = mat[:, [_FUSED_INDEX[c] for c in columns]]
+def _fused_rows(group: list[torch.Tensor], fused: tuple[int, ...], eps: float) -> list[torch.Tensor]:
+    """The fused kernel (on unless TRAINMON_FUSED_CPU=0): every column in one read per tensor."""
+    mat = torch.empty((len(group), len(fused)), dtype=torch.float64)
+    _fused_cpu.partials_into(group, mat, 0, fused, eps)
     return list(mat.unbind(0))
 
 

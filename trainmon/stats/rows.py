@@ -99,18 +99,22 @@ class StepRows(Sequence[StatRow]):
     per-row objects at all.  ``StepRows.of(rows)`` wraps rows built by hand (tests, converters).
     """
 
-    __slots__ = ("_blocks", "_build", "_rows")
+    __slots__ = ("_blocks", "_build", "_rows", "wall_time")
 
-    def __init__(self, build: Callable[[], list[RowBlock]]):
+    def __init__(self, build: Callable[[], list[RowBlock]], wall_time: float | None = None):
         self._build: Callable[[], list[RowBlock]] | None = build
         self._blocks: list[RowBlock] | None = None
         self._rows: list[StatRow] | None = None
+        # When the step was recorded (Unix seconds), stamped where the rows are made (the training
+        # thread): every sink writes this one time (step_times.tsv, TensorBoard events), not the
+        # later moment its writer thread gets to the step.
+        self.wall_time: float = time.time() if wall_time is None else wall_time
 
     @classmethod
-    def of(cls, rows: Iterable[StatRow]) -> StepRows:
+    def of(cls, rows: Iterable[StatRow], wall_time: float | None = None) -> StepRows:
         """Rows built by hand, as blocks (consecutive rows with one layout share a block)."""
         rows = list(rows)
-        return cls(lambda: _blocks_of(rows))
+        return cls(lambda: _blocks_of(rows), wall_time)
 
     def blocks(self) -> list[RowBlock]:
         if self._blocks is None:

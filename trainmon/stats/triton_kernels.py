@@ -2,11 +2,13 @@
 whether Triton is used at all; importing this module imports ``triton``).
 
 ``chunk_partials``: one program per chunk of one tensor, reading the chunk once, writing one row
-of float32 partials: the sum and the sum of squares of the chunk's elements scaled by ``2**-k``
-(``k`` the chunk's exponent, a power of two at or above its largest |x|, as LAPACK's ``nrm2``
-scales: no overflow whatever the magnitudes; each lane keeps its own running exponent while
-reading), ``k``, min, max (NaN if the chunk has one) and the requested counts (exact: a chunk has
-at most 2^20 elements).
+of float32 partials: the sum and the sum of squares of the chunk's elements (scaled by ``2**-k``),
+``k``, min, max (NaN if the chunk has one) and the requested counts (exact: a chunk has
+at most 2^20 elements).  The read loop adds the plain values (``k = 0``), so it reads at a plain
+reduction's speed; only a chunk whose sums are not finite (an overflow: |x| above ~1.8e19, or
+Inf/NaN in it) or whose squares underflow is read again, scaled by ``2**-k`` (``k`` the chunk's
+exponent, a power of two at or above its largest |x|, as LAPACK's ``nrm2`` scales: exact, and no
+overflow whatever the magnitudes).
 
 ``tensor_rows``: one program per tensor, combining its chunks' partials (the scaled sums brought
 to the largest exponent of the tensor first) into its row of the device row buffer: the sum, the
@@ -77,11 +79,12 @@ def chunk_partials(
     else:
         start = pid.to(tl.int64) * CHUNK
         n = tl.minimum(numel - start, CHUNK)
-    # Each lane's accumulators hold its values scaled by 2**-k of that lane (k only grows): no
-    # reduction across lanes inside the loop.
-    k = tl.full([BLOCK], -126, tl.int32)
+    # The read loop adds the plain values (no per-lane scaling: it runs at the speed of a plain
+    # reduction such as torch.aminmax); a chunk whose sums float32 cannot hold (|x| above ~1.8e19)
+    # or whose squares underflow (|x| below ~2**-50) is read a second time, scaled (below): rare.
     acc_s = tl.zeros([BLOCK], dtype=tl.float32)
     acc_q = tl.zeros([BLOCK], dtype=tl.float32)
+    peak = tl.zeros([BLOCK], dtype=tl.float32)
     lo = tl.full([BLOCK], float("inf"), tl.float32)
     hi = tl.full([BLOCK], float("-inf"), tl.float32)
     nans = tl.zeros([BLOCK], dtype=tl.int32)
@@ -94,13 +97,9 @@ def chunk_partials(
         a = tl.abs(x)
         isnan = x != x
         if (WANT_SUM | WANT_SQ) & WANT:
-            k_new = tl.maximum(k, _exponent(a))  # NaN and Inf lanes: 126, and they reach the sums as such
-            acc_s = acc_s * _pow2(k - k_new)
-            acc_q = acc_q * _pow2(2 * (k - k_new))
-            k = k_new
-            xs = x * _pow2(-k)
-            acc_s += xs
-            acc_q += xs * xs
+            acc_s += x
+            acc_q += x * x
+            peak = tl.maximum(peak, a)
         if (WANT_MIN | WANT_NAN) & WANT:
             nans += isnan.to(tl.int32)
         if WANT_MIN & WANT:
@@ -111,13 +110,30 @@ def chunk_partials(
         if WANT_ZERO & WANT:
             zeros += (inside & (a < eps)).to(tl.int32)
     row = part_ptr + pid.to(tl.int64) * P
-    if (WANT_SUM | WANT_SQ) & WANT:  # the lanes brought to the chunk's largest scale (exact: powers of two)
-        top = tl.max(k, axis=0)
+    if (WANT_SUM | WANT_SQ) & WANT:
+        s = tl.sum(acc_s, axis=0)
+        q = tl.sum(acc_q, axis=0)
+        top = tl.max(peak, axis=0)
+        k = tl.zeros([], dtype=tl.int32)
+        # Sums that are Inf/NaN (an overflow, or Inf/NaN in the data: the scaled pass gives those
+        # as such) or squares below float32's normal range beside a non-zero |x|: the scaled pass.
+        if ((s - s) != 0) | ((q - q) != 0) | ((q < 7.9e-31) & (top > 0)):
+            k = _exponent(top)  # a power of two at or above the chunk's largest |x|: sums stay finite
+            scale = _pow2(-k)
+            acc_s = tl.zeros([BLOCK], dtype=tl.float32)
+            acc_q = tl.zeros([BLOCK], dtype=tl.float32)
+            for b in range(0, n, BLOCK):
+                offs = b + tl.arange(0, BLOCK)
+                xs = tl.load(x_ptr + start + offs, mask=offs < n, other=0.0).to(tl.float32) * scale
+                acc_s += xs
+                acc_q += xs * xs
+            s = tl.sum(acc_s, axis=0)
+            q = tl.sum(acc_q, axis=0)
         if WANT_SUM & WANT:
-            tl.store(row + COL_SUM, tl.sum(acc_s * _pow2(k - top), axis=0))
+            tl.store(row + COL_SUM, s)
         if WANT_SQ & WANT:
-            tl.store(row + COL_SQ, tl.sum(acc_q * _pow2(2 * (k - top)), axis=0))
-        tl.store(row + COL_EXP, top.to(tl.float32))
+            tl.store(row + COL_SQ, q)
+        tl.store(row + COL_EXP, k.to(tl.float32))
     if WANT_MIN & WANT:
         has_nan = tl.sum(nans, axis=0) > 0
         tl.store(row + COL_MIN, tl.where(has_nan, float("nan"), tl.min(lo, axis=0)))

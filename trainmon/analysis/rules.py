@@ -1,4 +1,5 @@
-"""The anomaly rules, shared by the run-time alert sink and the offline ``anomalies`` scan.
+"""The anomaly rules, written once: the run-time alert sink (one row at a time) and the offline
+``anomalies`` scan (numpy arrays of one bucket of series) both call this module.
 
 Rules (the ``rule`` field of an anomaly):
 
@@ -45,7 +46,10 @@ from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from trainmon.diagnosis.flow import flow_key, phase_of
+import numpy as np
+import pandas as pd
+
+from trainmon.analysis.flow import flow_key, phase_of
 from trainmon.families import FAMILIES
 from trainmon.output.layout import ALERTS_FILE
 
@@ -70,6 +74,9 @@ __all__ = [
     "nonfinite_op",
     "json_number",
     "from_json_number",
+    "spike_baselines",
+    "spike_hits",
+    "threshold_hits",
 ]
 
 COUNT_OPS: tuple[str, ...] = ("nans", "infs")
@@ -420,7 +427,7 @@ class NonfiniteDesigns:
 class SpikeTracker:
     """Running baselines for the online spike rule: one bounded window per series.
 
-    Same arithmetic as the offline scan (``scan.spikes``): median of the last ``window`` finite
+    Same arithmetic as the offline scan (``spike_baselines`` and ``spike_hits``): median of the last ``window`` finite
     values, judged only after ``warmup`` of them.
     """
 
@@ -456,3 +463,53 @@ class SpikeTracker:
         recent.append(value)
         bisect.insort(ordered, value)
         return fired
+
+
+# Series per block of the offline spike matrix: bounds memory at block x longest series floats.
+_BLOCK = 4096
+
+
+def spike_baselines(keys: np.ndarray, values: np.ndarray, rule: SpikeRule) -> np.ndarray:
+    """The offline spike baseline: the median of each value's previous ``window`` values of the
+    same series, NaN while the series has fewer than ``warmup`` of them (``SpikeTracker``'s
+    arithmetic on whole arrays).
+
+    ``keys`` are series ids; ``values`` finite, in step order within a series.  To judge a bucket
+    that continues earlier steps, prepend the carried tail (each series' last ``window`` values)
+    and drop its rows from the answer.
+    """
+    order = np.argsort(keys, kind="stable")
+    k_sorted, v_sorted = keys[order], values[order]
+    starts = np.r_[0, np.flatnonzero(np.diff(k_sorted)) + 1] if len(k_sorted) else np.zeros(0, dtype=int)
+    lengths = np.diff(np.r_[starts, len(k_sorted)])
+    index = np.arange(len(k_sorted)) - np.repeat(starts, lengths)
+    out_sorted = np.full(len(k_sorted), np.nan)
+    for first in range(0, len(starts), _BLOCK):
+        block = slice(first, first + _BLOCK)
+        s, n = starts[block], lengths[block]
+        rows = np.arange(s[0], s[-1] + n[-1])
+        col = np.repeat(np.arange(len(s)), n)
+        matrix = np.full((int(n.max()), len(s)), np.nan)
+        matrix[index[rows], col] = v_sorted[rows]
+        base = pd.DataFrame(matrix).rolling(rule.window, min_periods=rule.warmup).median().shift(1)
+        out_sorted[rows] = base.to_numpy()[index[rows], col]
+    out = np.empty_like(out_sorted)
+    out[order] = out_sorted
+    return out
+
+
+def spike_hits(values: np.ndarray, baselines: np.ndarray, rule: SpikeRule, *, down: bool) -> np.ndarray:
+    """``SpikeRule.fires`` on arrays: which values spiked against their baselines (NaN baseline:
+    warm-up, never a hit).  ``down``: judge drops too (``judges_drops`` of the family)."""
+    with np.errstate(invalid="ignore", divide="ignore"):  # a zero/NaN baseline: judged below
+        ratio = (np.abs(values) + rule.floor) / (np.abs(baselines) + rule.floor)
+        hit = ratio >= rule.factor
+        if down:
+            hit |= ratio <= 1.0 / rule.factor
+    return hit & ~np.isnan(baselines)
+
+
+def threshold_hits(values: np.ndarray, threshold: float) -> np.ndarray:
+    """The threshold rule on an array: finite values with ``|v| > threshold``."""
+    with np.errstate(invalid="ignore"):
+        return np.isfinite(values) & (np.abs(values) > threshold)
