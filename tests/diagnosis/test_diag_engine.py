@@ -19,7 +19,7 @@ from tests._support.edge_rows import as_parquet as _as_parquet
 from tests._support.simulate import SIM_RUNS, named_run
 from trainmon.analysis.rules import Rules, SpikeRule
 from trainmon.cli import main
-from trainmon.diagnosis import engine
+from trainmon.diagnosis import engine, engine_buckets
 from trainmon.diagnosis.reader import load_run
 from trainmon.diagnosis.scan import scan, scan_all
 from trainmon.output.layout import FamilyFile
@@ -46,8 +46,8 @@ def _everything(findings) -> tuple:
 def _assert_same_findings(name: str, rules: str, pq_dir: Path) -> list:
     run = named_run(name)
     want = _everything(scan_all(load_run(run), RULE_SETS[rules]))
-    assert _everything(engine.engine_scan_all(engine.run_files(run), RULE_SETS[rules])) == want
-    assert _everything(engine.engine_scan_all(engine.run_files(_as_parquet(run, pq_dir)), RULE_SETS[rules])) == want
+    assert _everything(engine_buckets.engine_scan_all(engine.run_files(run), RULE_SETS[rules])) == want
+    assert _everything(engine_buckets.engine_scan_all(engine.run_files(_as_parquet(run, pq_dir)), RULE_SETS[rules])) == want
     return want[0]
 
 
@@ -77,7 +77,7 @@ def test_engine_keeps_positions_occurrences_and_header_variants_exact(edge_run, 
     assert any(a.occurrence for a in want) or any(n.occurrence for n in found.by_design)
     assert any(a.micro_step is not None for a in want)
     for run in (edge_run, _as_parquet(edge_run, pq_dir)):
-        assert _everything(engine.engine_scan_all(engine.run_files(run), RULE_SETS[rules])) == _everything(found)
+        assert _everything(engine_buckets.engine_scan_all(engine.run_files(run), RULE_SETS[rules])) == _everything(found)
 
 
 def test_units_keep_small_ranks_together_and_cut_big_ranks_only_between_step_windows(monkeypatch, tmp_path):
@@ -119,7 +119,7 @@ def test_a_run_read_one_step_window_at_a_time_finds_what_the_in_memory_scan_find
         # cut at every step window that does not overlap the ones before it, carried over
         units = [u for fam in found.files for u in found.units(fam)]
         assert sum(u.continues for u in units) > len(units) // 2
-        assert _found(engine.engine_scan(found, RULE_SETS[rules])) == want
+        assert _found(engine_buckets.engine_scan(found, RULE_SETS[rules])) == want
 
 
 def test_engine_and_memory_commands_print_the_same_json(edge_run, capsys):
@@ -155,7 +155,7 @@ def test_hand_written_number_spellings_read_as_the_in_memory_reader_reads_them(t
     (rank / "grad_reduced_0-8.csv").write_text("vpp_stage,name,step,norm,nans,shape,dtype\n" + rows + odd)
     rules = Rules(spike=SpikeRule(factor=1.5, floor=0.0, warmup=1, window=2), threshold=2.0)
     want = _found(scan(load_run(tmp_path / "run"), rules))
-    assert _found(engine.engine_scan(engine.run_files(tmp_path / "run"), rules)) == want
+    assert _found(engine_buckets.engine_scan(engine.run_files(tmp_path / "run"), rules)) == want
 
 
 def test_missing_stat_columns_and_empty_cells_read_as_nan_like_the_in_memory_reader(tmp_path):
@@ -165,7 +165,7 @@ def test_missing_stat_columns_and_empty_cells_read_as_nan_like_the_in_memory_rea
     (rank / "grad_reduced_0-9.csv").write_text("vpp_stage,name,step,norm,nans,shape,dtype\n" + rows)
     (rank / "grad_reduced_0-9.1.csv").write_text("vpp_stage,name,step,max,shape,dtype\n0,w,9,nan,\"[2]\",torch.float32\n")
     want = _found(scan(load_run(tmp_path / "run")))
-    assert want and _found(engine.engine_scan(engine.run_files(tmp_path / "run"))) == want
+    assert want and _found(engine_buckets.engine_scan(engine.run_files(tmp_path / "run"))) == want
 
 
 @pytest.mark.parametrize("values", [[10.0] * 4 + [1.0], [10.0] * 4 + [100.0], [-3.0, 2.0, -1.0, 4.0, 40.0],
@@ -181,7 +181,7 @@ def test_a_spike_exactly_at_the_factor_fires_in_both_scans(tmp_path, values):
     rules = Rules(spike=SpikeRule(factor=10.0, floor=0.0, warmup=3, window=4))
     want = _found(scan(load_run(tmp_path / "run"), rules))
     assert [a["step"] for a in want if a["rule"] == "spike"] == [4]
-    assert _found(engine.engine_scan(engine.run_files(tmp_path / "run"), rules)) == want
+    assert _found(engine_buckets.engine_scan(engine.run_files(tmp_path / "run"), rules)) == want
 
 
 BOUNDED = """

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests._support.runs import REPO
-from trainmon.diagnosis import engine
+from trainmon.diagnosis import engine, engine_buckets
 from trainmon.diagnosis.engine_buckets import engine_ranks
 from trainmon.diagnosis.ranks import check_ranks
 from trainmon.diagnosis.reader import load_run
@@ -69,7 +69,7 @@ def test_reading_few_files_per_statement_finds_what_the_in_memory_reader_finds(s
     table = load_run(small_files)
     want = _found(scan(table))
     assert want, "the planted NaN and spike"
-    assert _found(engine.engine_scan(files)) == want
+    assert _found(engine_buckets.engine_scan(files)) == want
     assert engine_ranks(files) == check_ranks(table)
 
 
@@ -94,7 +94,7 @@ def test_a_bad_cell_in_a_late_batch_is_named_by_file_line_and_column(tmp_path, m
     bad.write_text("\n".join(lines) + "\n")
     monkeypatch.setattr(engine, "FILES_PER_READ", 3)
     with pytest.raises(TrainmonError) as engine_err:
-        engine.engine_scan(engine.run_files(run))
+        engine_buckets.engine_scan(engine.run_files(run))
     with pytest.raises(TrainmonError) as memory_err:
         load_run(run)
     assert f"{bad}:4: column 'mean' holds 'oops'" in str(engine_err.value)

@@ -157,7 +157,7 @@ class _Snapshot:
         if layout != self._layout:
             self._layout = layout
             self._make_views(params)
-            self.batched = all([d in self._LOW for d in layout[1]])
+            self.batched = all([d in self._LOW for d in layout[1]]) and not any([p.is_meta for p in params])
         if self._views:
             torch._foreach_copy_(self._views, params)
 

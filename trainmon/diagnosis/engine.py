@@ -42,7 +42,7 @@ from trainmon.output import runs
 from trainmon.output.cells import NAN_SPELLINGS, BadCellError
 from trainmon.output.layout import FamilyFile
 
-__all__ = ["available", "RunFiles", "run_files", "engine_scan", "engine_scan_all", "Engine", "MEMORY_LIMIT"]
+__all__ = ["available", "RunFiles", "run_files", "Engine", "MEMORY_LIMIT"]
 
 # The engine's working-memory cap (TRAINMON_ENGINE_MEMORY, default 256MB); beyond it DuckDB
 # spills to a temp directory.  Rows of one family read into the engine at a time
@@ -592,20 +592,3 @@ class Engine:
     def __exit__(self, *exc) -> None:
         self.con.close()
         self._work.close()
-
-
-def engine_scan(
-    files: RunFiles, rules: Rules = Rules(), *, threads: int | None = None, progress=None, duplicates=None
-) -> list[Anomaly]:
-    """Every anomaly of the run's files, in training-flow order (``engine_scan_all``'s)."""
-    return engine_scan_all(files, rules, threads=threads, progress=progress, duplicates=duplicates).anomalies
-
-
-def engine_scan_all(
-    files: RunFiles, rules: Rules = Rules(), *, threads: int | None = None, progress=None, duplicates=None
-) -> Findings:
-    """``scan.scan_all`` of the run's files: DuckDB stages them, the one pandas rule set runs per
-    bucket of names (``engine_buckets.bucket_scan_all``)."""
-    from trainmon.diagnosis.engine_buckets import bucket_scan_all
-
-    return bucket_scan_all(files, rules, threads=threads, progress=progress, duplicates=duplicates)

@@ -392,3 +392,18 @@ def engine_ranks(
             if progress is not None:
                 progress.advance()
     return sorted(issues, key=issue_order)
+
+
+def engine_scan(
+    files: RunFiles, rules: Rules = Rules(), *, threads: int | None = None, progress=None, duplicates=None
+) -> list[Anomaly]:
+    """Every anomaly of the run's files, in training-flow order (``engine_scan_all``'s)."""
+    return engine_scan_all(files, rules, threads=threads, progress=progress, duplicates=duplicates).anomalies
+
+
+def engine_scan_all(
+    files: RunFiles, rules: Rules = Rules(), *, threads: int | None = None, progress=None, duplicates=None
+) -> Findings:
+    """``scan.scan_all`` of the run's files: DuckDB stages them, the one pandas rule set runs per
+    bucket of names (``engine_buckets.bucket_scan_all``)."""
+    return bucket_scan_all(files, rules, threads=threads, progress=progress, duplicates=duplicates)
