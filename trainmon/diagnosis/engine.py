@@ -30,11 +30,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainmon.analysis.flow import family_rank
-from trainmon.analysis.rules import (
-    Anomaly,
-    Findings,
-    Rules,
-)
 from trainmon.diagnosis.reader import FamilyStatsView, RunDirError, ranked_dirs, resolve_run_dir
 from trainmon.diagnosis.workdir import WorkDir
 from trainmon.errors import DamagedFileError, EnvError, env_int

@@ -31,6 +31,7 @@ import numpy as np
 import pandas as pd
 
 from trainmon.analysis.flow import FLOW_KEYS, PHASES, phase_of
+from trainmon.analysis.rules import Anomaly, Findings, Rules
 from trainmon.diagnosis.engine import POSITION, Engine, RunFiles, _Family, _lit, _q
 from trainmon.diagnosis.reader import EXTRA_PREFIX, RunTable, numel_column
 from trainmon.errors import env_int
@@ -394,15 +395,18 @@ def engine_ranks(
     return sorted(issues, key=issue_order)
 
 
+_DEFAULT_RULES = Rules()
+
+
 def engine_scan(
-    files: RunFiles, rules: Rules = Rules(), *, threads: int | None = None, progress=None, duplicates=None
+    files: RunFiles, rules: Rules = _DEFAULT_RULES, *, threads: int | None = None, progress=None, duplicates=None
 ) -> list[Anomaly]:
     """Every anomaly of the run's files, in training-flow order (``engine_scan_all``'s)."""
     return engine_scan_all(files, rules, threads=threads, progress=progress, duplicates=duplicates).anomalies
 
 
 def engine_scan_all(
-    files: RunFiles, rules: Rules = Rules(), *, threads: int | None = None, progress=None, duplicates=None
+    files: RunFiles, rules: Rules = _DEFAULT_RULES, *, threads: int | None = None, progress=None, duplicates=None
 ) -> Findings:
     """``scan.scan_all`` of the run's files: DuckDB stages them, the one pandas rule set runs per
     bucket of names (``engine_buckets.bucket_scan_all``)."""
