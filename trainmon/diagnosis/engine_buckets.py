@@ -327,14 +327,7 @@ def bucket_scan_all(
     unjudged: list[tuple[int, set[int]]] = []
     with Engine(threads) as eng:
         run = StagedRun(eng, files, "a", progress=progress, by_name=True, duplicates=duplicates)
-        per_name = run.code_rows()
-        bucket_ranges = consecutive_runs(per_name, rows_per_bucket or bucket_rows())
-        rows = dict(per_name)
-        sizes = [sum(rows.get(c, 0) for c in range(lo, hi + 1)) for lo, hi in bucket_ranges]
-        sorts = consecutive_runs(enumerate(sizes), sort_rows())
-        if progress is not None:
-            progress.phase("anomalies: sorting", len(sorts), "runs of names")
-        run.partition([(bucket_ranges[a][0], bucket_ranges[b][1]) for a, b in sorts], progress)
+        bucket_ranges = _partition_by_name(run, rows_per_bucket, progress, "anomalies")
         skips = _concat([])
         if STEPS_FAMILY in run.families:
             fam = run.families.index(STEPS_FAMILY)
@@ -376,16 +369,7 @@ def engine_ranks(
     with Engine(threads) as eng:
         run = StagedRun(eng, files, "r", progress=progress, by_name=True, duplicates=duplicates)
 
-        # Buckets: runs of consecutive name codes (a name's rows of every family in one bucket);
-        # sorts: runs of consecutive buckets of about SORT_ROWS rows.
-        per_name = run.code_rows()
-        bucket_ranges = consecutive_runs(per_name, rows_per_bucket or bucket_rows())
-        rows = dict(per_name)
-        sizes = [sum(rows.get(c, 0) for c in range(lo, hi + 1)) for lo, hi in bucket_ranges]
-        sorts = consecutive_runs(enumerate(sizes), sort_rows())
-        if progress is not None:
-            progress.phase("ranks: sorting", len(sorts), "runs of names")
-        run.partition([(bucket_ranges[a][0], bucket_ranges[b][1]) for a, b in sorts], progress)
+        bucket_ranges = _partition_by_name(run, rows_per_bucket, progress, "ranks")
         if progress is not None:
             progress.phase("ranks: checking", len(bucket_ranges), "buckets")
         for first, last in bucket_ranges:
@@ -411,3 +395,19 @@ def engine_scan_all(
     """``scan.scan_all`` of the run's files: DuckDB stages them, the one pandas rule set runs per
     bucket of names (``engine_buckets.bucket_scan_all``)."""
     return bucket_scan_all(files, rules, threads=threads, progress=progress, duplicates=duplicates)
+
+
+def _partition_by_name(run: StagedRun, rows_per_bucket: int | None, progress, command: str) -> list[tuple[int, int]]:
+    """Partition a staged run by name code; returns the buckets' (first, last) code ranges.
+
+    Buckets: runs of consecutive name codes (a name's rows of every family in one bucket);
+    sorts: runs of consecutive buckets of about SORT_ROWS rows."""
+    per_name = run.code_rows()
+    bucket_ranges = consecutive_runs(per_name, rows_per_bucket or bucket_rows())
+    rows = dict(per_name)
+    sizes = [sum(rows.get(c, 0) for c in range(lo, hi + 1)) for lo, hi in bucket_ranges]
+    sorts = consecutive_runs(enumerate(sizes), sort_rows())
+    if progress is not None:
+        progress.phase(f"{command}: sorting", len(sorts), "runs of names")
+    run.partition([(bucket_ranges[a][0], bucket_ranges[b][1]) for a, b in sorts], progress)
+    return bucket_ranges
