@@ -21,7 +21,7 @@ def test_an_unmarked_test_over_the_limit_fails_and_a_slow_one_passes(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO), TRAINMON_FAST_TEST_LIMIT_S="0.2")
     out = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "tests.conftest", "-o", "addopts=", "-c", os.devnull,
-         "-W", "ignore::pytest.PytestConfigWarning", str(tmp_path / "test_sleepy.py")],
+         "-W", "ignore::pytest.PytestConfigWarning", "-m", "not slow or slow", str(tmp_path / "test_sleepy.py")],
         capture_output=True, text=True, cwd=REPO, env=env, timeout=120,
     )
     assert "1 failed, 2 passed" in out.stdout, out.stdout + out.stderr
