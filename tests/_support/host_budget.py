@@ -89,6 +89,7 @@ def step_cost(tmp: Path, config: dict, n_tensors: int, monkeypatch) -> StepCost:
     """The monitor's cost of one step of ``chain(n_tensors)`` under ``config`` (after warm-up)."""
     from trainmon import TrainerMon
 
+    tmp.mkdir(parents=True, exist_ok=True)
     cfg = tmp / "config.json"
     cfg.write_text(json.dumps({"ops": OPS, "step_count_per_record": 1000, **config}))
     monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp / "out"))

@@ -185,7 +185,8 @@ def test_a_param_list_name_that_matches_nothing_is_one_config_error(tmp_path, ma
 def test_tensorboard_gets_the_interval_fractions_but_no_packed_sign_words(tmp_path):
     from tests.sinks.test_tensorboard import f32, load_scalars, tb_dir
 
-    truth = train_run(tmp_path, {"grad_probe": {"grad_level": "L2"}, "format": ["csv", "tensorboard"]}, steps=2)
+    truth = train_run(tmp_path, {"grad_probe": {"grad_level": "L2"}, "format": ["csv", "tensorboard"],
+                                "tensorboard": {"tags": "per_tensor"}}, steps=2)
     tags = load_scalars(tb_dir(truth.run_dir))
     assert tags and not [t for t in tags if t.startswith("grad_direction.")]
     probe = read_family(truth.run_dir / "rank0", "grad_probe")

@@ -184,6 +184,26 @@ def test_a_spike_exactly_at_the_factor_fires_in_both_scans(tmp_path, values):
     assert _found(engine_buckets.engine_scan(engine.run_files(tmp_path / "run"), rules)) == want
 
 
+def test_skipped_steps_clear_their_nonfinite_grads_in_every_bucket_like_the_in_memory_scan(tmp_path):
+    """The loss scaler's skips (``steps`` rows) are found before the run is cut into buckets of
+    names: the Inf grads of a skipped step are the skip's, in every bucket, on every rank."""
+    for r in (0, 1):
+        rank = tmp_path / "run" / f"rank{r}"
+        rank.mkdir(parents=True)
+        skipped = {0: (0, 1, 5), 1: (0, 1, 6)}[r]
+        steps = "".join(f'0,optimizer,{s},{int(s in skipped)},{2.0 ** (16 - s)},[],\n' for s in range(8))
+        (rank / "steps_0-7.csv").write_text("vpp_stage,name,step,skipped,loss_scale,shape,dtype\n" + steps)
+        grads = "".join(f'0,w{i},{s},{"inf" if s in skipped else 1.0 + i},0,"[2]",torch.float32\n'
+                        for s in range(8) for i in range(6))
+        (rank / "grad_reduced_0-7.csv").write_text("vpp_stage,name,step,norm,nans,shape,dtype\n" + grads)
+    want = _everything(scan_all(load_run(tmp_path / "run")))
+    assert [(a["rank"], a["step"], a["rule"]) for a in want[0]] == [
+        (0, 0, "skipped"), (1, 0, "skipped"), (0, 1, "skipped_run"), (1, 1, "skipped_run"), (0, 5, "skipped"),
+        (1, 6, "skipped")]
+    got = engine_buckets.bucket_scan_all(engine.run_files(tmp_path / "run"), Rules(), rows_per_bucket=20)
+    assert _everything(got) == want
+
+
 BOUNDED = """
 import sys
 from trainmon.cli import main

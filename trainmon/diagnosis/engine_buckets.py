@@ -327,16 +327,14 @@ def bucket_scan_all(
     unjudged: list[tuple[int, set[int]]] = []
     with Engine(threads) as eng:
         run = StagedRun(eng, files, "a", progress=progress, by_name=True, duplicates=duplicates)
+        codes: list[int] = []
+        if STEPS_FAMILY in run.families:  # asked before partitioning, which replaces the staged view
+            fam = run.families.index(STEPS_FAMILY)
+            query = f"SELECT DISTINCT name FROM {run.prefix}_staged WHERE fam = {fam}"
+            codes = [c for (c,) in run.con.execute(query).fetchall()]
         bucket_ranges = _partition_by_name(run, rows_per_bucket, progress, "anomalies")
         skips = _concat([])
-        if STEPS_FAMILY in run.families:
-            fam = run.families.index(STEPS_FAMILY)
-            codes = [
-                c
-                for (c,) in run.con.execute(
-                    f"SELECT DISTINCT name FROM {run.prefix}_staged WHERE fam = {fam}"
-                ).fetchall()
-            ]
+        if codes:
             parts = [skipped_steps(run.bucket(int(c), int(c))) for c in codes]
             skips = _concat([p for p in parts if not p.empty])
         if progress is not None:
