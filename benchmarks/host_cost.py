@@ -14,8 +14,11 @@ turn, one monitored, and the difference is taken per step:
   function calls apart), exact;
 * **aten ops** (``trainmon.testing.op_counter.OpCounter``: non-view ops), exact;
 * **µs** of training-thread CPU time (``time.thread_time``), median of the paired steps;
-* **writer µs**: the process's other threads' CPU time per step (the sink's writer thread);
-* **gen-0 GC collections** per step (``gc.callbacks``), exact;
+* **writer µs**: the process's other threads' CPU time (the sink's writer thread) over all the
+  paired steps and the flush after them, per step: the writer formats a step while the next runs,
+  so it is not measured inside one step;
+* **gen-0 GC collections** per step (``gc.callbacks``), monitored and unmonitored, over ``--steps``
+  steps of each (the monitored ones flushed through the writer), exact for a given machine;
 
 each divided by the rows the monitored step recorded (counted from the sink's own rows), weight
 rows (``wg``/``all-on``) and activation rows (``xy``) apart.  ``--path seam`` sets
@@ -98,6 +101,7 @@ def _aten_ops(fn) -> int:
 
 
 def _gc_collections(fn) -> int:
+    """Young (generation 0) collections while ``fn`` runs, on any thread."""
     count = 0
 
     def callback(phase, info):
@@ -121,6 +125,19 @@ def _timed(fn) -> tuple[float, float]:
     return t1 - t0, (p1 - p0) - (t1 - t0)
 
 
+def _flush_writer(monitor) -> None:
+    """Wait until the sink's writer thread has written every step handed to it."""
+    monitor._driver.session.sink.flush()
+
+
+def _repeat(fn, times: int):
+    def run():
+        for _ in range(times):
+            fn()
+
+    return run
+
+
 def measure(n_tensors: int, config: str, steps: int, workdir: Path) -> dict:
     import torch
 
@@ -134,7 +151,7 @@ def measure(n_tensors: int, config: str, steps: int, workdir: Path) -> dict:
     os.environ["MONITOR_OUTPUT_DIR"] = str(workdir / config)
     monitor = TrainerMon(cfg_path).set_monitor(model, optimizer=opt)
     x = torch.randn(8, 4)
-    for _ in range(3):  # warm-up: kernels built, layouts cached, hooks seen once
+    for _ in range(3):  # warm-up: kernels built, layouts cached, hooks seen once (5 + 2 * steps monitored in all)
         _step(base_model, base_opt, x)
         _step(model, opt, x)
 
@@ -146,16 +163,21 @@ def measure(n_tensors: int, config: str, steps: int, workdir: Path) -> dict:
 
     (mon_py, mon_c), (base_py, base_c) = _python_calls(mon), _python_calls(base)
     ops = _aten_ops(mon) - _aten_ops(base)
-    collections = _gc_collections(mon) - _gc_collections(base)
-    own, writer, base_own = [], [], []
+    _flush_writer(monitor)
+    gc_base = _gc_collections(_repeat(base, steps)) / steps
+    gc_mon = _gc_collections(lambda: (_repeat(mon, steps)(), _flush_writer(monitor))) / steps
+    own, base_own = [], []
+    _flush_writer(monitor)
+    t0, p0 = time.thread_time(), time.process_time()
     for _ in range(steps):
         b, _ = _timed(base)
-        m, w = _timed(mon)
+        m, _ = _timed(mon)
         base_own.append(b)
         own.append(m - b)
-        writer.append(w)
+    _flush_writer(monitor)
+    writer = ((time.process_time() - p0) - (time.thread_time() - t0)) / steps
     monitor.close()
-    weight_rows, activation_rows = _rows_per_step(workdir / config, 3 + 3 + steps)
+    weight_rows, activation_rows = _rows_per_step(workdir / config, 5 + 2 * steps)
     total = weight_rows + activation_rows
     return {
         "n_tensors": n_tensors,
@@ -166,8 +188,9 @@ def measure(n_tensors: int, config: str, steps: int, workdir: Path) -> dict:
         "c_calls_per_row": (mon_c - base_c) / total,
         "aten_ops_per_row": ops / total,
         "us_per_row": statistics.median(own) / total * 1e6,
-        "writer_us_per_row": statistics.median(writer) / total * 1e6,
-        "gc_gen0_per_step": collections,
+        "writer_us_per_row": writer / total * 1e6,
+        "gc_gen0_per_step": gc_mon,
+        "gc_gen0_per_step_unmonitored": gc_base,
         "unmonitored_ms_per_step": statistics.median(base_own) * 1e3,
     }
 
@@ -193,7 +216,7 @@ def main() -> None:
     results = []
     print(
         f"{'path':5s} {'N':>5s} {'config':10s} {'rows w/a':>11s} {'py/row':>7s} {'C/row':>6s} {'aten/row':>8s} "
-        f"{'us/row':>7s} {'writer':>7s} {'gc0':>4s}"
+        f"{'us/row':>7s} {'writer':>7s} {'gc0 mon/base':>12s}"
     )
     for path in paths:
         for n in args.n:
@@ -215,7 +238,8 @@ def main() -> None:
                     f"{path:5s} {n:5d} {r['config']:10s} {r['weight_rows']:5d}/{r['activation_rows']:<5d} "
                     f"{r['python_calls_per_row']:7.1f} {r['c_calls_per_row']:6.1f} {r['aten_ops_per_row']:8.1f} "
                     f"{r['us_per_row']:7.1f} "
-                    f"{r['writer_us_per_row']:7.1f} {r['gc_gen0_per_step']:4d}",
+                    f"{r['writer_us_per_row']:7.2f} "
+                    f"{r['gc_gen0_per_step']:6.1f}/{r['gc_gen0_per_step_unmonitored']:<5.1f}",
                     flush=True,
                 )
     if args.json:

@@ -4,7 +4,8 @@
     python benchmarks/overhead.py --memory        # peak RSS per config, on a bigger model
     python benchmarks/overhead.py --only all-on+xy --repeats 20   # one config, more rounds
     python benchmarks/overhead.py --format parquet  # the Parquet sink instead of the CSV sink
-    WANDB_MODE=offline python benchmarks/overhead.py --format csv,wandb   # CSV plus W&B (or mlflow)
+    python benchmarks/overhead.py --only all-on --format csv tensorboard csv,wandb csv,mlflow
+                                  # several outputs, each against no monitor and against csv
     python benchmarks/overhead.py --eager         # without the fused CPU kernel
                                                   # (same as TRAINMON_FUSED_CPU=0)
 
@@ -12,9 +13,17 @@ A small GPT-like model (trainmon.testing.tiny_gpt.TinyGPT) trained with AdamW on
 Each config trains two identical models side by side, one monitored, alternating step by step
 (so a shared machine's drifts hit both alike); the figure is the median of the per-step ratios
 monitored / unmonitored over all rounds.
+With several ``--format`` sets (each a comma-joined list of outputs, e.g. ``csv,wandb``) every config
+runs once per set in each round, and each set's ratio is also given against the ``csv`` set's; the
+runs then alternate in blocks of ``--steps`` steps, so that the work of the writer and tracker
+threads during the monitored block (GIL time, CPU) is charged to it (``paired_ratio``).
+W&B runs offline (``WANDB_MODE=offline``) and MLflow into a SQLite store, both in a temporary
+folder, unless the environment says otherwise; timing starts once a tracker's worker has started
+its run (the ``import`` and run start happen once per run, not per step).
 When ``mindstudio-probe`` is importable (``PYTHONPATH=<dir with msprobe>``) the same kinds are
 also measured with msprobe's ``TrainerMon`` in the same run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,10 +38,10 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-import torch  # noqa: E402
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from trainmon.testing.tiny_gpt import GPTConfig, TinyGPT, synthetic_batches  # noqa: E402
+from trainmon.testing.tiny_gpt import GPTConfig, TinyGPT, synthetic_batches
 
 OPS = ["norm", "mean", "min", "max", "nans"]  # the shipped configs' list (README, monitor_config.json)
 ALL = {"wg_distribution": True, "mv_distribution": True, "param_distribution": True}
@@ -58,15 +67,23 @@ def build(model_cfg: GPTConfig, seed: int = 0):
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
-def attach(kind: str, cfg: dict | None, model, optimizer, workdir: Path):
+def attach(kind: str, cfg: dict | None, model, optimizer, workdir: Path, fmt: str | None = None):
     if cfg is None:
         return None
     path = workdir / f"{kind}_{abs(hash(json.dumps(cfg, sort_keys=True)))}.json"
     if kind == "trainmon":
         from trainmon import TrainerMon
 
-        path.write_text(json.dumps({**cfg, "ops": OPS, "step_count_per_record": 1000,
-                                    "format": os.environ.get("TRAINMON_BENCH_FORMAT", "csv").split(",")}))
+        path.write_text(
+            json.dumps(
+                {
+                    **cfg,
+                    "ops": OPS,
+                    "step_count_per_record": 1000,
+                    "format": (fmt or os.environ.get("TRAINMON_BENCH_FORMAT", "csv")).split(","),
+                }
+            )
+        )
         return TrainerMon(path).set_monitor(model, optimizer=optimizer)
     from msprobe.pytorch import TrainerMon as MsTrainerMon
 
@@ -76,16 +93,40 @@ def attach(kind: str, cfg: dict | None, model, optimizer, workdir: Path):
     return mon
 
 
-def paired_ratio(kind: str, cfg: dict, steps: int, warmup: int, workdir: Path) -> list[tuple[float, float]]:
+def paired_ratio(
+    kind: str, cfg: dict, steps: int, warmup: int, workdir: Path, fmt: str | None = None, blocks: bool = False
+) -> list[tuple[float, float]]:
     """(unmonitored, monitored) step times, the two runs alternating step by step, so slow drifts
-    of a shared machine hit both alike."""
+    of a shared machine hit both alike.  ``blocks``: one pair, the mean step of ``steps`` steps
+    of each run in turn, the monitored block ending once its writer thread is idle (training waits
+    for it when it falls behind).  The work of the writer and tracker threads during the block is
+    charged to the monitored run (step by step, it would land in whichever run's step it overlaps);
+    a tracker's backlog after it is not (training never waits for a tracker: a tracker that cannot
+    keep up skips steps, with a warning)."""
     base_model, base_opt = build(MODEL)
     model, optimizer = build(MODEL)
-    monitor = attach(kind, cfg, model, optimizer, workdir)
+    monitor = attach(kind, cfg, model, optimizer, workdir, fmt)
     interval = cfg.get("step_interval", 1)
     pairs = []
     batches = list(synthetic_batches(MODEL, 8, steps + warmup, seed=1))
+    if blocks:
+        for batch in batches[:warmup]:
+            _one_step(base_model, base_opt, batch)
+            _one_step(model, optimizer, batch)
+        _wait_for_trackers(monitor)
+        t0 = time.perf_counter()
+        for batch in batches[warmup:]:
+            _one_step(base_model, base_opt, batch)
+        t1 = time.perf_counter()
+        for batch in batches[warmup:]:
+            _one_step(model, optimizer, batch)
+        _flush_writer(monitor)  # training waits for its writer thread when it falls behind
+        t2 = time.perf_counter()
+        monitor.close()
+        return [((t1 - t0) / steps, (t2 - t1) / steps)]
     for i, batch in enumerate(batches):
+        if i == warmup and kind == "trainmon":
+            _wait_for_trackers(monitor)
         t_base = _one_step(base_model, base_opt, batch)
         t_mon = _one_step(model, optimizer, batch)
         if i >= warmup and (interval == 1 or i % interval != 0):
@@ -93,6 +134,36 @@ def paired_ratio(kind: str, cfg: dict, steps: int, warmup: int, workdir: Path) -
     if monitor is not None and hasattr(monitor, "close"):
         monitor.close()
     return pairs
+
+
+def _sinks(sink) -> list:
+    """``sink`` and every sink it wraps (writer thread, fan-out, family filter, ring)."""
+    inner = [getattr(sink, "inner", None), *getattr(sink, "sinks", ())]
+    return [sink, *[s for i in inner if i is not None for s in _sinks(i)]]
+
+
+def _session(monitor):
+    return monitor._driver.session if monitor is not None and getattr(monitor, "_driver", None) else None
+
+
+def _flush_writer(monitor) -> None:
+    session = _session(monitor)
+    if session is not None:
+        session.sink.flush()
+
+
+def _wait_for_trackers(monitor, timeout: float = 120.0) -> None:
+    """Let the W&B/MLflow workers import their package and start their run before timing: that
+    happens once per run, not per step."""
+    from trainmon.sinks.metrics import MetricSink
+
+    session = _session(monitor)
+    if session is None:
+        return
+    session.sink.flush()  # the writer thread has handed every step so far to the trackers
+    for sink in _sinks(session.sink):
+        if isinstance(sink, MetricSink):
+            sink.wait_idle(timeout)
 
 
 def _one_step(model, optimizer, batch) -> float:
@@ -106,36 +177,68 @@ def _one_step(model, optimizer, batch) -> float:
 def msprobe_available() -> bool:
     try:
         import msprobe.pytorch  # noqa: F401
+
         return True
-    except Exception:  # noqa: BLE001 - any import failure means "not measurable here"
+    except Exception:
         return False
 
 
-def run_timing(repeats: int, steps: int, warmup: int, only: str | None = None) -> dict[str, float]:
+def _tracker_environment(tmp: Path) -> None:
+    """W&B offline and MLflow into a SQLite file, both under ``tmp``, unless already set."""
+    os.environ.setdefault("WANDB_MODE", "offline")
+    os.environ.setdefault("WANDB_DIR", str(tmp))
+    os.environ.setdefault("WANDB_SILENT", "true")
+    os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{tmp / 'mlflow.db'}")
+
+
+def run_timing(
+    repeats: int, steps: int, warmup: int, only: str | None = None, formats: list[str] | None = None
+) -> dict[str, float]:
     torch.set_num_threads(1)
-    runs: list[tuple[str, str, dict]] = [(f"trainmon {n}", "trainmon", c) for n, c in CONFIGS.items()]
+    formats = formats or [os.environ.get("TRAINMON_BENCH_FORMAT", "csv")]
+    several = len(formats) > 1
+    runs: list[tuple[str, str, dict, str | None]] = [
+        (f"trainmon {n}" + (f" [{fmt}]" if several else ""), "trainmon", c, fmt)
+        for n, c in CONFIGS.items()
+        for fmt in formats
+    ]
     if msprobe_available():
-        runs += [(f"msprobe {n}", "msprobe", CONFIGS[n]) for n in MSPROBE_CONFIGS]
+        runs += [(f"msprobe {n}", "msprobe", CONFIGS[n], None) for n in MSPROBE_CONFIGS]
     if only:
-        runs = [r for r in runs if r[0].split(" ", 1)[1] == only]
+        runs = [r for r in runs if r[0].split(" ", 1)[1].split(" [")[0] == only]
         if not runs:
             raise SystemExit(f"--only: no config named {only!r}; configs: {', '.join(CONFIGS)}")
-    pairs: dict[str, list[tuple[float, float]]] = {name: [] for name, _, _ in runs}
+    pairs: dict[str, list[tuple[float, float]]] = {name: [] for name, _, _, _ in runs}
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["MONITOR_OUTPUT_DIR"] = str(Path(tmp) / "out")
+        _tracker_environment(Path(tmp))
         for _ in range(repeats):
-            for name, kind, cfg in runs:
-                pairs[name] += paired_ratio(kind, cfg, steps, warmup, Path(tmp))
+            for name, kind, cfg, fmt in runs:
+                pairs[name] += paired_ratio(kind, cfg, steps, warmup, Path(tmp), fmt, blocks=several)
     model = build(MODEL)[0]
     base = statistics.median(b for p in pairs.values() for b, _ in p)
-    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, "
-          f"{len(list(model.parameters()))} tensors; unmonitored {base * 1e3:.1f} ms/step; "
-          f"{repeats} rounds x {steps} paired steps; torch {torch.__version__}, 1 thread")
+    print(
+        f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, "
+        f"{len(list(model.parameters()))} tensors; unmonitored {base * 1e3:.1f} ms/step; "
+        f"{repeats} rounds x {steps} paired steps; torch {torch.__version__}, 1 thread"
+    )
     ratios = {}
     for name, p in pairs.items():
         ratios[name] = statistics.median(m / b for b, m in p)
         print(f"  {name:34s} {statistics.median(m for _, m in p) * 1e3:8.1f} ms/step   {ratios[name]:.3f}x")
+    if several and "csv" in formats:
+        _print_against_csv(ratios, [f for f in formats if f != "csv"])
     return ratios
+
+
+def _print_against_csv(ratios: dict[str, float], formats: list[str]) -> None:
+    """Each format set's overhead minus the CSV sink's, config by config (the #32 target: <= 0.01x)."""
+    print("against the csv set (ratio difference, same config):")
+    for name, ratio in ratios.items():
+        config, _, fmt = name.partition(" [")
+        fmt = fmt.rstrip("]")
+        if fmt in formats and f"{config} [csv]" in ratios:
+            print(f"  {name:34s} {ratio - ratios[f'{config} [csv]']:+.3f}x")
 
 
 # -- peak memory: one subprocess per config, ru_maxrss -------------------------------------------
@@ -160,10 +263,15 @@ def _memory_child(cfg_json: str) -> None:
 
 def run_memory() -> None:
     results = {}
-    for name, cfg in [("baseline", None), ("all-on", ALL), ("all-on+xy", {**ALL, **XY}),
-                      ("all-on+ur", {**ALL, "ur_distribution": True})]:
-        out = subprocess.run([sys.executable, __file__, "--memory-child", json.dumps(cfg)],
-                             capture_output=True, text=True, check=True)
+    for name, cfg in [
+        ("baseline", None),
+        ("all-on", ALL),
+        ("all-on+xy", {**ALL, **XY}),
+        ("all-on+ur", {**ALL, "ur_distribution": True}),
+    ]:
+        out = subprocess.run(
+            [sys.executable, __file__, "--memory-child", json.dumps(cfg)], capture_output=True, text=True, check=True
+        )
         results[name] = int(out.stdout.split()[-1])
     n = sum(p.numel() for p in build(MEM_MODEL)[0].parameters())
     print(f"peak RSS, {n / 1e6:.1f}M-param model ({n * 4 / 2**20:.0f} MiB of fp32 params):")
@@ -173,6 +281,7 @@ def run_memory() -> None:
 
 def _report_fused() -> None:
     from trainmon.stats import _fused_cpu
+
     # Builds the kernel (first use, ~0.3 s) here, outside the timed steps.
     print(f"fused CPU kernel: {'on' if _fused_cpu.enabled() else 'off'}", file=sys.stderr)
 
@@ -185,11 +294,19 @@ def main() -> None:
     parser.add_argument("--memory", action="store_true", help="measure peak RSS instead of step time")
     parser.add_argument("--only", metavar="CONFIG", help="time one config, e.g. 'all-on+xy' (more rounds fit)")
     parser.add_argument("--memory-child", help=argparse.SUPPRESS)
-    parser.add_argument("--format", default="csv", help="output format(s): csv, parquet, csv,wandb, ...")
-    parser.add_argument("--eager", action="store_true",
-                        help="without the fused one-pass CPU stats kernel (sets TRAINMON_FUSED_CPU=0)")
+    parser.add_argument(
+        "--format",
+        nargs="+",
+        default=["csv"],
+        metavar="FORMATS",
+        help="output format set(s), each comma-joined: csv, parquet, csv,wandb, ...; "
+        "several sets are timed side by side and compared with csv",
+    )
+    parser.add_argument(
+        "--eager", action="store_true", help="without the fused one-pass CPU stats kernel (sets TRAINMON_FUSED_CPU=0)"
+    )
     args = parser.parse_args()
-    os.environ["TRAINMON_BENCH_FORMAT"] = args.format  # inherited by --memory children too
+    os.environ["TRAINMON_BENCH_FORMAT"] = args.format[0]  # inherited by --memory children too
     if args.eager:
         os.environ["TRAINMON_FUSED_CPU"] = "0"  # inherited by --memory children too
     _report_fused()
@@ -198,7 +315,7 @@ def main() -> None:
     elif args.memory:
         run_memory()
     else:
-        run_timing(args.repeats, args.steps, args.warmup, args.only)
+        run_timing(args.repeats, args.steps, args.warmup, args.only, args.format)
 
 
 if __name__ == "__main__":

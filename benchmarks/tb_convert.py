@@ -14,6 +14,7 @@ times ``convert_rank`` on it and reports rows/s, scalars/s and CSV MB/s.
 each (what the training thread sees, writer thread running alongside) and the wall time
 including the final drain of the writer queue, and the ratios.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,7 +40,8 @@ def _names(n: int) -> list[str]:
 
 
 def _step_rows(step: int, names: list[str], families: tuple[str, ...], rng: random.Random):
-    from trainmon.stats.rows import StatRow
+    """One step's rows as the sinks receive them from the engine (``StepRows``)."""
+    from trainmon.stats.rows import StatRow, StepRows
 
     rows = []
     for family in families:
@@ -49,7 +51,7 @@ def _step_rows(step: int, names: list[str], families: tuple[str, ...], rng: rand
             else:
                 stats = {op: rng.gauss(0, 1) * 10 ** rng.randint(-6, 2) for op in OPS}
             rows.append(StatRow(family, name, step, stats, (256, 256), "torch.float32"))
-    return rows
+    return StepRows.of(rows)
 
 
 def make_csv_run(run_dir: Path, params: int, steps: int, families: tuple[str, ...], per_record: int) -> None:
@@ -73,15 +75,19 @@ def bench_convert(args) -> None:
         make_csv_run(run, args.params, args.steps, families, args.per_record)
         made = time.perf_counter() - t0
         csv_bytes = sum(p.stat().st_size for p in (run / "rank0").glob("*.csv"))
-        print(f"wrote {args.params} params x {args.steps} steps x {len(families)} families "
-              f"({csv_bytes / 1e6:.0f} MB of CSV) in {made:.1f} s")
+        print(
+            f"wrote {args.params} params x {args.steps} steps x {len(families)} families "
+            f"({csv_bytes / 1e6:.0f} MB of CSV) in {made:.1f} s"
+        )
         t0 = time.perf_counter()
         result = convert_rank(run / "rank0", run / "tensorboard" / "rank0")
         took = time.perf_counter() - t0
         out_bytes = sum(p.stat().st_size for p in (run / "tensorboard" / "rank0").iterdir())
-    print(f"csv2tb: {result.rows:,} rows, {result.scalars:,} scalars in {took:.1f} s: "
-          f"{result.rows / took:,.0f} rows/s, {result.scalars / took:,.0f} scalars/s, "
-          f"{csv_bytes / took / 1e6:.1f} MB/s of CSV; events {out_bytes / 1e6:.0f} MB")
+    print(
+        f"csv2tb: {result.rows:,} rows, {result.scalars:,} scalars in {took:.1f} s: "
+        f"{result.rows / took:,.0f} rows/s, {result.scalars / took:,.0f} scalars/s, "
+        f"{csv_bytes / took / 1e6:.1f} MB/s of CSV; events {out_bytes / 1e6:.0f} MB"
+    )
 
 
 def bench_sink(args) -> None:
@@ -95,14 +101,16 @@ def bench_sink(args) -> None:
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         for cls in (CsvSink, TensorBoardSink):
             sink = cls(SinkOptions(rank_dir=Path(tmp) / cls.__name__ / "rank0", step_count_per_record=100))
-            sink.write(steps[0], 0)                     # first step builds the per-name caches
+            sink.write(steps[0], 0)  # first step builds the per-name caches
             t0 = time.perf_counter()
             for s, rows in enumerate(steps[1:], 1):
                 sink.write(rows, s)
             per = (time.perf_counter() - t0) / (len(steps) - 1)
             sink.close()
-            print(f"{cls.__name__}: {per * 1e3:.1f} ms per step of {len(steps[0]) * len(OPS):,} scalars "
-                  f"(writer thread time)")
+            print(
+                f"{cls.__name__}: {per * 1e3:.1f} ms per step of {len(steps[0]) * len(OPS):,} scalars "
+                f"(writer thread time)"
+            )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -124,9 +132,19 @@ def _time_run(fmt: list[str], args, workdir: Path) -> tuple[float, float]:
     model = _model(args.params, args.width)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     cfg = workdir / f"cfg_{'_'.join(fmt)}.json"
-    cfg.write_text(json.dumps({"wg_distribution": True, "mv_distribution": True, "param_distribution": True,
-                               "ur_distribution": True, "ops": list(OPS), "format": fmt,
-                               "step_count_per_record": 100}))
+    cfg.write_text(
+        json.dumps(
+            {
+                "wg_distribution": True,
+                "mv_distribution": True,
+                "param_distribution": True,
+                "ur_distribution": True,
+                "ops": list(OPS),
+                "format": fmt,
+                "step_count_per_record": 100,
+            }
+        )
+    )
     x = torch.randn(args.batch, args.width)
     times = []
     t_start = time.perf_counter()
@@ -138,7 +156,7 @@ def _time_run(fmt: list[str], args, workdir: Path) -> tuple[float, float]:
         optimizer.zero_grad()
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
-    monitor.close()                                      # drains the writer queue
+    monitor.close()  # drains the writer queue
     return statistics.median(times), time.perf_counter() - t_start
 
 
@@ -171,26 +189,34 @@ def bench_overhead(args) -> None:
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         os.environ["MONITOR_OUTPUT_DIR"] = str(Path(tmp) / "out")
         for r in range(args.repeats):
-            order = list(labels) if r % 2 == 0 else list(labels)[::-1]   # ABBA: drift hits both alike
+            order = list(labels) if r % 2 == 0 else list(labels)[::-1]  # ABBA: drift hits both alike
             for label in order:
                 results[label].append(_time_run(labels[label], args, Path(tmp)))
             line = ", ".join(f"{k} {results[k][-1][0] * 1e3:.1f} ms" for k in labels)
             print(f"  repeat {r}: median step {line}", flush=True)
     paired = [tb[0] / csv[0] for csv, tb in zip(results["csv"], results["csv+tensorboard"])]
     paired_wall = [tb[1] / csv[1] for csv, tb in zip(results["csv"], results["csv+tensorboard"])]
-    print(f"{args.params} params (width {args.width}), {args.steps} steps x {args.repeats} repeats, "
-          f"wg+mv+param+ur families, ops {','.join(OPS)}")
+    print(
+        f"{args.params} params (width {args.width}), {args.steps} steps x {args.repeats} repeats, "
+        f"wg+mv+param+ur families, ops {','.join(OPS)}"
+    )
     for k, v in results.items():
-        print(f"  {k:16s} median step {statistics.median(m for m, _ in v) * 1e3:7.1f} ms   "
-              f"wall incl. drain {statistics.median(w for _, w in v):6.1f} s")
-    print(f"  native TB step-time cost over CSV-only: {(statistics.median(paired) - 1) * 100:+.1f}% "
-          f"(paired repeats: {min(paired) - 1:+.1%} .. {max(paired) - 1:+.1%}); "
-          f"wall incl. drain {(statistics.median(paired_wall) - 1) * 100:+.1f}%")
+        print(
+            f"  {k:16s} median step {statistics.median(m for m, _ in v) * 1e3:7.1f} ms   "
+            f"wall incl. drain {statistics.median(w for _, w in v):6.1f} s"
+        )
+    print(
+        f"  native TB step-time cost over CSV-only: {(statistics.median(paired) - 1) * 100:+.1f}% "
+        f"(paired repeats: {min(paired) - 1:+.1%} .. {max(paired) - 1:+.1%}); "
+        f"wall incl. drain {(statistics.median(paired_wall) - 1) * 100:+.1f}%"
+    )
     per_write = tb_time["wall"] / max(tb_time["calls"], 1)
     step_tb = statistics.median(m for m, _ in results["csv+tensorboard"])
-    print(f"  TensorBoardSink.write on the writer thread: {per_write * 1e3:.1f} ms per step "
-          f"({tb_time['cpu'] / max(tb_time['calls'], 1) * 1e3:.1f} ms CPU) = {per_write / step_tb:.1%} of a step: "
-          f"the most it could take from the training thread")
+    print(
+        f"  TensorBoardSink.write on the writer thread: {per_write * 1e3:.1f} ms per step "
+        f"({tb_time['cpu'] / max(tb_time['calls'], 1) * 1e3:.1f} ms CPU) = {per_write / step_tb:.1%} of a step: "
+        f"the most it could take from the training thread"
+    )
 
 
 def main() -> None:

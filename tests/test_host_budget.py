@@ -13,18 +13,21 @@ from tests._support.host_budget import seam, step_cost
 
 WG = {"wg_distribution": True}
 ALL_ON = {"wg_distribution": True, "mv_distribution": True, "param_distribution": True}
+ALL_ON_UR = {**ALL_ON, "ur_distribution": True}  # + update_ratio: the seventh weight family
+# (config, weight rows per param): grads un/reduced; + param origin/updated, 2 moments; + update_ratio
+CONFIGS = {"wg": (WG, 2), "all-on": (ALL_ON, 6), "all-on+ur": (ALL_ON_UR, 7)}
 
 # Python frames per weight-family row (the target: <= 0.5, today's baseline 10-20).
 WEIGHT_FRAMES_PER_ROW = 0.5
 
 
-@pytest.mark.parametrize("config", [WG, ALL_ON], ids=["wg", "all-on"])
-@pytest.mark.parametrize("n_tensors", [pytest.param(512, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("n_tensors", [64, pytest.param(512, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("path", ["cpu", "seam"])
 def test_weight_rows_cost_a_constant_number_of_python_frames(tmp_path, monkeypatch, config, n_tensors, path):
     seam(monkeypatch, path == "seam")
-    cost = step_cost(tmp_path, config, n_tensors, monkeypatch)
-    rows_per_param = 2 if config is WG else 6  # grads un/reduced; + param origin/updated, 2 moments
+    settings, rows_per_param = CONFIGS[config]
+    cost = step_cost(tmp_path, settings, n_tensors, monkeypatch)
     assert cost.weight_rows == rows_per_param * n_tensors
     assert cost.frames / cost.weight_rows <= WEIGHT_FRAMES_PER_ROW, cost
 

@@ -151,7 +151,7 @@ def test_loss_recording_that_starts_mid_run_files_each_value_under_its_step(make
     for number in range(6):
         frames.append(_loss_frames(lambda number=number: step(number)))
     monitor.close()
-    assert frames[1] == frames[2] == 1  # no forward hook: one step-end call, nothing per forward
+    assert frames[1] == frames[2] == 0  # before record_loss: no forward hook, no step-end call
     df = read_family(monitor.run_dir / "rank0", "loss")
     assert {(r.step, r.micro_step): r.loss for r in df.itertuples(index=False)} == pytest.approx(want)
 

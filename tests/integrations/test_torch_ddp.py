@@ -76,3 +76,33 @@ def test_ddp_four_ranks(output_root, tmp_path):
     cases = [(2, True, True, "w4-ns"), (2, False, False, "w4-sync")]
     dirs = run_distributed(_ddp_matrix, world_size=4, timeout=240, args=(tmp_path, cases))
     assert all(d == [[f"rank{r}" for r in range(4)]] * 2 for d in dirs)
+
+
+def _recorded_reduce_body(rank, world, tmp):
+    """Two identical DDP models on the same data: one plain, one whose bucket reduces are recorded
+    (``record_ddp_comm`` without a user hook).  Their params stay bit for bit the same."""
+    from trainmon.integrations.torch_ddp import record_ddp_comm
+
+    os.environ["TRAINMON_RUN_ID"] = "ddp-recorded"
+    cfg = write_config(tmp / "rec.json", ops=["norm"], cc_distribution={"enable": True})
+    plain_model, recorded_model = tiny_model(), tiny_model()
+    plain, recorded = DDP(plain_model), DDP(recorded_model)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (plain, recorded)]
+    mon = TrainerMon(cfg)
+    mon.set_monitor(recorded, optimizer=opts[1])
+    record_ddp_comm(mon, recorded)
+    for step in range(2):
+        x, y = micro(*batch(step, world * MB), world, 1, rank, 0)
+        for model, opt in zip((plain, recorded), opts):
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    mon.close()
+    return [torch.equal(p, q) for p, q in zip(plain_model.parameters(), recorded_model.parameters())]
+
+
+def test_recording_ddp_bucket_reduces_leaves_training_bitwise_unchanged_on_three_ranks(output_root, tmp_path):
+    """torch's allreduce_hook divides by the world size, DDP multiplies by its inverse: at 3 ranks
+    the bits differ, so the recorder's default hook is DDP's own reduction."""
+    same = run_distributed(_recorded_reduce_body, world_size=3, timeout=180, args=(tmp_path,))
+    assert same == [[True] * len(same[0])] * 3, same

@@ -1,8 +1,9 @@
 """AsyncSink / FanoutSink / create_sink with real inner sinks, real threads and real processes."""
+
 from __future__ import annotations
 
-import logging
 import io
+import logging
 import os
 import signal
 import subprocess
@@ -15,11 +16,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from trainmon.stats.rows import StatRow, StepRows
 from trainmon.sinks import NullSink, Sink, SinkOptions, available_formats, create_sink
 from trainmon.sinks.async_writer import AsyncSink, FanoutSink
 from trainmon.sinks.csv import CsvSink
-from trainmon.stats.rows import StepRows
+from trainmon.stats.rows import StatRow, StepRows
 
 REPO = Path(__file__).resolve().parents[2]
 LOGGER = "trainmon.sinks.async_writer"
@@ -57,8 +57,9 @@ class ListSink(Sink):
 
 
 def _rows(step, n=3):
-    return [StatRow("grad_reduced", f"p{i}", step, {"norm": float(step * 10 + i)}, (2,), "torch.float32")
-            for i in range(n)]
+    return [
+        StatRow("grad_reduced", f"p{i}", step, {"norm": float(step * 10 + i)}, (2,), "torch.float32") for i in range(n)
+    ]
 
 
 def _in_thread(fn, *args) -> threading.Thread:
@@ -290,8 +291,9 @@ _KILL_SCRIPT = textwrap.dedent("""
 
 def test_sigkill_mid_run_leaves_whole_contiguous_steps(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-c", _KILL_SCRIPT, str(tmp_path)], stdout=subprocess.PIPE,
-                            text=True, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _KILL_SCRIPT, str(tmp_path)], stdout=subprocess.PIPE, text=True, env=env
+    )
     try:
         for line in proc.stdout:
             if int(line) >= 60:
@@ -312,7 +314,7 @@ def test_sigkill_mid_run_leaves_whole_contiguous_steps(tmp_path):
         assert df.notna().all().all(), path  # no partial rows
         assert list(df.columns[-2:]) == ["shape", "dtype"]
         sizes = df.groupby("step").size()
-        whole = sizes.iloc[:-1] if cut else sizes   # a cut write can leave its step short
+        whole = sizes.iloc[:-1] if cut else sizes  # a cut write can leave its step short
         assert (whole == 150).all() and (sizes <= 150).all(), path
         family, window = path.stem.rsplit("_", 1)
         a, b = map(int, window.split("-"))
@@ -325,3 +327,26 @@ def test_sigkill_mid_run_leaves_whole_contiguous_steps(tmp_path):
         tops.append(max(steps))
     assert max(tops) - min(tops) <= 1  # the kill can split only the step being written
     assert min(tops) >= 40
+
+
+def test_write_runs_one_python_frame_on_the_calling_thread():
+    """The training thread's share of a step's output is ``write`` itself: the queue is C code
+    (counted with ``sys.setprofile``, which sees every Python call on this thread)."""
+    inner = ListSink()
+    sink = AsyncSink(inner, max_pending_steps=64)
+    rows = StepRows.of(_rows(0))
+    calls = []
+
+    def profile(frame, event, _arg):
+        if event == "call":
+            calls.append(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        for step in range(5):
+            sink.write(rows, step)
+    finally:
+        sys.setprofile(None)
+    sink.close()
+    assert calls == ["write"] * 5
+    assert inner.steps() == list(range(5))

@@ -257,3 +257,65 @@ def test_keys_that_one_spelling_would_merge_stay_apart():
         "grad_reduced/norm/a_b__2": 1.0,
         "grad_reduced/norm/a_b__3": 2.0,
     }
+
+
+# -- a local store: MLflow's database work in a child process -------------------------------------
+
+
+def test_only_a_tracking_server_keeps_the_client_in_this_process():
+    from trainmon.sinks.mlflow_store import runs_in_process
+
+    assert (
+        runs_in_process("http://127.0.0.1:5000")
+        and runs_in_process("https://x/y")
+        and runs_in_process("databricks://p")
+    )
+    for local in ("sqlite:///tmp/m.db", "file:///tmp/mlruns", "/tmp/mlruns", "mlruns", "postgresql://u@h/db"):
+        assert not runs_in_process(local), local
+
+
+@pytest.mark.slow
+def test_a_sqlite_store_is_written_from_a_child_process_with_the_csv_values(tmp_path):
+    """``sqlite:///`` store: the database work runs in another process (its SQLAlchemy time never
+    holds this process's GIL), and what it stored equals the CSV, read back with MLflow's client."""
+    pytest.importorskip("mlflow")
+    from mlflow import MlflowClient
+
+    from trainmon.sinks.mlflow import MlflowSettings
+    from trainmon.sinks.mlflow_store import ChildStore
+
+    uri = f"sqlite:///{tmp_path / 'local.db'}"
+    rank_dir = tmp_path / "run-ml3" / "rank0"
+    sink = write_steps(rank_dir, range(3), MlflowSettings(tracking_uri=uri, experiment="local"))
+    assert sink.failed is None and sink.own_run
+    assert isinstance(sink.store, ChildStore) and sink.store.pid != os.getpid()
+    assert sink.store._proc.poll() == 0  # closed with the sink, exited cleanly
+    client = MlflowClient(uri)
+    assert client.get_run(sink.mlflow_run_id).info.status == "FINISHED"
+    assert_logged(client, sink.mlflow_run_id, csv_metrics(rank_dir, ("grad_reduced", "actv"), OPS))
+
+
+@pytest.mark.slow
+def test_a_killed_store_process_is_one_warning_and_the_csv_keeps_every_step(tmp_path):
+    pytest.importorskip("mlflow")
+    from trainmon.sinks.mlflow import MlflowSettings, MlflowSink
+
+    rank_dir = tmp_path / "run-ml4" / "rank0"
+    options = SinkOptions(rank_dir=rank_dir)
+    tracker = MlflowSink(options, MlflowSettings(tracking_uri=f"sqlite:///{tmp_path / 'k.db'}"))
+    sink = create_sink("csv", options, extra_sinks=[tracker])
+    with trainmon_warnings() as warned:
+        for step in range(5):
+            sink.write(step_rows(step), step)
+            if step == 1:
+                sink.flush()
+                assert tracker.wait_idle(120) and tracker.failed is None
+                # background work: the store yields the CPU to training
+                parent = os.getpriority(os.PRIO_PROCESS, 0)
+                assert os.getpriority(os.PRIO_PROCESS, tracker.store.pid) == min(19, parent + 10)
+                os.kill(tracker.store.pid, signal.SIGKILL)
+                tracker.store._proc.wait()
+        sink.close()
+    mine = [w for w in warned if "MLflow" in w]
+    assert len(mine) == 1 and "off for the rest of this run" in mine[0], warned
+    assert sorted(read_family(rank_dir, "grad_reduced")["step"].unique()) == list(range(5))

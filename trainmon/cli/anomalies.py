@@ -8,7 +8,7 @@ from collections import Counter
 from trainmon.analysis.rules import PARAM_CHANGED, Anomaly, ByDesign, Findings, Rules, SpikeRule, Unjudged
 from trainmon.cli import CommandError
 from trainmon.cli._engine import add_engine_argument, engine_errors, engine_required
-from trainmon.cli._options import check_recorded, non_negative, rank_list
+from trainmon.cli._options import add_cluster_option, check_recorded, cluster_address, non_negative, rank_list
 from trainmon.cli._progress import Progress
 from trainmon.diagnosis import engine
 from trainmon.diagnosis.engine_buckets import bucket_scan_all
@@ -64,6 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-runtime", action="store_true", help="ignore the anomalies.jsonl files alerts wrote during the run"
     )
     add_engine_argument(parser, "scan the files", deprecated=True)
+    add_cluster_option(parser)
     parser.add_argument(
         "--limit",
         type=int,
@@ -113,6 +114,7 @@ def find_all(
     non_negative(args.limit, "--limit")
     kinds, ranks = parse_name_list(args.kinds), rank_list(args.ranks)
     engine_required(getattr(args, "engine", None))
+    cluster = cluster_address(args)
     try:
         run = engine.run_files(args.run_dir, families=kinds, ranks=ranks)
     except RunDirError as exc:
@@ -121,18 +123,20 @@ def find_all(
     _check_names(ranks, run.ranks_on_disk, "rank", run.path)
     if (rules.spike is not None or rules.threshold is not None) and run.stats:
         _check_names(rules.ops, run.stats, "stat", run.path)
-    found = _engine_scan(run, rules, quiet=args.json, repeated=repeated)
+    found = _engine_scan(run, rules, quiet=args.json, repeated=repeated, cluster=cluster)
     if not args.no_runtime:
         found.anomalies = merge_runtime(found.anomalies, run.path, kinds=kinds, ranks=ranks, by_design=found.by_design)
     return run, found
 
 
-def _engine_scan(files: engine.RunFiles, rules: Rules, *, quiet: bool, repeated=None) -> Findings:
+def _engine_scan(
+    files: engine.RunFiles, rules: Rules, *, quiet: bool, repeated=None, cluster: str | None = None
+) -> Findings:
     progress = Progress("anomalies", sum(len(v) for v in files.files.values()), quiet=quiet)
     try:
         with engine_errors(files.path):
             # DuckDB stages and partitions the rows; the one pandas rule set runs per bucket of names.
-            return bucket_scan_all(files, rules, progress=progress, duplicates=repeated)
+            return bucket_scan_all(files, rules, progress=progress, duplicates=repeated, cluster=cluster)
     finally:
         progress.done()
 

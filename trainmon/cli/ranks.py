@@ -7,7 +7,7 @@ from collections import Counter
 
 from trainmon.cli import CommandError
 from trainmon.cli._engine import add_engine_argument, engine_errors, use_engine
-from trainmon.cli._options import check_recorded, non_negative, rank_list
+from trainmon.cli._options import add_cluster_option, check_recorded, cluster_address, non_negative, rank_list
 from trainmon.cli._progress import Progress
 from trainmon.diagnosis import engine
 from trainmon.diagnosis.engine_buckets import engine_ranks
@@ -45,6 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--ranks", default=None, help="comma list of ranks forming one data-parallel group (default: all)"
     )
     add_engine_argument(parser, "check the files")
+    add_cluster_option(parser)
     parser.add_argument(
         "--limit",
         type=int,
@@ -86,12 +87,13 @@ def run(args: argparse.Namespace) -> int:
     options = {"rtol": args.rtol, "outlier_factor": args.outlier_factor, "reduce": args.reduce, "checks": checks}
     run_table: RunTable | engine.RunFiles
     repeated = DuplicateKeys()  # keys written twice: a finding of their own (two runs in one folder)
-    if use_engine(args.engine, args.run_dir):
+    cluster = cluster_address(args)  # the buckets run on a Dask cluster: the run is staged in DuckDB
+    if use_engine("duckdb" if cluster else args.engine, args.run_dir):
         run_table = _run_files(args.run_dir, ranks)
         progress = Progress("ranks", sum(len(v) for v in run_table.files.values()), quiet=args.json)
         try:
             with engine_errors(run_table.path):
-                issues = engine_ranks(run_table, progress=progress, duplicates=repeated, **options)
+                issues = engine_ranks(run_table, progress=progress, duplicates=repeated, cluster=cluster, **options)
         finally:
             progress.done()
     else:

@@ -33,10 +33,18 @@ A copy of the model (``copy.deepcopy(model)``, the EMA idiom) carries these hook
 that the module they fire for is the monitored one and do nothing for a copy.
 
 Design: a hook does O(1) Python: it appends (family, stage, name, tensor, version, micro_step)
-to a pending batch.  The batch is reduced by ONE ``engine.partials`` call (the multi-tensor
-path: fused C kernel on CPU, the device path elsewhere) and captured in hook order (one
-``capture_tensors`` per run of one layout) at the end of each chunk's forward, at the end of each
-backward (``StepClock.on_backward_end``), at the step's end, and whenever it holds
+to a pending batch.  Each hook is one Python frame on collected steps (``core.hooks.eager_gate``:
+the gate, the compile probe and the failure guard inline) and does its common case inline: one
+plain tensor (or a plain tuple of them: one more frame per call, none per tensor), a batchable
+slot, a grad hook added to the tensor's hook dict as ``Tensor.register_hook`` does but without
+its handle object (``_add_hook``; checked once per process against the public API).  The alias's
+fallback (the input's total gradient, above) rides on the hook its base already has when the
+base is the output of another recorded module.  A step costs ~3-3.7 Python frames per activation
+row, torch's own module-hook path included (``tests/test_host_budget_activations.py``).  The
+batch is reduced by ONE ``engine.partials`` call (the multi-tensor path: fused C kernel on CPU,
+the device path elsewhere) and captured in hook order (one ``capture_tensors`` per run of one
+layout) at the end of each chunk's forward, at the end of each backward
+(``StepClock.on_backward_end``), at the step's end, and whenever it holds
 ``TRAINMON_ACTV_BATCH_TENSORS`` tensors (default 256) or its referenced storages hold
 ``TRAINMON_ACTV_BATCH_BYTES`` bytes (default 64 MiB: the extra memory batches may keep alive).
 
@@ -57,8 +65,11 @@ them because the reentrant checkpoint's backward runs through the recomputed gra
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import weakref
+from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -80,7 +91,7 @@ from trainmon.collectors.module_io import (
     uses_compile,
 )
 from trainmon.core.dtensor import dtensor_parts
-from trainmon.core.hooks import Handle, replace_recompile_warnings, skip_standalone_frames
+from trainmon.core.hooks import Handle, eager_gate, replace_recompile_warnings, skip_standalone_frames
 from trainmon.errors import env_int
 from trainmon.families import Family
 from trainmon.stats.engine import Tracked
@@ -92,29 +103,74 @@ log = logging.getLogger(__name__)
 _alias = torch.ops.aten.alias.default  # a view with the same elements; its backward returns grad itself
 
 
-class _HookedTensors:
-    """The (vpp_stage, name)s hooked on each tensor in this step.  One grad hook per tensor serves
-    every name it has (the output of one module is often the input of the next), as long as the
-    tensor has not been modified in place in between: after ``ReLU(inplace=True)`` the same
-    tensor object holds other values with another gradient, so the version is part of the key.
-    A non-reentrant checkpoint recomputes with the very input tensors of the first forward: their
-    names are already there, so their gradient is not recorded twice."""
+# A grad hook's record, one per hooked tensor: [names, fired, fallbacks, ref, shape, version].
+# ``names``: the (vpp_stage, name)s the tensor's gradient is recorded under (the output of one
+# module is often the input of the next: one hook serves them all; a shared tuple until a second
+# name comes, then a list of its own); ``fired``: the hook ran; ``fallbacks``: records of views
+# (aliases) of this tensor whose own hook may be lost (see ``_fallback``); ``ref``: a weak reference
+# to the tensor (``_hooked`` is keyed by id); ``shape``: the shape a base's fallback records this
+# view's grad with (None: the base's own); ``version``: the tensor's version when hooked
+# (``_hooked`` holds the latest hooked version of each tensor: after ``ReLU(inplace=True)`` the same
+# tensor object holds other values with another gradient, so an entry of another version is no
+# match).  A list, not an object: building one costs no Python frame, and few objects that outlive
+# the hook (each one brings the next garbage collection closer).
+_NAMES, _FIRED, _FALLBACKS, _REF, _SHAPE, _VERSION = 0, 1, 2, 3, 4, 5
 
-    def __init__(self) -> None:
-        self._names: dict[tuple[int, int], tuple[Any, list[tuple[int, str]]]] = {}
+# (vpp_stage, name) -> ((vpp_stage, name),): one shared names tuple per row slot (C call on a hit)
+_one_name = functools.lru_cache(maxsize=65536)(lambda vpp, name: ((vpp, name),))
 
-    def names(self, t: torch.Tensor) -> list[tuple[int, str]] | None:
-        entry = self._names.get((id(t), t._version))
-        return entry[1] if entry is not None and entry[0]() is t else None
 
-    def add(self, t: torch.Tensor, names: list[tuple[int, str]]) -> None:
-        self._names[(id(t), t._version)] = (weakref.ref(t), names)
+def _add_name(rec: list, name: tuple[int, str]) -> None:
+    names = rec[_NAMES]
+    if name not in names:
+        rec[_NAMES] = [*names, name]
 
-    def clear(self) -> None:
-        self._names.clear()
+
+_HOOK_IDS = itertools.count(-1, -1)  # keys of our hooks in a tensor's hook dict: never torch's own
+
+
+def _fast_hooks_work() -> bool:
+    """Whether ``_add_hook``'s shortcut registers a tensor hook as ``Tensor.register_hook`` does
+    on this torch (checked once: a hook on a non-leaf, a leaf and a view receives its gradient)."""
+    seen: list[float] = []
+    try:
+        with torch.enable_grad():
+            leaf = torch.ones(2, requires_grad=True)
+            mid = leaf * 2
+            view = mid[...]
+            for t, k in ((leaf, 1.0), (mid, 10.0), (view, 100.0)):
+                _add_hook_unchecked(t, lambda g, k=k: seen.append(k * float(g[0])))
+            (view * 3).sum().backward()
+    except Exception:  # another torch: the public API it is
+        return False
+    return sorted(seen) == [6.0, 30.0, 300.0]
+
+
+def _add_hook_unchecked(t: torch.Tensor, fn: Any) -> None:
+    # What ``Tensor.register_hook`` does for a plain tensor, minus its handle (two Python frames
+    # per hooked tensor, hundreds a step): our hooks are never removed, they die with the tensor.
+    hooks = t._backward_hooks
+    if hooks is None:
+        t._backward_hooks = hooks = OrderedDict()
+        grad_fn = t.grad_fn
+        if grad_fn is not None:
+            grad_fn._register_hook_dict(t)
+    hooks[next(_HOOK_IDS)] = fn
+
+
+def _add_hook(t: torch.Tensor, fn: Any) -> None:
+    """``t.register_hook(fn)``, without a handle where that is known to be the same."""
+    if _FAST_HOOKS and type(t) in _PLAIN:
+        _add_hook_unchecked(t, fn)
+    else:
+        t.register_hook(fn)
 
 
 _PLAIN = (torch.Tensor, nn.Parameter)
+_WALKED = (torch.Tensor, tuple, list, dict)  # what tensors_of looks into
+
+
+_FAST_HOOKS: bool | None = None  # _fast_hooks_work(), decided at the first attach
 
 
 def _waited(t: torch.Tensor) -> torch.Tensor:
@@ -161,7 +217,14 @@ class ActivationCollector(Collector):
         self._live = True
         self._forward = not cfg.backward_only
         self._backward = not cfg.forward_only
-        self._hooked = _HookedTensors()
+        global _FAST_HOOKS
+        if _FAST_HOOKS is None:
+            _FAST_HOOKS = _fast_hooks_work()
+        # id -> the grad hook's record of the tensors hooked in this step (its latest hooked
+        # version; see _NAMES...).  A non-reentrant checkpoint recomputes
+        # with the very input tensors of the first forward: their names are already there, so
+        # their gradient is not recorded twice.
+        self._hooked: dict[int, list] = {}
         # Pending batch: (family, vpp, name, tensor, version at hook time, micro_step, shape, row
         # or None when batched).  Bounded by tensors and by the bytes of the storages referenced.
         self._batch: list[tuple] = []
@@ -171,7 +234,9 @@ class ActivationCollector(Collector):
         self._max_bytes = env_int("TRAINMON_ACTV_BATCH_BYTES", 64 << 20)
         self._safe: set[tuple[str, int, str]] = set()  # slots seen unchanged until their flush
         self._unsafe: set[tuple[str, int, str]] = set()  # slots changed in place: reduced at once
-        self._flush_queued = False  # a backward-end flush is registered for this backward
+        # The running backward pass's micro_step once a grad of it reached us (a backward-end
+        # flush is registered then), None between passes.
+        self._grad_micro: int | None = None
         self._warned_moved = False
         self._counts: list[int] = [0] * len(self.ctx.chunks)
         self._count_step = self.ctx.clock.step
@@ -206,15 +271,17 @@ class ActivationCollector(Collector):
         for hm in self.modules:
             self._hook(hm.module.register_forward_pre_hook(wrap(functools.partial(self._inputs, hm)), with_kwargs=True))
             self._hook(hm.module.register_forward_hook(wrap(functools.partial(self._outputs, hm))))
-        self._grad_hook = self.ctx.guard.gated(self, self._on_grad, self.ctx.clock)
-        self._base_grad_hook = self.ctx.guard.gated(self, self._on_base_grad, self.ctx.clock)
+        self._grad_hook = self._gated(self._on_grad)
         self._backward_mark = self.ctx.guard.wrap(self, self._on_backward_start)
         # Runs in the autograd engine's callback: a failure there must not reach training.
         self._guarded_backward_flush = self.ctx.guard.wrap(self, self._backward_flush)
 
     def _gated(self, fn: Any) -> Any:
-        """A module hook that costs one flag check on steps that are not collected."""
-        return self.ctx.guard.gated(self, fn, self.ctx.clock)
+        """A hook that costs one flag check on steps that are not collected, and one Python
+        frame around ``fn`` on collected ones (``core.hooks.eager_gate``)."""
+        guard, clock = self.ctx.guard, self.ctx.clock
+        general = guard.gated(self, fn, clock)
+        return eager_gate(fn, general, clock, guard.failed, self.name, functools.partial(guard.fail, self))
 
     def _hook(self, handle: Any) -> None:
         self.handles.append(Handle(handle.remove))
@@ -294,7 +361,7 @@ class ActivationCollector(Collector):
         recorded (None: the module's arguments unchanged)."""
         if module is not hm.module or self._eval_pass:
             return None  # a copy of the model (copy.deepcopy) carries the hook, or an evaluation
-        if (  # the common call: one plain tensor, fewer frames (is_recordable inlined)
+        if (  # the common call: one plain tensor, no per-target spec.  All inline: one frame
             not kwargs
             and len(args) == 1
             and type(t := args[0]) in _PLAIN
@@ -303,7 +370,66 @@ class ActivationCollector(Collector):
             and not t.is_meta
             and not t.is_complex()
         ):
-            return self._one_input(hm, t)
+            name = io_names(hm.label, "input", 1)[0]  # an lru_cache: C, no frame
+            recompute = _graph_task_id() != -1  # in_backward(), inlined
+            vpp = hm.vpp_stage
+            if self._forward and not recompute:
+                micro = max(self._counts[vpp] - 1, 0) if self._count_step == self.ctx.clock.step else 0  # _micro
+                slot = (Family.ACTV, vpp, name)
+                version = -1 if t.is_inference() else t._version
+                nbytes = t.untyped_storage().nbytes()
+                if (  # _enqueue's common case, inlined: a batchable slot with room in the batch
+                    slot in self._safe
+                    and len(self._batch) + 1 < self._max_tensors
+                    and self._batch_bytes + nbytes < self._max_bytes
+                ):
+                    self._batch.append((Family.ACTV, vpp, name, t, version, micro, None, None))
+                    self._batch_bytes += nbytes
+                else:
+                    self._enqueue(Family.ACTV, vpp, name, t, micro, None)
+            if not (self._backward and t.requires_grad and torch.is_grad_enabled()):
+                return None
+            a = t[...]  # aten.alias through indexing: no Python frame
+            rec = [_one_name(vpp, name), False, None, weakref.ref(a), None, a._version]
+            self._hooked[id(a)] = rec
+            hook = functools.partial(self._grad_hook, rec)
+            if _FAST_HOOKS:  # _add_hook, inlined (a is a plain tensor)
+                hooks = a._backward_hooks
+                if hooks is None:
+                    a._backward_hooks = hooks = OrderedDict()
+                    a.grad_fn._register_hook_dict(a)
+                hooks[next(_HOOK_IDS)] = hook
+            else:
+                a.register_hook(hook)
+            # In a checkpoint's recompute no fallback: a non-reentrant one never backpropagates
+            # through the recomputed graph (the alias's hook stays silent, the input's would not).
+            if recompute:
+                return (a,), {}
+            if t._base is None:  # the alias's base is t itself
+                if t.is_contiguous():
+                    entry = self._hooked.get(id(t))  # _fallback's common case, inlined
+                    if entry is not None and entry[_REF]() is t and entry[_VERSION] == t._version:
+                        if entry[_FALLBACKS] is None:  # same shape as t: rec[_SHAPE] stays None
+                            entry[_FALLBACKS] = [rec]
+                        else:
+                            entry[_FALLBACKS].append(rec)
+                    elif _FAST_HOOKS and type(t) in _PLAIN:
+                        # a hook of its own (see _fallback), registered inline
+                        hook = functools.partial(self._grad_hook, [(), False, [rec], None, None, -1])
+                        hooks = t._backward_hooks
+                        if hooks is None:
+                            t._backward_hooks = hooks = OrderedDict()
+                            if t.grad_fn is not None:
+                                t.grad_fn._register_hook_dict(t)
+                        hooks[next(_HOOK_IDS)] = hook
+                    else:
+                        self._fallback(t, rec, None)
+            elif (base := _same_elements_base(a)) is not None:  # t is a view: its own hook may be lost too
+                self._fallback(base, rec, tuple(a.shape))
+            return (a,), {}
+        return self._inputs_general(hm, args, kwargs)
+
+    def _inputs_general(self, hm: HookedModule, args: Any, kwargs: Any) -> Any:
         tensors = tensors_of(kwargs, tensors_of(args)) if kwargs else tensors_of(args)
         if not tensors:
             return None
@@ -334,8 +460,6 @@ class ActivationCollector(Collector):
                 made[id(t)] = t
                 return t
             made[id(t)] = a = _alias(t)
-            # In a checkpoint's recompute no fallback: a non-reentrant one never backpropagates
-            # through the recomputed graph (the alias's hook stays silent, the input's would not).
             self._hook_grad(a, mine, fallback=not recompute)
             return a
 
@@ -344,24 +468,10 @@ class ActivationCollector(Collector):
         swapped = any(made.get(id(t), t) is not t for t in tensors)
         return (new_args, new_kwargs) if swapped else None
 
-    def _one_input(self, hm: HookedModule, t: torch.Tensor) -> Any:
-        """``_inputs`` for a module called with one plain tensor and no per-target spec."""
-        name = io_names(hm.label, "input", 1)[0]
-        recompute = _graph_task_id() != -1  # in_backward(), inlined: hot path
-        if self._forward and not recompute:
-            vpp = hm.vpp_stage
-            micro = max(self._counts[vpp] - 1, 0) if self._count_step == self.ctx.clock.step else 0  # _micro
-            self._enqueue(Family.ACTV, vpp, name, t, micro, None)  # t is a plain tensor
-        if not (self._backward and t.requires_grad and torch.is_grad_enabled()):
-            return None
-        a = _alias(t)
-        self._hook_grad(a, [(hm.vpp_stage, name)], fallback=not recompute)
-        return (a,), {}
-
     def _outputs(self, hm: HookedModule, module: nn.Module, _args: Any, output: Any) -> None:
         if module is not hm.module or self._eval_pass:
             return  # a copy of the model (copy.deepcopy) carries the hook, or an evaluation
-        if (  # the common call; is_recordable inlined
+        if (  # the common call: one plain tensor, no per-target spec.  All inline: one frame
             type(output) in _PLAIN
             and not hm.spec
             and output.layout == torch.strided
@@ -369,12 +479,44 @@ class ActivationCollector(Collector):
             and not output.is_complex()
         ):
             name = io_names(hm.label, "output", 1)[0]
+            vpp = hm.vpp_stage
             if self._forward and _graph_task_id() == -1:  # not in backward (a recompute)
-                vpp = hm.vpp_stage
                 micro = max(self._counts[vpp] - 1, 0) if self._count_step == self.ctx.clock.step else 0  # _micro
-                self._enqueue(Family.ACTV, vpp, name, output, micro, None)
+                slot = (Family.ACTV, vpp, name)
+                version = -1 if output.is_inference() else output._version
+                nbytes = output.untyped_storage().nbytes()
+                if (  # _enqueue's common case, inlined
+                    slot in self._safe
+                    and len(self._batch) + 1 < self._max_tensors
+                    and self._batch_bytes + nbytes < self._max_bytes
+                ):
+                    self._batch.append((Family.ACTV, vpp, name, output, version, micro, None, None))
+                    self._batch_bytes += nbytes
+                else:
+                    self._enqueue(Family.ACTV, vpp, name, output, micro, None)
             if self._backward and output.requires_grad and torch.is_grad_enabled():
-                self._hook_shared(output, (hm.vpp_stage, name))
+                entry = self._hooked.get(id(output))  # _hook_shared, inlined
+                if entry is not None and entry[_REF]() is output and entry[_VERSION] == output._version:
+                    if (vpp, name) not in entry[_NAMES]:
+                        _add_name(entry, (vpp, name))
+                elif _FAST_HOOKS and output._base is None and output.grad_fn is not None:
+                    # _hook_grad inlined for a plain non-view output (no fallback to find)
+                    rec = [_one_name(vpp, name), False, None, weakref.ref(output), None, output._version]
+                    self._hooked[id(output)] = rec
+                    hooks = output._backward_hooks
+                    if hooks is None:
+                        output._backward_hooks = hooks = OrderedDict()
+                        output.grad_fn._register_hook_dict(output)
+                    hooks[next(_HOOK_IDS)] = functools.partial(self._grad_hook, rec)
+                else:
+                    self._hook_grad(output, [(vpp, name)])
+            return
+        if (  # a plain tuple of plain tensors (None and non-tensors skipped, as tensors_of does)
+            type(output) is tuple
+            and not hm.spec
+            and all([type(o) in _PLAIN or not isinstance(o, _WALKED) for o in output])
+        ):
+            self._tuple_outputs(hm, output)
             return
         tensors = tensors_of(output)
         if not tensors:
@@ -385,6 +527,60 @@ class ActivationCollector(Collector):
             for i in pick(hm, "output_grad", len(tensors), self._warned):
                 if tensors[i].requires_grad:
                     self._hook_shared(tensors[i], (hm.vpp_stage, names[i]))
+
+    def _tuple_outputs(self, hm: HookedModule, output: tuple) -> None:
+        """``_outputs`` for a tuple of plain tensors: a few Python frames per call, none per tensor."""
+        tensors = [
+            o
+            for o in output
+            if type(o) in _PLAIN and o.layout == torch.strided and not o.is_meta and not o.is_complex()
+        ]
+        if not tensors:
+            return
+        names = io_names(hm.label, "output", len(tensors))
+        vpp = hm.vpp_stage
+        if self._forward and _graph_task_id() == -1:  # not a checkpoint's recompute
+            micro = max(self._counts[vpp] - 1, 0) if self._count_step == self.ctx.clock.step else 0  # _micro
+            self._enqueue_many(Family.ACTV, vpp, names, tensors, micro)
+        if self._backward and torch.is_grad_enabled():
+            hooked = self._hooked
+            for name, t in zip(names, tensors):
+                if not t.requires_grad:
+                    continue
+                entry = hooked.get(id(t))  # _hook_shared, inlined
+                if entry is not None and entry[_REF]() is t and entry[_VERSION] == t._version:
+                    if (vpp, name) not in entry[_NAMES]:
+                        _add_name(entry, (vpp, name))
+                elif _FAST_HOOKS and t._base is None and t.grad_fn is not None:
+                    # _hook_grad inlined for a plain non-view output (no fallback to find)
+                    rec = [_one_name(vpp, name), False, None, weakref.ref(t), None, t._version]
+                    hooked[id(t)] = rec
+                    hooks = t._backward_hooks
+                    if hooks is None:
+                        t._backward_hooks = hooks = OrderedDict()
+                        t.grad_fn._register_hook_dict(t)
+                    hooks[next(_HOOK_IDS)] = functools.partial(self._grad_hook, rec)
+                else:
+                    self._hook_grad(t, [(vpp, name)])
+
+    def _enqueue_many(
+        self, family: str, vpp: int, names: Sequence[str], tensors: list[torch.Tensor], micro: int
+    ) -> None:
+        """``_enqueue`` for several tensors of one call, the common case inline: one frame."""
+        safe, batch = self._safe, self._batch
+        for name, t in zip(names, tensors):
+            version = -1 if t.is_inference() else t._version
+            nbytes = t.untyped_storage().nbytes()
+            if (
+                (family, vpp, name) in safe
+                and len(batch) + 1 < self._max_tensors
+                and self._batch_bytes + nbytes < self._max_bytes
+            ):
+                batch.append((family, vpp, name, t, version, micro, None, None))
+                self._batch_bytes += nbytes
+            else:
+                self._enqueue(family, vpp, name, t, micro, None)
+                batch = self._batch  # a flush starts a new batch
 
     def _record_actv(self, hm: HookedModule, kind: str, names: tuple[str, ...], tensors: list[torch.Tensor]) -> None:
         if not self._forward or in_backward():
@@ -401,46 +597,78 @@ class ActivationCollector(Collector):
 
     def _hook_shared(self, t: torch.Tensor, name: tuple[int, str]) -> None:
         """One grad hook per tensor serves every name it has (output of one module and of its parent)."""
-        hooked = self._hooked.names(t)
-        if hooked is None:
+        entry = self._hooked.get(id(t))
+        if entry is None or entry[_REF]() is not t or entry[_VERSION] != t._version:
             self._hook_grad(t, [name])
-        elif name not in hooked:
-            hooked.append(name)
+        else:
+            _add_name(entry, name)
 
     def _hook_grad(self, t: torch.Tensor, names: list[tuple[int, str]], fallback: bool = True) -> None:
-        self._hooked._names[(id(t), t._version)] = (weakref.ref(t), names)  # _hooked.add, inlined
-        fired = [False]
-        t.register_hook(functools.partial(self._grad_hook, names, fired))
+        rec = [names, False, None, weakref.ref(t), None, t._version]
+        self._hooked[id(t)] = rec
+        _add_hook(t, functools.partial(self._grad_hook, rec))
         base = _same_elements_base(t) if fallback and t._base is not None else None  # no frame for a non-view
         if base is not None:
-            # A hook on a view is lost when the view is later modified in place (Linear on a 3-D
-            # input returns a view; ReLU(inplace=True) then rebases it).  Its base still gets
-            # the gradient of these very elements, after the view's would have: it is used only
-            # when the view's own hook did not run.
-            base.register_hook(functools.partial(self._base_grad_hook, names, fired, tuple(t.shape)))
+            self._fallback(base, rec, tuple(t.shape))
+
+    def _fallback(self, base: torch.Tensor, rec: list, shape: tuple[int, ...] | None) -> None:
+        """A hook on a view is lost when the view is later modified in place (Linear on a 3-D
+        input returns a view, ReLU(inplace=True) then rebases it; a module changing its input's
+        alias in place).  Its base still gets the gradient of these very elements, after the
+        view's would have: it is used only when the view's own hook did not run.  A base already
+        hooked (the output of the previous module) serves it from its own hook: no second hook."""
+        entry = self._hooked.get(id(base))
+        rec[_SHAPE] = shape
+        if entry is not None and entry[_REF]() is base and entry[_VERSION] == base._version:
+            if entry[_FALLBACKS] is None:
+                entry[_FALLBACKS] = [rec]
+            else:
+                entry[_FALLBACKS].append(rec)
+        else:  # a hook of its own, not listed: names given to the base later get their own hook
+            _add_hook(base, functools.partial(self._grad_hook, [(), False, [rec], None, None, -1]))
 
     # -- backward --------------------------------------------------------------------------
-    def _on_grad(self, names: list[tuple[int, str]], fired: list[bool], grad: torch.Tensor | None) -> None:
-        fired[0] = True
-        if grad is not None and self._live:
-            if len(names) == 1:  # the common case, fewer frames
-                clock = self.ctx.clock  # enter_backward() only on the pass's first grad: one frame less
-                micro = clock.backward_index if clock._in_backward else clock.enter_backward()
-                if type(grad) in _PLAIN:
-                    self._enqueue(Family.ACTV_GRAD, names[0][0], names[0][1], grad, micro, None)
-                else:
-                    self._capture(Family.ACTV_GRAD, names[0][0], [names[0][1]], [grad], micro)
+    def _on_grad(self, rec: list, grad: torch.Tensor | None) -> None:
+        rec[_FIRED] = True
+        if grad is None or not self._live:
+            return
+        names = rec[_NAMES]
+        if len(names) == 1 and type(grad) in _PLAIN:  # the common case, all inline: one frame
+            micro = self._grad_micro
+            if micro is None:
+                micro = self._enter_grad_pass()
+            vpp, name = names[0]
+            version = -1 if grad.is_inference() else grad._version
+            nbytes = grad.untyped_storage().nbytes()
+            if (  # _enqueue's common case, inlined
+                (Family.ACTV_GRAD, vpp, name) in self._safe
+                and len(self._batch) + 1 < self._max_tensors
+                and self._batch_bytes + nbytes < self._max_bytes
+            ):
+                self._batch.append((Family.ACTV_GRAD, vpp, name, grad, version, micro, None, None))
+                self._batch_bytes += nbytes
             else:
-                self._capture_grad(names, grad, None)
+                self._enqueue(Family.ACTV_GRAD, vpp, name, grad, micro, None)
+        elif names:
+            self._capture_grad(names, grad, None)
+        if rec[_FALLBACKS] is not None:
+            for alias in rec[_FALLBACKS]:
+                if not alias[_FIRED]:  # the alias's (view's) own hook was lost
+                    self._capture_grad(alias[_NAMES], grad, alias[_SHAPE])
 
-    def _on_base_grad(
-        self, names: list[tuple[int, str]], fired: list[bool], shape: tuple[int, ...], grad: torch.Tensor | None
+    def _enter_grad_pass(self) -> int:
+        """The first grad of a backward pass here: its micro_step, and a flush at its end."""
+        clock = self.ctx.clock
+        micro = self._grad_micro = clock.enter_backward()
+        clock.on_backward_end(self._guarded_backward_flush)
+        return micro
+
+    def _capture_grad(
+        self, names: Sequence[tuple[int, str]], grad: torch.Tensor, shape: tuple[int, ...] | None
     ) -> None:
-        if not fired[0] and grad is not None and self._live:  # fired: the view's hook ran
-            self._capture_grad(names, grad, shape)
-
-    def _capture_grad(self, names: list[tuple[int, str]], grad: torch.Tensor, shape: tuple[int, ...] | None) -> None:
-        micro = self.ctx.clock.enter_backward()
+        micro = self._grad_micro
+        if micro is None:
+            micro = self._enter_grad_pass()
         for vpp in dict.fromkeys(v for v, _ in names):  # one stage in practice
             labels = [n for v, n in names if v == vpp]
             self._capture(Family.ACTV_GRAD, vpp, labels, [grad] * len(labels), micro, shape=shape)
@@ -468,7 +696,8 @@ class ActivationCollector(Collector):
         self, family: str, vpp: int, name: str, t: torch.Tensor, micro: int, shape: tuple[int, ...] | None
     ) -> None:
         """Append ``t`` to the pending batch: reduced now if its slot is not known to be safe from
-        in-place changes before the flush, else at the flush.  No Python frame per row beyond this."""
+        in-place changes before the flush, else at the flush.  The hooks inline the common case
+        (a batchable slot, room in the batch); this is the general one."""
         version = -1 if t.is_inference() else t._version
         row = None
         if (family, vpp, name) not in self._safe:
@@ -484,12 +713,11 @@ class ActivationCollector(Collector):
         self._batch_bytes += nbytes
         if len(self._batch) >= self._max_tensors or self._batch_bytes >= self._max_bytes:
             self._flush()
-        elif family == Family.ACTV_GRAD and not self._flush_queued:
-            self._flush_queued = True
-            self.ctx.clock.on_backward_end(self._guarded_backward_flush)
+        elif family == Family.ACTV_GRAD and self._grad_micro is None:
+            self._enter_grad_pass()
 
     def _backward_flush(self) -> None:
-        self._flush_queued = False
+        self._grad_micro = None
         if self._live:
             self._flush()
 
@@ -573,6 +801,7 @@ class ActivationCollector(Collector):
         for vpp in list(self._open):  # still open at the step's end: that forward raised
             self._drop_unfinished(vpp)
         self._hooked.clear()
+        self._grad_micro = None  # a backward that raised never ended: the next pass enters anew
 
     def detach(self) -> None:
         self._flush()  # what was recorded is kept

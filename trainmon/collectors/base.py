@@ -9,8 +9,10 @@ everything it installed).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
+import operator
 from abc import ABC
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -123,27 +125,34 @@ def capture_plain(
     capture_views(ctx, family, [(tp, _PlainView(t)) for tp, t in zip(params, tensors) if t is not None])
 
 
+_present = functools.partial(operator.is_not, None)  # map()/filter() of it: no Python frame per item
+_dtype_of = operator.attrgetter("dtype")
+_numel_of: Any = torch.Tensor.numel
+
+
 class FamilyRows:
     """One family's rows, step after step, with no Python work per tensor.
 
-    The rows' names, stages, shapes and dtypes (the layout) are built once and handed to the
-    engine as they are (``StatsEngine.capture_items``); a step only checks, with two list
-    comprehensions (loops in C that allocate nothing the garbage collector tracks), that the
-    tensors still fit it: which params have one, their dtypes and element counts.  It is rebuilt
-    when they do not (a grad appeared or went, a dtype or size changed, params joined).  Rows are
-    reported under the param's shape (read at the rebuild: a param reshaped in place to the same
-    number of elements keeps its old shape in the rows).  For integrations whose Views are the
-    tensors themselves (``Integration.plain_views``); the others go through ``capture_views``.
+    The rows' names, stages, shapes and dtypes (the layout) are built once into a
+    ``stats.engine.FamilyBlock`` that the engine captures as a whole
+    (``StatsEngine.capture_block``: one multi-tensor call, one pending entry); a step only checks,
+    with ``map``/``filter`` over the tensors (loops in C: no Python frame per tensor), that they
+    still fit it: which params have one, their dtypes and element counts.  It is rebuilt when they
+    do not (a grad appeared or went, a dtype or size changed, params joined).  Rows are reported
+    under the param's shape (read at the rebuild: a param reshaped in place to the same number of
+    elements keeps its old shape in the rows).  For integrations whose Views are the tensors
+    themselves (``Integration.plain_views``); the others go through ``capture_views``.
     """
 
-    __slots__ = ("_complex", "_dtypes", "_items", "_key", "_numels", "engine", "family")
+    __slots__ = ("_block", "_complex", "_dtypes", "_key", "_numels", "_present", "engine", "family")
 
     def __init__(self, engine: StatsEngine, family: str):
         self.engine, self.family = engine, family
         self._key: tuple[int, int] | None = None
-        self._dtypes: list[torch.dtype | None] = []
+        self._present: list[bool] | None = None
+        self._dtypes: list[torch.dtype] = []
         self._numels: list[int] = []
-        self._items: list[tuple] = []
+        self._block: Any = None
         self._complex = False
 
     def capture(
@@ -152,26 +161,29 @@ class FamilyRows:
         """Capture ``tensors`` (``None``: that param has none now) as the rows of ``params``.
         False, with nothing captured, for tensors this path does not take (complex ones: the
         caller records them by modulus through ``capture_views``)."""
-        dtypes = [None if t is None else t.dtype for t in tensors]
-        kept = [t for t in tensors if t is not None] if None in dtypes else tensors
-        numels = [t.numel() for t in kept]  # type: ignore[union-attr]
+        kept = list(filter(_present, tensors))
+        present = None if len(kept) == len(tensors) else list(map(_present, tensors))
+        dtypes = list(map(_dtype_of, kept))
+        numels = list(map(_numel_of, kept))
         key = (id(params), len(params))
-        if key != self._key or dtypes != self._dtypes or numels != self._numels:
-            self._rebuild(params, dtypes, numels)
+        if key != self._key or present != self._present or dtypes != self._dtypes or numels != self._numels:
+            self._rebuild(params, present, dtypes, numels)
             self._key = key
         if self._complex:
             return False
-        self.engine.capture_items(self.family, self._items, kept, micro_step=micro_step)  # type: ignore[arg-type]
+        self.engine.capture_block(self.family, self._block, kept, micro_step)  # type: ignore[arg-type]
         return True
 
-    def _rebuild(self, params: list[TrackedParam], dtypes: list[torch.dtype | None], numels: list[int]) -> None:
-        self._dtypes, self._numels = dtypes, numels
-        self._complex = any(d is not None and d.is_complex for d in dtypes)
-        self._items = [  # a new list: the engine keeps the old one until its step is written
-            (tp.name, tp.vpp_stage, tuple(tp.param.shape), dtype)
-            for tp, dtype in zip(params, dtypes)
-            if dtype is not None
+    def _rebuild(
+        self, params: list[TrackedParam], present: list[bool] | None, dtypes: list[torch.dtype], numels: list[int]
+    ) -> None:
+        self._present, self._dtypes, self._numels = present, dtypes, numels
+        self._complex = any(d.is_complex for d in dtypes)
+        with_tensor = params if present is None else [tp for tp, here in zip(params, present) if here]
+        items = [  # a new block: the engine keeps the old one until its step is written
+            (tp.name, tp.vpp_stage, tuple(tp.param.shape), dtype) for tp, dtype in zip(with_tensor, dtypes)
         ]
+        self._block = self.engine.block(items, dtypes, numels)
 
 
 class Collector(ABC):
@@ -205,6 +217,12 @@ class Collector(ABC):
 
     def on_step_end(self) -> None:
         pass
+
+    def quiet_hooks(self) -> tuple[str, ...]:
+        """Step methods (``on_step_entry``, ``on_step_begin``, ``on_step_end``) this collector
+        overrides but that do nothing under its config: the session does not call them.  Asked
+        again when the collectors or the params change, and after the first ``record_loss``."""
+        return ()
 
     def on_params_joined(self, params: list[TrackedParam]) -> None:
         """``params`` were just added to ``ctx.params`` (unfrozen, or handed to the optimizer
@@ -252,6 +270,10 @@ class Guard:
         except Exception:
             self._fail(collector)
             return None
+
+    def fail(self, collector: Collector) -> None:
+        """``collector`` raised (the exception being handled): log it and switch it off."""
+        self._fail(collector)
 
     def gated(self, collector: Collector, fn: Callable[..., Any], clock: StepClock) -> Callable[..., Any]:
         """``wrap`` for hooks that do nothing on steps that are not collected: one flag check

@@ -63,15 +63,17 @@ class LossCollector(Collector):
     def attach(self) -> None:
         self._forward_step: int | None = None  # step of the last forward
         self._calls: dict[int, int] = {}  # step -> record_loss calls so far
-        self._collected: int | None = None
         self._warned = False
         self._hooked = False
         self._attached_at = self.ctx.clock.step
         self._waiting: list[tuple[int, torch.Tensor, tuple, str]] = []  # (clock step, value, shape, dtype)
         self.write_late: Any = None  # set by the session: writes a finished step's rows
+        self.replan: Any = None  # set by the session: asks it to call quiet_hooks again
 
     def _hook_forward(self) -> None:
         self._hooked = True
+        if self.replan is not None:  # on_step_end is no longer quiet
+            self.replan()
         chunk = self.ctx.chunks[0] if self.ctx.chunks else None
         if isinstance(chunk, nn.Module):
             hook = hook_fn(self.ctx.guard.wrap(self, self._on_forward), uses_compile([chunk]))
@@ -83,10 +85,12 @@ class LossCollector(Collector):
                 self._resolve_waiting(late=True)
             self._forward_step = self.ctx.clock.step
 
+    def quiet_hooks(self) -> tuple[str, ...]:
+        return () if self._hooked else ("on_step_end",)  # record_loss not called yet
+
     def on_step_end(self) -> None:
         if self._waiting:
             self._resolve_waiting(late=False)
-        self._collected = self.ctx.clock.step
 
     def detach(self) -> None:
         if self._waiting:
@@ -139,7 +143,7 @@ class LossCollector(Collector):
                 meta = Meta(Family.LOSS, "loss", 0, shape, dtype, micro_step=micro)
                 self.ctx.engine.capture_values(Family.LOSS, [meta], [value], _COLUMNS)
             return None
-        if self._collected != step:
+        if self.ctx.clock.last_collected != step:  # that step was not collected
             return None
         build = functools.partial(_late_block, step, micro, shape, dtype, value)
         return StepRows(build), step

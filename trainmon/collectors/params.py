@@ -22,6 +22,7 @@ whose memory cost is a copy of what it monitors (narrow it with ``targets``).
 
 from __future__ import annotations
 
+import operator
 from collections import defaultdict
 
 import torch
@@ -31,6 +32,8 @@ from trainmon.families import Family
 from trainmon.stats.engine import Meta
 
 __all__ = ["ParamCollector"]
+
+_param_of = operator.attrgetter("param")  # map() of it: no Python frame
 
 
 @register_collector
@@ -52,7 +55,7 @@ class ParamCollector(Collector):
 
     def _capture(self, family: str) -> None:
         params = self.ctx.params
-        if self._plain and self._rows[family].capture(params, [tp.param for tp in params]):
+        if self._plain and self._rows[family].capture(params, list(map(_param_of, params))):
             return
         view = self.ctx.integration.param
         capture_views(self.ctx, family, [(tp, view(tp)) for tp in params])
@@ -62,21 +65,30 @@ class ParamCollector(Collector):
         if self.ctx.config.param_distribution:
             self._capture(Family.PARAM_ORIGIN)
         if self.ctx.config.ur_distribution:
-            tensors = [tp.param for tp in self.ctx.params] if self._plain else [v.tensor for v in self._views()]
-            self._snapshot.take(tensors)
+            tensors = list(map(_param_of, self.ctx.params)) if self._plain else [v.tensor for v in self._views()]
+            grad = torch.is_grad_enabled()  # ``torch.no_grad()`` as a decorator costs ~8 frames a call
+            torch._C._set_grad_enabled(False)
+            try:
+                self._snapshot.take(tensors)
+            finally:
+                torch._C._set_grad_enabled(grad)
 
     def on_step_end(self) -> None:
         if self.ctx.config.param_distribution:
             self._capture(Family.PARAM_UPDATED)
         if self.ctx.config.ur_distribution:
-            self._capture_update_ratio()
+            grad = torch.is_grad_enabled()
+            torch._C._set_grad_enabled(False)
+            try:
+                self._capture_update_ratio()
+            finally:
+                torch._C._set_grad_enabled(grad)
 
     def _views(self) -> list:
         # Sharded params (FSDP2 DTensors, TP shards): the local shard; norms merged over the group.
         return [self.ctx.integration.param(tp) for tp in self.ctx.params]
 
-    @torch.no_grad()
-    def _capture_update_ratio(self) -> None:
+    def _capture_update_ratio(self) -> None:  # autograd off: the caller (on_step_end)
         if self._plain and self._snapshot.batched:
             self._capture_update_ratio_block()
             return
@@ -151,8 +163,7 @@ class _Snapshot:
         self._layout: tuple[list[int], list[torch.dtype], torch.device | None] | None = None
         self.batched = False
 
-    @torch.no_grad()
-    def take(self, params: list[torch.Tensor]) -> None:
+    def take(self, params: list[torch.Tensor]) -> None:  # called with autograd off (on_step_entry)
         layout = ([p.numel() for p in params], [p.dtype for p in params], params[0].device if params else None)
         if layout != self._layout:
             self._layout = layout
@@ -196,9 +207,9 @@ class _Snapshot:
             delta.append(torch.linalg.vector_norm(v, dtype=acc.get(v.dtype)).double())
         return before, delta
 
-    @torch.no_grad()
     def stacked_norms(self, params: list[torch.Tensor], fp64: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """``norms_and_delta_norms`` as two ``[params]`` tensors, when ``batched``."""
+        """``norms_and_delta_norms`` as two ``[params]`` tensors, when ``batched``.  Called with
+        autograd off (``ParamCollector.on_step_end``, ``norms_and_delta_norms``)."""
         before = torch.stack(torch._foreach_norm(self._views, 2, dtype=torch.float32))
         torch._foreach_sub_(self._views, params)  # the snapshot is not needed after this step
         delta = torch.stack(torch._foreach_norm(self._views, 2, dtype=torch.float32))

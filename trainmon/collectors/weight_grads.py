@@ -75,6 +75,7 @@ class WeightGradCollector(Collector):
 
     def attach(self) -> None:
         self._plain = self.ctx.integration.plain_views()
+        self._grad_getter = self.ctx.integration.grad_getter() if self._plain else None
         self._rows = {str(f): FamilyRows(self.ctx.engine, f) for f in (Family.GRAD_UNREDUCED, Family.GRAD_REDUCED)}
         self._by_sentinels = False
         self._ready: list[TrackedParam] = []
@@ -127,11 +128,16 @@ class WeightGradCollector(Collector):
 
     def _capture_at_backward_end(self) -> None:
         self._end_seen = True
-        self.ctx.guard.run(self, self._capture_family, Family.GRAD_UNREDUCED, self.ctx.params)
+        try:  # ``Guard.run`` inline: a frame less per step
+            if self.name not in self.ctx.guard.failed:
+                self._capture_family(Family.GRAD_UNREDUCED, self.ctx.params)
+        except Exception:
+            self.ctx.guard.fail(self)
 
     def _capture_family(self, family: str, params: list[TrackedParam]) -> None:
         """Every grad of ``params`` as one family capture."""
-        grads = self.ctx.integration.grads_of(params)
+        getter = self._grad_getter
+        grads = list(map(getter, params)) if getter is not None else self.ctx.integration.grads_of(params)
         if not self._rows[family].capture(params, grads):  # complex grads: by modulus
             capture_plain(self.ctx, family, params, grads)
 
@@ -226,9 +232,15 @@ class WeightGradCollector(Collector):
     def on_step_begin(self) -> None:
         self._applied_seen = False
         if self._by_sentinels:
-            self._check_backward_seen()
-        if self._plain and self._at_entry:
-            self._capture_family(Family.GRAD_REDUCED, self.ctx.params)
+            if self._end_seen:  # the common case inline (a frame less per step)
+                self._end_seen = False
+            else:
+                self._check_backward_seen()
+        if self._plain and self._at_entry:  # ``_capture_family`` inline (every collected step)
+            params, getter = self.ctx.params, self._grad_getter
+            grads = list(map(getter, params)) if getter is not None else self.ctx.integration.grads_of(params)
+            if not self._rows[Family.GRAD_REDUCED].capture(params, grads):  # complex grads: by modulus
+                capture_plain(self.ctx, Family.GRAD_REDUCED, params, grads)
             return
         reduced = self.ctx.integration.reduced_grad
         pairs = [(tp, v) for tp in self.ctx.params if (v := reduced(tp)) is not None] if self._at_entry else []
@@ -256,6 +268,9 @@ class WeightGradCollector(Collector):
             "recorded with one hook per param (slower)",
             self.ctx.clock.step,
         )
+
+    def quiet_hooks(self) -> tuple[str, ...]:
+        return ("on_step_end",) if self._at_entry else ()  # it only warns about applied-grad points
 
     def on_step_end(self) -> None:
         if not self._at_entry and not self._applied_seen and not getattr(self, "_warned_skip", False):

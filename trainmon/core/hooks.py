@@ -17,6 +17,7 @@ __all__ = [
     "never_traced",
     "dynamo_compiling",
     "dynamo_frame_callback",
+    "eager_gate",
     "step_optimizer",
     "wrap_optimizer_step",
     "post_accumulate_grad_hook",
@@ -280,6 +281,38 @@ def never_traced(hook: Callable[..., Any]) -> Callable[..., Any]:
 
 dynamo_compiling = _is_dynamo_compiling
 dynamo_frame_callback = _dynamo_callback
+
+
+def eager_gate(
+    fn: Callable[..., Any],
+    general: Callable[..., Any],
+    clock: Any,
+    failed: set[str],
+    name: str,
+    on_error: Callable[[], None],
+) -> Callable[..., Any]:
+    """A gated hook for the hottest paths (activation hooks: several per module per step) that
+    costs one Python frame, not two: what ``Guard.gated`` does in eager mode (run ``fn`` while
+    ``clock.collecting`` and ``name`` is not in ``failed``, ``on_error()`` if it raises), with
+    the compile test reduced to Dynamo's frame-callback probe (a C call).  Whenever compiled code
+    runs (the probe is set) the call goes to ``general``, the compile-aware gate.  The other case
+    ``general`` covers, Dynamo tracing the hook (``dynamo_compiling()``), cannot happen: the hook is
+    marked as ``torch.compiler.disable`` marks functions, so Dynamo never inlines it (a graph break
+    at the call, as the general gate's eager path makes), and its own frame is never compiled."""
+    probe = _dynamo_callback
+
+    def hook(*args: Any) -> Any:
+        if probe() is None:
+            if clock.collecting and name not in failed:
+                try:
+                    return fn(*args)
+                except Exception:
+                    on_error()
+            return None
+        return general(*args)
+
+    hook._torchdynamo_disable = True  # type: ignore[attr-defined]  # Dynamo: never inline this
+    return never_traced(hook)
 
 
 _standalone_skips: dict[types.CodeType, int] = {}  # code -> monitors that asked: the last one restores

@@ -22,7 +22,8 @@ class Schedule:
     collect_times: int | None = None
 
     def selects(self, step: int, collected: int) -> bool:
-        if self.exhausted(collected) or step < self.start_step:
+        # ``exhausted`` inlined: this runs at every step boundary
+        if (self.collect_times is not None and collected >= self.collect_times) or step < self.start_step:
             return False
         return (step - self.start_step) % self.step_interval == 0
 
@@ -44,6 +45,7 @@ class StepClock:
         self.step = first_step
         self.collected = 0
         self.collecting = schedule.selects(first_step, 0)
+        self.last_collected: int | None = None  # the last collected step that finished
         self.backward_index = 0  # backward passes completed in this step
         self.acc_steps = self._read_acc()
         self._in_backward = False
@@ -79,6 +81,7 @@ class StepClock:
         """Step boundary: the step just finished; decide whether the next one is collected."""
         if self.collecting:
             self.collected += 1
+            self.last_collected = self.step
             if self.backward_index > self.acc_steps and not self._warned_passes:
                 self._warned_passes = True
                 log.warning(
@@ -93,12 +96,14 @@ class StepClock:
                 )
         self.step += 1
         self.backward_index = 0
-        self.acc_steps = self._read_acc()
+        acc = self._grad_acc
+        self.acc_steps = self._read_acc() if callable(acc) or not isinstance(acc, int) or acc < 1 else acc
         self.collecting = self.schedule.selects(self.step, self.collected)
 
     @property
     def finished(self) -> bool:
-        return self.schedule.exhausted(self.collected)
+        limit = self.schedule.collect_times  # ``Schedule.exhausted`` inlined (every step boundary)
+        return limit is not None and self.collected >= limit
 
 
 class EpochAccumulation:

@@ -46,6 +46,9 @@ __all__ = ["available", "RunFiles", "run_files", "Engine", "MEMORY_LIMIT"]
 # time; set here (tests), they win over the environment.
 MEMORY_LIMIT: str | None = None
 UNIT_ROWS: int | None = None
+# The folder the engine's work directories are made in (TRAINMON_ENGINE_WORKDIR, default TMPDIR:
+# ``work_root()``); set here (tests), it wins over the environment.
+WORK_ROOT: str | Path | None = None
 _MEMORY_DEFAULT = "256MB"
 # The sizes DuckDB's memory_limit takes (decimal and binary units), in bytes.
 _SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
@@ -83,6 +86,20 @@ def memory_bytes(text: str) -> int | None:
 def unit_rows() -> int:
     """Rows of one family the engine reads at a time (``TRAINMON_ENGINE_UNIT_ROWS``), checked."""
     return UNIT_ROWS if UNIT_ROWS is not None else env_int("TRAINMON_ENGINE_UNIT_ROWS", 250_000)
+
+
+def work_root() -> Path | None:
+    """Where the engine makes its work directories (``TRAINMON_ENGINE_WORKDIR``), checked; None:
+    under ``TMPDIR``.  With ``--cluster`` the workers read the staged files there, so it must be a
+    folder every worker sees at the same path (a shared file system)."""
+    if WORK_ROOT is not None:
+        return Path(WORK_ROOT)
+    text = os.environ.get("TRAINMON_ENGINE_WORKDIR", "").strip()
+    if not text:
+        return None
+    if not os.path.isdir(text) or not os.access(text, os.W_OK | os.X_OK):
+        raise EnvError("TRAINMON_ENGINE_WORKDIR", text, "must be an existing folder this user can write to")
+    return Path(text)
 
 
 def available() -> bool:
@@ -575,7 +592,7 @@ class Engine:
         self.threads = threads
 
     def __enter__(self) -> Engine:
-        self._work = WorkDir()
+        self._work = WorkDir(work_root())
         self.dir = self._work.path
         try:
             self.con = _connect(self.threads, str(self.dir / "spill"))

@@ -27,11 +27,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import functools
+
 import numpy as np
 import pandas as pd
 
 from trainmon.analysis.flow import FLOW_KEYS, PHASES, phase_of
 from trainmon.analysis.rules import Anomaly, Findings, Rules
+from trainmon.diagnosis.cluster import map_buckets
 from trainmon.diagnosis.engine import POSITION, Engine, RunFiles, _Family, _lit, _q
 from trainmon.diagnosis.reader import EXTRA_PREFIX, RunTable, numel_column
 from trainmon.errors import env_int
@@ -53,6 +56,10 @@ __all__ = [
 # environment when used (``bucket_rows()``, ``sort_rows()``), checked; set here, they win.
 ROWS_PER_BUCKET: int | None = None
 SORT_ROWS: int | None = None
+# Staged files a bucket may read its rows from without the run being stored again by name
+# (``_partition_by_name``): each file is sorted by name, so a bucket reads a row group or two of
+# each; past this many, the footers and row groups read per bucket cost more than one more sort.
+DIRECT_FILES = 64
 
 
 def bucket_rows() -> int:
@@ -238,32 +245,104 @@ class StagedRun:
         self._views()
 
     def bucket(self, first: int, last: int) -> RunTable:
-        """The rows of name codes ``first`` to ``last`` (within one run of ``partition``) as a run
-        table (``load_run``'s columns); ``family_stats`` holds the families with rows in it."""
-        path = next(f for lo, hi, f in self.sorted if lo <= first and last <= hi)
-        frame = self.con.execute(
-            f"SELECT * FROM read_parquet({_lit(str(path))}) WHERE name BETWEEN {int(first)} AND {int(last)}"
-        ).fetchdf()
-        fam = frame.pop("fam").to_numpy(dtype=np.int64)
-        numels = numel_column(pd.Series(self.texts["shape"], dtype=object)).to_numpy(dtype=float)
-        frame["numel"] = numels[frame["shape"].to_numpy(dtype=np.int64)]
-        for col in _CODED:
-            frame[col] = _texts(self.texts[col], frame[col].to_numpy(dtype=np.int64))
-        frame["rank"] = frame["rank"].astype(np.int64)
-        frame["family"] = _texts(self.families, fam)
-        frame["phase"] = _texts([phase_of(f) for f in self.families], fam)
-        phases = [phase_of(f) for f in self.families]
-        frame["flow"] = np.asarray([PHASES.index(p) for p in phases], dtype=np.int64)[fam]
-        frame["family_order"] = fam  # families are staged in flow order (``run_files``)
-        frame = frame.sort_values(list(FLOW_KEYS), kind="mergesort", ignore_index=True)
-        present = {self.families[i] for i in np.unique(fam)}
-        return RunTable(
-            path=self.files.path,
-            frame=frame,
-            family_stats={f: s for f, s in self.family_stats.items() if f in present},
-            families_on_disk=self.files.families_on_disk,
-            ranks_on_disk=self.files.ranks_on_disk,
+        """The rows of name codes ``first`` to ``last`` as a run table (``read_bucket``)."""
+        return read_bucket(self.bucket_of(first, last))
+
+    def shape(self) -> RunShape:
+        """What every bucket of this run shares, as plain values (``read_bucket``)."""
+        return RunShape(
+            run_path=str(self.files.path),
+            families=tuple(self.families),
+            family_stats=tuple(self.family_stats.items()),
+            families_on_disk=tuple(self.files.families_on_disk),
+            ranks_on_disk=tuple(self.files.ranks_on_disk),
+            shapes=tuple(self.texts["shape"]),
+            dtypes=tuple(self.texts["dtype"]),
         )
+
+    def bucket_of(self, first: int, last: int, shape: RunShape | None = None) -> Bucket:
+        """Name codes ``first`` to ``last`` as a :class:`Bucket`: the files that hold them (their
+        run's file of ``partition``, or, unpartitioned, every staged file), the names' texts."""
+        if self.sorted:
+            paths = [next(f for lo, hi, f in self.sorted if lo <= first and last <= hi)]
+        else:
+            paths = [f for part in self.parts for f in part]
+        return Bucket(
+            shape or self.shape(),
+            tuple(str(f) for f in paths),
+            int(first),
+            int(last),
+            tuple(self.texts["name"][first : last + 1]),
+        )
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """The parts of a staged run every bucket needs, as plain picklable values: a worker of a
+    cluster (``diagnosis.cluster``) rebuilds a bucket's run table from them and its files."""
+
+    run_path: str
+    families: tuple[str, ...]  # the staged ``fam`` codes' families, in flow order
+    family_stats: tuple[tuple[str, tuple[str, ...]], ...]
+    families_on_disk: tuple[str, ...]
+    ranks_on_disk: tuple[int, ...]
+    shapes: tuple[str, ...]  # shape code -> its text
+    dtypes: tuple[str, ...]  # dtype code -> its text
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One bucket: name codes ``first`` to ``last``, whose staged rows lie in ``paths`` (Parquet
+    files of the engine's work directory, sorted by name code), and those names' texts."""
+
+    run: RunShape
+    paths: tuple[str, ...]
+    first: int
+    last: int
+    names: tuple[str, ...]  # name code first + i -> names[i]
+
+
+def read_bucket(bucket: Bucket) -> RunTable:
+    """The bucket's rows as a :class:`~trainmon.diagnosis.reader.RunTable` with the columns and
+    dtypes of ``load_run``'s table, in ``FLOW_KEYS`` order (unique per row: the in-memory order).
+
+    Read with pyarrow, not the engine's connection, so that it runs the same in this process and
+    on a cluster's worker: each file's row groups whose name codes miss the bucket are skipped
+    (their min/max), and the order is one ``lexsort`` of the key columns (a pandas sort of seven
+    columns took 5x as long, an ``ORDER BY`` in DuckDB 8x)."""
+    import pyarrow.parquet as pq
+
+    run = bucket.run
+    where = [("name", ">=", bucket.first), ("name", "<=", bucket.last)]
+    table = pq.read_table(list(bucket.paths), filters=where)
+    families = list(run.families)
+    frame = table.to_pandas()
+    fam = frame.pop("fam").to_numpy().astype(np.int64)
+    flows = np.asarray([PHASES.index(phase_of(f)) for f in families], dtype=np.int64)
+    keys = [frame[c].to_numpy() for c in ("occurrence", "rank", "position")]
+    # np.lexsort: the last key is the primary one (``FLOW_KEYS`` read backwards).
+    order = np.lexsort((*keys, fam, frame["micro_step"].to_numpy(), flows[fam], frame["step"].to_numpy()))
+    frame = frame.take(order)
+    frame.index = pd.RangeIndex(len(frame))
+    fam = fam[order]
+    numels = numel_column(pd.Series(run.shapes, dtype=object)).to_numpy(dtype=float)
+    frame["numel"] = numels[frame["shape"].to_numpy(dtype=np.int64)]
+    frame["name"] = _texts(list(bucket.names), frame["name"].to_numpy(dtype=np.int64) - bucket.first)
+    frame["shape"] = _texts(list(run.shapes), frame["shape"].to_numpy(dtype=np.int64))
+    frame["dtype"] = _texts(list(run.dtypes), frame["dtype"].to_numpy(dtype=np.int64))
+    frame["rank"] = frame["rank"].astype(np.int64)
+    frame["family"] = _texts(families, fam)
+    frame["phase"] = _texts([phase_of(f) for f in families], fam)
+    frame["flow"] = flows[fam]
+    frame["family_order"] = fam  # families are staged in flow order (``run_files``)
+    present = {families[i] for i in np.unique(fam)}
+    return RunTable(
+        path=Path(run.run_path),
+        frame=frame,
+        family_stats={f: s for f, s in run.family_stats if f in present},
+        families_on_disk=run.families_on_disk,
+        ranks_on_disk=run.ranks_on_disk,
+    )
 
 
 def _texts(texts: list[str], codes: np.ndarray) -> pd.Series:
@@ -313,14 +392,21 @@ class Span:
 
 
 def bucket_scan_all(
-    files: RunFiles, rules, *, rows_per_bucket: int = 0, threads: int | None = None, progress=None, duplicates=None
+    files: RunFiles,
+    rules,
+    *,
+    rows_per_bucket: int = 0,
+    threads: int | None = None,
+    progress=None,
+    duplicates=None,
+    cluster: str | None = None,
 ):
     """``scan.scan_all`` of the run's files, one bucket of names at a time: the same findings in
     the same order (every rule looks along one name's series, never across names; the loss
     scaler's skips, which clear other names' non-finite grads, are found first from the
-    ``steps`` rows)."""
+    ``steps`` rows).  ``cluster``: the Dask scheduler the buckets run on (``cluster.map_buckets``)."""
     from trainmon.analysis.rules import Anomaly, ByDesign, Findings, Unjudged
-    from trainmon.diagnosis.scan import STEPS_FAMILY, _concat, _to_anomaly, scan_all, skipped_steps
+    from trainmon.diagnosis.scan import STEPS_FAMILY, _concat, _to_anomaly, skipped_steps
 
     anomalies: list = []
     notes: list = []
@@ -332,22 +418,20 @@ def bucket_scan_all(
             fam = run.families.index(STEPS_FAMILY)
             query = f"SELECT DISTINCT name FROM {run.prefix}_staged WHERE fam = {fam}"
             codes = [c for (c,) in run.con.execute(query).fetchall()]
-        bucket_ranges = _partition_by_name(run, rows_per_bucket, progress, "anomalies")
+        buckets = _partition_by_name(run, rows_per_bucket, progress, "anomalies")
         skips = _concat([])
         if codes:
             parts = [skipped_steps(run.bucket(int(c), int(c))) for c in codes]
             skips = _concat([p for p in parts if not p.empty])
         if progress is not None:
-            progress.phase("anomalies: checking", len(bucket_ranges), "buckets")
+            progress.phase("anomalies: checking", len(buckets), "buckets")
         warmup = rules.spike.warmup if rules.spike is not None else 0
-        for first, last in bucket_ranges:
-            found = scan_all(run.bucket(first, last), rules, skips=skips)
+        check = functools.partial(scan_bucket, rules=rules, skips=skips)
+        for found in map_buckets(check, buckets, cluster=cluster, progress=progress):
             anomalies += found.anomalies
             notes += found.by_design
             if found.unjudged is not None:
                 unjudged.append((found.unjudged.values, set(found.unjudged.steps)))
-            if progress is not None:
-                progress.advance()
     anomalies += [_to_anomaly(r) for r in skips.itertuples(index=False)]
     return Findings(
         sorted(anomalies, key=Anomaly.sort_key),
@@ -356,25 +440,45 @@ def bucket_scan_all(
     )
 
 
+def scan_bucket(bucket: Bucket, *, rules: Rules, skips: pd.DataFrame) -> Findings:
+    """``scan.scan_all`` of one bucket (a module-level function: a cluster's worker runs it)."""
+    from trainmon.diagnosis.scan import scan_all
+
+    return scan_all(read_bucket(bucket), rules, skips=skips)
+
+
 def engine_ranks(
-    files: RunFiles, *, rows_per_bucket: int = 0, threads: int | None = None, progress=None, duplicates=None, **checks
+    files: RunFiles,
+    *,
+    rows_per_bucket: int = 0,
+    threads: int | None = None,
+    progress=None,
+    duplicates=None,
+    cluster: str | None = None,
+    **checks,
 ):
     """``ranks.check_ranks`` of the run's files, one bucket of names at a time (same issues, same
-    order); ``duplicates``: a ``reader.DuplicateKeys`` to add the run's repeated keys to."""
-    from trainmon.diagnosis.ranks import check_ranks, issue_order
+    order); ``duplicates``: a ``reader.DuplicateKeys`` to add the run's repeated keys to;
+    ``cluster``: the Dask scheduler the buckets run on (``cluster.map_buckets``)."""
+    from trainmon.diagnosis.ranks import issue_order
 
     issues = []
     with Engine(threads) as eng:
         run = StagedRun(eng, files, "r", progress=progress, by_name=True, duplicates=duplicates)
-
-        bucket_ranges = _partition_by_name(run, rows_per_bucket, progress, "ranks")
+        buckets = _partition_by_name(run, rows_per_bucket, progress, "ranks")
         if progress is not None:
-            progress.phase("ranks: checking", len(bucket_ranges), "buckets")
-        for first, last in bucket_ranges:
-            issues += check_ranks(run.bucket(first, last), ranks=files.ranks, **checks)
-            if progress is not None:
-                progress.advance()
+            progress.phase("ranks: checking", len(buckets), "buckets")
+        check = functools.partial(ranks_bucket, ranks=files.ranks, checks=checks)
+        for found in map_buckets(check, buckets, cluster=cluster, progress=progress):
+            issues += found
     return sorted(issues, key=issue_order)
+
+
+def ranks_bucket(bucket: Bucket, *, ranks: tuple[int, ...], checks: dict) -> list:
+    """``ranks.check_ranks`` of one bucket (a module-level function: a cluster's worker runs it)."""
+    from trainmon.diagnosis.ranks import check_ranks
+
+    return check_ranks(read_bucket(bucket), ranks=ranks, **checks)
 
 
 _DEFAULT_RULES = Rules()
@@ -395,17 +499,23 @@ def engine_scan_all(
     return bucket_scan_all(files, rules, threads=threads, progress=progress, duplicates=duplicates)
 
 
-def _partition_by_name(run: StagedRun, rows_per_bucket: int | None, progress, command: str) -> list[tuple[int, int]]:
-    """Partition a staged run by name code; returns the buckets' (first, last) code ranges.
+def _partition_by_name(run: StagedRun, rows_per_bucket: int | None, progress, command: str) -> list[Bucket]:
+    """Partition a staged run by name code; returns its buckets.
 
-    Buckets: runs of consecutive name codes (a name's rows of every family in one bucket);
-    sorts: runs of consecutive buckets of about SORT_ROWS rows."""
+    Buckets: runs of consecutive name codes (a name's rows of every family in one bucket).  A run
+    staged in at most ``DIRECT_FILES`` files of at most ``SORT_ROWS`` rows in all is read from
+    them as they are (each sorted by name: a bucket reads only its names' row groups of each);
+    a larger one is stored again, one file per run of consecutive buckets of about ``SORT_ROWS``
+    rows (``StagedRun.partition``), so that a bucket reads one file."""
     per_name = run.code_rows()
     bucket_ranges = consecutive_runs(per_name, rows_per_bucket or bucket_rows())
     rows = dict(per_name)
     sizes = [sum(rows.get(c, 0) for c in range(lo, hi + 1)) for lo, hi in bucket_ranges]
-    sorts = consecutive_runs(enumerate(sizes), sort_rows())
-    if progress is not None:
-        progress.phase(f"{command}: sorting", len(sorts), "runs of names")
-    run.partition([(bucket_ranges[a][0], bucket_ranges[b][1]) for a, b in sorts], progress)
-    return bucket_ranges
+    staged = sum(len(paths) for paths in run.parts)
+    if staged > DIRECT_FILES or sum(sizes) > sort_rows():
+        sorts = consecutive_runs(enumerate(sizes), sort_rows())
+        if progress is not None:
+            progress.phase(f"{command}: sorting", len(sorts), "runs of names")
+        run.partition([(bucket_ranges[a][0], bucket_ranges[b][1]) for a, b in sorts], progress)
+    shape = run.shape()
+    return [run.bucket_of(first, last, shape) for first, last in bucket_ranges]

@@ -33,10 +33,11 @@ LOCK = "owner.lock"
 
 
 class WorkDir:
-    """A fresh private directory under ``TMPDIR``, locked as this process's while it is open."""
+    """A fresh private directory under ``TMPDIR`` (or ``parent``), locked as this process's while it is open."""
 
-    def __init__(self) -> None:
-        self.path = Path(tempfile.mkdtemp(prefix=PREFIX))
+    def __init__(self, parent: str | Path | None = None) -> None:
+        # ``parent``: where to make it (default TMPDIR), e.g. storage a cluster's workers see.
+        self.path = Path(tempfile.mkdtemp(prefix=PREFIX, dir=parent))
         self._lock_fd: int | None = None
         try:
             self._lock_fd = _locked_lock_file(self.path)

@@ -12,6 +12,7 @@ larger one, the process group to merge the shards' partials over and the full sh
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -23,6 +24,8 @@ from trainmon.core.hooks import Handle
 from trainmon.core.naming import TrackedParam
 
 __all__ = ["View", "Integration", "register_integration", "select_integration"]
+
+_GRAD_OF = operator.attrgetter("param.grad")  # map() of it: each TrackedParam's grad, no frame each
 
 
 @dataclass(frozen=True)
@@ -130,7 +133,12 @@ class Integration:
         ``plain_views()``."""
         if self.use_main_grad:
             return [getattr(tp.param, "main_grad", None) for tp in params]
-        return [tp.param.grad for tp in params]
+        return list(map(_GRAD_OF, params))  # a loop in C: no Python frame
+
+    def grad_getter(self) -> Callable[[TrackedParam], torch.Tensor | None] | None:
+        """A C callable giving one param's ``grads_of`` entry, for ``map`` (no Python frame per
+        param, none for the call either), or None where ``grads_of`` must be called."""
+        return None if self.use_main_grad or type(self).grads_of is not Integration.grads_of else _GRAD_OF
 
     def has_moments(self) -> bool:
         from trainmon.collectors.optimizer_state import adapter_for

@@ -11,7 +11,7 @@ purely local accumulated grad never exists in memory in that setup).
 Comm: DDP's bucket all-reduces are issued from C++ and never pass through the Python
 ``torch.distributed`` functions the comm recorder wraps.  ``record_ddp_comm`` is the opt-in
 alternative: it takes DDP's single comm-hook slot, calls the user's hook (default: DDP's own
-``allreduce_hook``) and records one ``ddp_bucket`` row per bucket before and after the reduce
+reduction, ``builtin_allreduce_hook``) and records one ``ddp_bucket`` row per bucket before and after the reduce
 (the Python collectives inside the hook are covered by that row, not recorded again).
 """
 
@@ -30,7 +30,7 @@ from trainmon.integrations.base import Integration, register_integration
 if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["TorchDDPIntegration", "record_ddp_comm"]
+__all__ = ["TorchDDPIntegration", "record_ddp_comm", "builtin_allreduce_hook"]
 
 
 def _is_ddp(module: Any) -> TypeGuard[DistributedDataParallel]:
@@ -51,11 +51,26 @@ class TorchDDPIntegration(Integration):
         return any(_is_ddp(c) for c in chunks)
 
 
+def builtin_allreduce_hook(process_group: Any, bucket: Any) -> Any:
+    """DDP's reduction without a comm hook, as a comm hook, bit for bit: the mean over the group as
+    DDP's reducer forms it, each grad multiplied by ``1 / world_size`` (the reducer does it while
+    copying the grad into the bucket) and then summed.  torch's ``allreduce_hook`` divides by the
+    world size instead, which gives other bits when it is not a power of two (3 ranks: measured),
+    so a monitor that took the slot with it would change training."""
+    import torch.distributed as dist
+
+    group = process_group if process_group is not None else dist.group.WORLD
+    tensor = bucket.buffer()
+    tensor.mul_(1.0 / dist.get_world_size(group))
+    return dist.all_reduce(tensor, group=group, async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+
 def record_ddp_comm(monitor: Any, ddp: nn.Module, hook: Callable | None = None, state: Any = None) -> None:
     """Record DDP's bucket reduces as ``comm`` rows (opt-in; call before the first backward).
 
     Takes DDP's one comm-hook slot: pass the hook (and state) you would have registered yourself;
-    it is called unchanged and its result returned to DDP.  Needs ``cc_distribution.enable``.
+    it is called unchanged and its result returned to DDP.  Without one, DDP's own reduction runs
+    (``builtin_allreduce_hook``: the same bits as DDP without a hook).  Needs ``cc_distribution.enable``.
     After ``monitor.close()`` the wrapper only calls your hook.
     """
     if not _is_ddp(ddp):
@@ -66,10 +81,8 @@ def record_ddp_comm(monitor: Any, ddp: nn.Module, hook: Callable | None = None, 
             f"{monitor.config_file_path}: cc_distribution.enable must be true (and "
             "set_monitor called) to record DDP bucket reduces"
         )
-    if hook is None:
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-        hook = allreduce_hook
+    if hook is None:  # DDP's own reduction, over DDP's own group
+        hook, state = builtin_allreduce_hook, ddp.process_group if state is None else state
     ref = weakref.ref(comm)
 
     def recording_hook(hook_state, bucket):

@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 
 _NAMES_SHOWN = 5
 _requires_grad = operator.attrgetter("requires_grad")  # map() of it: no Python frame per param
+_params_of = operator.itemgetter("params")
 
 
 def _optimizer_size(optimizer: Any) -> tuple[int, int] | None:
@@ -43,7 +44,8 @@ def _optimizer_size(optimizer: Any) -> tuple[int, int] | None:
     groups = getattr(optimizer, "param_groups", None)
     if not isinstance(groups, list):
         return None
-    return len(groups), sum(len(g.get("params", ())) for g in groups if isinstance(g, dict))
+    # comprehensions, not a generator: one Python frame, not one per group
+    return len(groups), sum([len(g.get("params", ())) for g in groups if isinstance(g, dict)])
 
 
 class ParamWatch:
@@ -66,33 +68,48 @@ class ParamWatch:
         if not clock.collecting or self._checked_step == clock.step or module is not self.ctx.chunks[vpp]:
             return  # not collected, already looked this step, or a copy of the model (deepcopy)
         self._checked_step = clock.step
-        self._guarded_check()
+        if not self._broken:
+            try:
+                self.check(True)
+            except Exception:
+                self._failed()
 
     def at_step_entry(self) -> None:
         """Optimizer step entry of a collected step: a late ``add_param_group`` is seen here (the
         flags were read at this step's forward, if a monitored chunk's forward ran)."""
         flags = self._checked_step != self.ctx.clock.step
         self._checked_step = self.ctx.clock.step
-        self._guarded_check(flags)
+        groups = getattr(self.ctx.optimizer, "param_groups", None)
+        if not flags and type(groups) is list and self._optimizer_size is not None:
+            try:  # the common case of ``check`` inline: nothing joined (every collected step)
+                if (len(groups), sum(map(len, map(_params_of, groups)))) == self._optimizer_size:
+                    return
+            except Exception:
+                pass  # not torch's list of dicts: ``check`` looks
+        if not self._broken:  # the guard inline: this runs every collected step
+            try:
+                self.check(flags)
+            except Exception:
+                self._failed()
 
-    def _guarded_check(self, flags: bool = True) -> None:
-        if self._broken:
-            return
-        try:
-            self.check(flags)
-        except Exception:
-            log.exception(
-                "trainmon: step %d: looking for params that joined after set_monitor failed; params "
-                "unfrozen or added to the optimizer from now on are not recorded; training continues",
-                self.ctx.clock.step,
-            )
-            self._broken = True
-            self.remove()
+    def _failed(self) -> None:
+        """``check`` raised (the exception being handled): one line, and no more watching."""
+        log.exception(
+            "trainmon: step %d: looking for params that joined after set_monitor failed; params "
+            "unfrozen or added to the optimizer from now on are not recorded; training continues",
+            self.ctx.clock.step,
+        )
+        self._broken = True
+        self.remove()
 
     def check(self, flags: bool = True) -> None:
         """Re-derive the tracked params if the optimizer's size or (``flags``) a frozen param's
         ``requires_grad`` changed."""
-        size = _optimizer_size(self.ctx.optimizer)
+        groups = getattr(self.ctx.optimizer, "param_groups", None)
+        try:  # ``_optimizer_size`` without a Python frame, for torch's own list of dicts
+            size = (len(groups), sum(map(len, map(_params_of, groups)))) if type(groups) is list else None
+        except Exception:
+            size = _optimizer_size(self.ctx.optimizer)
         if size == self._optimizer_size and not (flags and any(map(_requires_grad, self._frozen))):
             return
         self._optimizer_size = size

@@ -1,9 +1,10 @@
 """Sinks that wrap other sinks: an off-thread writer and a fan-out to several formats.
 
 ``AsyncSink`` takes formatting and file I/O off the training thread: ``write()`` only puts
-the step's rows on a bounded queue.  When the writer falls behind by ``max_pending_steps``
-steps, ``write()`` waits for it instead of dropping data: recorded statistics are never
-thrown away to keep up.
+the step's rows on a queue.  When the writer falls behind by ``max_pending_steps`` steps,
+``write()`` waits for it instead of dropping data: recorded statistics are never thrown away
+to keep up.  The queue is a C ``queue.SimpleQueue`` with the bound checked by its size before
+each put: ``write()`` runs no Python frame but its own (``queue.Queue.put`` runs eight).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -24,6 +26,7 @@ __all__ = ["AsyncSink", "FanoutSink"]
 logger = logging.getLogger(__name__)
 
 _WRITE, _FLUSH, _STOP = "write", "flush", "stop"
+_ROOM_POLL_S = 0.001  # how often a write waiting for a full queue looks again
 
 
 class _ErrorLog:
@@ -72,7 +75,8 @@ class AsyncSink(Sink):
         if max_pending_steps < 1:
             raise ValueError(f"max_pending_steps must be >= 1, got {max_pending_steps!r}")
         self.inner = inner
-        self._queue: queue.Queue = queue.Queue(maxsize=max_pending_steps)
+        self._max_pending = int(max_pending_steps)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._flush_interval = flush_interval_s
         self._errors = _ErrorLog(f"monitor output ({type(inner).__name__})")
         self._lock = threading.RLock()  # re-entrant: close() may run in a signal handler
@@ -86,7 +90,7 @@ class AsyncSink(Sink):
     def forget_parent(self) -> None:
         super().forget_parent()
         # the queue's own locks may have been held by the parent's writer thread at the fork
-        self._queue = queue.Queue(maxsize=self._queue.maxsize)
+        self._queue = queue.SimpleQueue()
         self._closed = True
 
     # -- caller side ----------------------------------------------------------------------
@@ -100,10 +104,9 @@ class AsyncSink(Sink):
             if self._closed:
                 self._errors.run(self.inner.write, item[1], step)
                 return
-            try:
-                self._queue.put_nowait(item)
-            except queue.Full:
-                self._wait_for_room(item)
+            if self._queue.qsize() >= self._max_pending:
+                self._wait_for_room()
+            self._queue.put(item)
             if self._closed:  # a signal handler closed us while put() waited: no thread now
                 self._drain()
 
@@ -142,15 +145,19 @@ class AsyncSink(Sink):
         """Steps handed over but not yet written (approximate)."""
         return self._queue.qsize()
 
-    def _wait_for_room(self, item: tuple) -> None:
+    def _wait_for_room(self) -> None:
         if not self._warned_full:
             self._warned_full = True
             logger.warning(
                 "trainmon: monitor writer is %d steps behind; training waits for it "
                 "(raise max_pending_steps or record less)",
-                self._queue.maxsize,
+                self._max_pending,
             )
-        self._queue.put(item)
+        # Polled: the writer thread then never has to signal anyone on its hot path.  Stops
+        # waiting once the writer is gone (closed from a signal handler meanwhile): write()
+        # then drains the queue itself.
+        while self._queue.qsize() >= self._max_pending and self._thread.is_alive():
+            time.sleep(_ROOM_POLL_S)
 
     # -- writer thread --------------------------------------------------------------------
 

@@ -17,17 +17,22 @@ choices that matter:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import numbers
 import os
 import threading
+import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
-from typing import SupportsFloat, cast
+from typing import Any, SupportsFloat, cast
 
 from trainmon.output.layout import family_file_name, partial_file_name, window_bounds
 from trainmon.sinks.base import LostRows, Sink, SinkOptions, register_sink, sync_dir
+from trainmon.sinks.csv_text import matrix_cells, row_cells
 from trainmon.sinks.step_times import StepTimes
 from trainmon.stats.rows import RowBlock, StepRows, paced
 
@@ -38,8 +43,39 @@ logger = logging.getLogger(__name__)
 _OPEN_FLAGS = os.O_RDWR | os.O_APPEND | getattr(os, "O_CLOEXEC", 0)
 _CACHE_LIMIT = 100_000  # distinct names/shapes remembered; tensor names repeat every step
 
+_PIECE_ROWS = 2048  # rows formatted in one C call (csv_text, the %-template)
+_TEMPLATE_LIMIT = 1024  # block layouts remembered (a family's weights, an activation block per module run)
+_LEAD = b"\x00"  # where a row template takes the block's shared cells (step, micro_step, extra)
+
 # (family, window start, columns): the identity of one header-compatible file.
 _FileKey = tuple[str, int, tuple[str, ...]]
+
+
+def _pieces(b: RowBlock) -> Iterator[RowBlock]:
+    """``b`` in pieces of at most ``_PIECE_ROWS`` rows, the GIL offered between them: a block is
+    formatted in one C call, which holds the GIL throughout (a few ms per 2,048 rows)."""
+    n = len(b.names)
+    if n <= _PIECE_ROWS:
+        yield b
+        return
+    matrix = getattr(b, "matrix", None)
+    for i in range(0, n, _PIECE_ROWS):
+        j = i + _PIECE_ROWS
+        rows = slice(i, j)
+        fields: dict[str, Any] = {"names": b.names[rows], "vpp_stages": b.vpp_stages[rows], "shapes": b.shapes[rows]}
+        fields.update(dtypes=b.dtypes[rows], values=None if b.values is None else b.values[rows])
+        if matrix is not None:
+            fields["matrix"] = matrix[rows]
+        yield dataclasses.replace(b, **fields)
+        time.sleep(0)
+
+
+@dataclass(slots=True)
+class _FileText:
+    """One file's share of a step: encoded blocks, and how many rows they hold."""
+
+    chunks: list[bytes]
+    rows: int
 
 
 def _quote(text: str) -> str:
@@ -209,6 +245,7 @@ class CsvSink(Sink):
         self._lock = threading.Lock()
         self._heads: dict[tuple, str] = {}  # (vpp_stage, name) -> "vpp,name,"
         self._tails: dict[tuple, str] = {}  # (shape, dtype) -> ",shape,dtype\n"
+        self._templates: dict[tuple, tuple] = {}  # a block layout -> its rows' template (_template)
         self._lost = LostRows(self._dir, logger)
         self._warned_removed = False
         self._times = StepTimes(self._dir)  # step_times.tsv: when each written step was recorded
@@ -218,8 +255,8 @@ class CsvSink(Sink):
     def write(self, rows: StepRows, step: int) -> None:
         with self._lock:
             grouped = self._group_blocks(rows.blocks())
-            for (family, a, columns), lines in grouped.items():
-                self._append(family, a, columns, lines)
+            for (family, a, columns), text in grouped.items():
+                self._append(family, a, columns, text)
             if grouped:
                 self._times.record(step, rows.wall_time)
 
@@ -241,37 +278,104 @@ class CsvSink(Sink):
 
     # -- rendering ------------------------------------------------------------------------
 
-    def _group_blocks(self, blocks: Sequence[RowBlock]) -> dict[_FileKey, list[str]]:
-        """Lines per file, formatted from the columnar blocks without a ``StatRow`` per row (this
+    def _group_blocks(self, blocks: Sequence[RowBlock]) -> dict[_FileKey, _FileText]:
+        """Text per file, formatted from the columnar blocks without a ``StatRow`` per row (this
         runs on the writer thread, which shares the GIL with training)."""
-        return self._by_file(
-            (self._layout(b.family, b.step, b.micro_step, b.extra, b.stats), self._block_lines(b))
-            for b in paced(blocks, 4)
-        )
+        layouts = ((self._layout(b.family, b.step, b.micro_step, b.extra, b.stats), b) for b in paced(blocks, 4))
+        return self._by_file(layouts)
 
     def _layout(self, family: str, step: int, micro: int | None, extra: dict | None, stats: tuple[str, ...]) -> tuple:
         n = self._steps_per_file
         return family, step // n * n, micro is not None, tuple(extra) if extra else (), stats
 
-    @staticmethod
-    def _by_file(pieces) -> dict[_FileKey, list[str]]:
-        by_layout: dict[tuple, list[str]] = {}
-        for layout, lines in pieces:
+    def _by_file(self, pieces) -> dict[_FileKey, _FileText]:
+        by_layout: dict[tuple, _FileText] = {}
+        for layout, block in pieces:
+            text = b"".join([self._block_text(part) for part in _pieces(block)])
             found = by_layout.get(layout)
             if found is None:
-                by_layout[layout] = lines
+                by_layout[layout] = _FileText([text], len(block.names))
             else:
-                found.extend(lines)
-        return {(family, a, _columns(*layout)): lines for (family, a, *layout), lines in by_layout.items()}
+                found.chunks.append(text)
+                found.rows += len(block.names)
+        return {(family, a, _columns(*layout)): text for (family, a, *layout), text in by_layout.items()}
 
-    def _block_lines(self, b: RowBlock) -> list[str]:
-        # Engine-derived values are Python floats and ints: repr is the full-precision cell.
-        number = repr if self._fmt.full_precision and b.plain else self._fmt.number
+    def _block_text(self, b: RowBlock) -> bytes:
+        """The block's rows as CSV bytes, in one pass over the whole block where the numbers allow
+        (a cached per-layout %-template filled in one C call), else a line at a time: the numbers
+        as ``csv_text`` writes them (one C call for all), else ``%r`` of each value in the
+        template (``repr``, NaN and infinities included), else the per-line path."""
+        if not (self._fmt.full_precision and b.plain and b.stats):
+            return "".join(self._block_lines(b)).encode()
+        runs = self._cells(b)
+        if runs is not None:
+            template = self._template(b, ",%s" * len(runs))
+            if template is not None:
+                cells = tuple(runs[0]) if len(runs) == 1 else tuple(chain.from_iterable(zip(*runs)))
+                return self._filled(template, b, cells)
+        width = len(b.stats)
+        if b.values and set(map(len, b.values)) == {width}:
+            template = self._template(b, ",%r" * width)  # bytes' %r is ascii(repr(x)): repr for numbers
+            if template is not None:
+                return self._filled(template, b, tuple(chain.from_iterable(b.values)))
+        return "".join(self._block_lines(b)).encode()
+
+    def _filled(self, template: bytes, b: RowBlock, cells: tuple) -> bytes:
+        return template.replace(_LEAD, self._lead(b).replace("%", "%%").encode()) % cells
+
+    @staticmethod
+    def _cells(b: RowBlock) -> list[list[bytes]] | None:
+        """Each row's number cells, per run of columns (``csv_text``): from the block's float64
+        matrix when the engine hands one (no Python object per row), else from its values."""
+        matrix = getattr(b, "matrix", None)
+        if matrix is not None:
+            runs = matrix_cells(matrix, getattr(b, "integer_columns", ()))
+            if runs is not None:
+                return runs
+        row_texts = row_cells(b.values)
+        return None if row_texts is None else [row_texts]
+
+    def _lead(self, b: RowBlock) -> str:
+        """The cells every row of a block shares: step, micro_step, extra values."""
         lead = str(int(b.step))
         if b.micro_step is not None:
             lead += "," + str(int(b.micro_step))
         if b.extra:
             lead += "".join(["," + self._fmt.cell(v) for v in b.extra.values()])
+        return lead
+
+    def _template(self, b: RowBlock, cells: str) -> bytes | None:
+        """``b``'s rows as a %-template: ``head<LEAD><cells><tail>`` per row, the same bytes step
+        after step while the family's tensors stay the same, so it is built once (None: a name
+        holds the lead marker, left to the per-line path)."""
+        key = (b.family, cells, len(b.names), b.names[0] if b.names else None)
+        found = self._templates.get(key)
+        layout = [b.names, b.vpp_stages, b.shapes, b.dtypes]
+        if found is not None and [found[0], found[1], found[2], found[3]] == layout:
+            return found[4]
+        template = self._build_template(b, cells)
+        if len(self._templates) >= _TEMPLATE_LIMIT:
+            self._templates.clear()
+        self._templates[key] = (list(b.names), list(b.vpp_stages), list(b.shapes), list(b.dtypes), template)
+        return template
+
+    def _build_template(self, b: RowBlock, cells: str) -> bytes | None:
+        heads, tails, parts = self._heads, self._tails, []
+        for name, vpp, shape, dtype in zip(b.names, b.vpp_stages, b.shapes, b.dtypes):
+            head = heads.get((vpp, name))
+            if head is None:
+                head = self._remember(heads, (vpp, name), f"{int(vpp)},{_quote(str(name))},")
+            tail = tails.get((shape, dtype))
+            if tail is None:
+                tail = self._remember(tails, (shape, dtype), f",{_shape_cell(shape)},{_quote(str(dtype))}\n")
+            parts.append(head.replace("%", "%%") + "\x00" + cells + tail.replace("%", "%%"))
+        text = "".join(parts).encode()
+        return None if text.count(_LEAD) != len(parts) else text
+
+    def _block_lines(self, b: RowBlock) -> list[str]:
+        # Engine-derived values are Python floats and ints: repr is the full-precision cell.
+        number = repr if self._fmt.full_precision and b.plain else self._fmt.number
+        lead = self._lead(b)
         heads, tails, out = self._heads, self._tails, []
         for name, vpp, shape, dtype, vals in zip(b.names, b.vpp_stages, b.shapes, b.dtypes, b.values):
             head = heads.get((vpp, name))
@@ -292,9 +396,9 @@ class CsvSink(Sink):
 
     # -- files ----------------------------------------------------------------------------
 
-    def _append(self, family: str, a: int, columns: tuple[str, ...], lines: list[str]) -> None:
+    def _append(self, family: str, a: int, columns: tuple[str, ...], text: _FileText) -> None:
         header = (",".join(_quote(c) for c in columns) + "\n").encode()
-        body = "".join(lines).encode()
+        body = b"".join(text.chunks)
         path = self._paths.get((family, a, columns)) or self._dir / family_file_name(
             family, *window_bounds(a, self._steps_per_file)
         )
@@ -305,7 +409,7 @@ class CsvSink(Sink):
             else:
                 _write_all(fd, header + body if is_new else body)
         except OSError as exc:
-            self._failed(path, exc, len(lines))
+            self._failed(path, exc, text.rows)
 
     def _open_for(self, family: str, a: int, columns: tuple[str, ...], header: bytes) -> tuple[Path, int | None, bool]:
         """The fd to append rows with these columns to (None: the file does not exist yet, create

@@ -11,7 +11,9 @@ MLflow specifics:
   default experiment), named after trainmon's run id (``<run id>-rank<R>`` with ``all_ranks``) and
   tagged ``trainmon.run_id`` / ``trainmon.rank``.  Only a run this sink started is ended at close.
 * **Writes.** ``MlflowClient.log_batch`` per step, in chunks of 1,000 metrics (MLflow's limit per
-  request), each metric with the training step and the step's recorded wall time (ms).
+  request), each metric with the training step and the step's recorded wall time (ms).  With a
+  local store (SQLite file, folder, a database URI) the client runs in a child process
+  (:mod:`trainmon.sinks.mlflow_store`): its database work would otherwise hold this process's GIL.
 * **Keys.** Characters MLflow rejects become ``_`` (:func:`~trainmon.sinks.metrics.mlflow_key`).
 * **Values.** float64 as they are; NaN reads back as NaN; MLflow's SQL stores keep +-inf as
   +-1.7976931348623157e308 (the largest float64).
@@ -24,13 +26,14 @@ import importlib.util
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from trainmon.sinks.base import SinkOptions, register_sink
 
 if importlib.util.find_spec("mlflow") is None:  # "format": ["mlflow"] without it: a config error at attach
     raise ImportError("No module named 'mlflow'")
 from trainmon.sinks.metrics import MetricSettings, MetricSink, mlflow_key
+from trainmon.sinks.mlflow_store import ChildStore, InProcessStore, open_store
 
 __all__ = ["MlflowSink", "MlflowSettings", "BATCH"]
 
@@ -67,7 +70,7 @@ class MlflowSink(MetricSink):
         super().__init__(options, settings)
         # MLflow's active run is per thread: the one that attaches the monitor is the training thread.
         self._owner_thread = threading.get_ident()
-        self.client: Any = None
+        self.store: InProcessStore | ChildStore | None = None
         self.mlflow_run_id: str | None = None
         self.own_run = False
 
@@ -75,21 +78,18 @@ class MlflowSink(MetricSink):
         return mlflow_key
 
     def _open(self) -> None:
-        from mlflow import MlflowClient
-
         s = self.settings
         assert isinstance(s, MlflowSettings)
         active = self._active_run_id()
-        self.client = MlflowClient(tracking_uri=None if active else s.tracking_uri)
+        self.store = open_store(None if active else s.tracking_uri)
         if active:
             self.mlflow_run_id = active
             return
-        run = self.client.create_run(
-            self._experiment_id(s.experiment),
-            run_name=self.run_name,
-            tags={"trainmon.run_id": self.run_id, "trainmon.rank": str(self.rank)},
+        self.mlflow_run_id = self.store.create_run(
+            self.store.experiment_id(s.experiment),
+            self.run_name,
+            {"trainmon.run_id": self.run_id, "trainmon.rank": str(self.rank)},
         )
-        self.mlflow_run_id = run.info.run_id
         self.own_run = True
 
     def _active_run_id(self) -> str | None:
@@ -107,21 +107,18 @@ class MlflowSink(MetricSink):
             return stack[-1].info.run_id
         return os.environ.get("MLFLOW_RUN_ID") or None
 
-    def _experiment_id(self, name: str | None) -> str:
-        name = name or os.environ.get("MLFLOW_EXPERIMENT_NAME")
-        if name:
-            found = self.client.get_experiment_by_name(name)
-            return found.experiment_id if found is not None else self.client.create_experiment(name)
-        return os.environ.get("MLFLOW_EXPERIMENT_ID") or "0"
-
     def _log(self, step: int, wall_time: float, metrics: dict[str, float]) -> None:
-        from mlflow.entities import Metric
-
+        assert self.store is not None and self.mlflow_run_id is not None
         ms = int(wall_time * 1000)
-        batch = [Metric(key, value, ms, step) for key, value in metrics.items()]
+        batch = [(key, value, ms, step) for key, value in metrics.items()]
         for i in range(0, len(batch), BATCH):
-            self.client.log_batch(self.mlflow_run_id, metrics=batch[i : i + BATCH])
+            self.store.log_batch(self.mlflow_run_id, batch[i : i + BATCH])
 
     def _end(self) -> None:
-        if self.own_run and self.mlflow_run_id is not None:
-            self.client.set_terminated(self.mlflow_run_id)
+        if self.store is None:
+            return
+        try:
+            if self.own_run and self.mlflow_run_id is not None:
+                self.store.set_terminated(self.mlflow_run_id)
+        finally:
+            self.store.close()

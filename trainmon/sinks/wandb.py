@@ -36,7 +36,10 @@ from trainmon.sinks.metrics import MetricSettings, MetricSink
 __all__ = ["WandbSink", "WandbSettings", "STEP_KEY"]
 
 STEP_KEY = "trainmon/step"
-LOG_CHUNK = 256  # keys per run.log call
+# keys per run.log call: each call costs ~1 ms of fixed Python work in wandb (its publish path),
+# the keys ~3 µs each; 2,048 keys a call is one call a step for most runs (measured: 1,590 keys in
+# 7 calls of 256 took 5.7-8.5 ms of CPU a step, in one call 4.3-5.3 ms)
+LOG_CHUNK = 2048
 
 
 @dataclass(frozen=True)
@@ -112,8 +115,9 @@ class WandbSink(MetricSink):
                 self._axes.add(family)
                 run.define_metric(f"{family}/*", step_metric=STEP_KEY)
         items = [(STEP_KEY, step), *metrics.items()]
-        # Pieces of one row (W&B merges the logs of one step): the GIL is offered between them,
-        # since wandb's log is Python work per key that the training thread would wait for.
+        # Pieces of one row for very large selections (W&B merges the logs of one step): the GIL
+        # is offered between them, since wandb's log is Python work per key that the training
+        # thread would wait for.
         for i in range(0, len(items), LOG_CHUNK):
             run.log(dict(items[i : i + LOG_CHUNK]), step=step)
             time.sleep(0)

@@ -166,6 +166,15 @@ def _to_device(values: list[int] | torch.Tensor, device: torch.device) -> torch.
     return host.pin_memory().to(device, non_blocking=True)
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """``DeviceRows.plan``: the steps of a write (kind, tensor indices or None for all, element
+    counts and dtype of a segment batch) and each tensor's row offset (None: in order)."""
+
+    steps: list[tuple[str, list[int] | None, list[int] | None, torch.dtype | None]]
+    order: np.ndarray | None
+
+
 @dataclass
 class _Chunk:
     values: torch.Tensor  # [capacity, len(value columns)] float32
@@ -261,6 +270,89 @@ class DeviceRows:
                 self.pads[rows[k]] = n
         return [(self, r) for r in rows]
 
+    def plan(self, tensors: Sequence[torch.Tensor]) -> _Plan | None:
+        """The route ``_write`` takes for ``tensors`` worked out once, for a caller that hands the
+        same layout step after step (``StatsEngine.capture_block``): the segment batches of the
+        small tensors, the ``_foreach`` group, the tensors reduced alone, and each tensor's row.
+        Valid while the tensors keep their dtypes, element counts, types, layouts and device
+        (the caller checks those).  None where the route depends on more than that: the Triton
+        kernel, sparse tensors, views of one buffer (``_flat_groups`` reads storage addresses)."""
+        if self._triton is not None or any([t.layout is not STRIDED for t in tensors]):
+            return None
+        n = len(tensors)
+        rows = [-1] * n
+        if self._flat_groups(tensors, rows):
+            return None
+        steps: list[tuple[str, Any, Any, Any]] = []
+        order: list[int] = []
+        small = self._small_group(tensors, rows)
+        if small:
+            for dtype, ks, numels in self._segment_batches(tensors, small):
+                steps.append(("segments", ks, numels, dtype))
+                order += ks
+            for k in small:
+                rows[k] = 0
+        separate = self._foreach_group(tensors, rows) if len(order) < n else []
+        if separate:
+            steps.append(("foreach", separate, None, None))
+            order += separate
+            for k in separate:
+                rows[k] = 0
+        alone = [k for k in range(n) if rows[k] < 0]
+        if alone:
+            steps.append(("reduce", alone, None, None))
+            order += alone
+        rank = np.empty(n, dtype=np.int64)
+        rank[order] = np.arange(n)
+        return _Plan(
+            [(kind, None if ks == list(range(n)) else ks, numels, dtype) for kind, ks, numels, dtype in steps],
+            None if order == list(range(n)) else rank,
+        )
+
+    def write_planned(self, plan: _Plan, tensors: Sequence[torch.Tensor]) -> int:
+        """``write`` along ``plan`` (``plan(tensors)`` of tensors of this layout): the rows'
+        first number; tensor ``k``'s row is that plus ``plan.order[k]`` (or ``k``).  No Python
+        work per tensor for the segment batches; per tensor as ``write`` for the others."""
+        grad = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            with self.lock:
+                start = pos = len(self.numels)
+                self.numels.extend([0] * len(tensors))
+                self.kinds.extend([_F32] * len(tensors))
+                for kind, ks, numels, dtype in plan.steps:
+                    group = tensors if ks is None else [tensors[k] for k in ks]
+                    if kind == "segments":
+                        self._segment_batch(group, numels, dtype, pos)  # type: ignore[arg-type]
+                    elif kind == "foreach":
+                        self._foreach(group, pos)  # type: ignore[arg-type]
+                    else:
+                        for j, t in enumerate(group):
+                            self._reduce(t, pos + j)
+                    pos += len(group)
+            return start
+        finally:
+            torch._C._set_grad_enabled(grad)
+
+    def _segment_batches(
+        self, tensors: Sequence[torch.Tensor], idx: list[int]
+    ) -> list[tuple[torch.dtype, list[int], list[int]]]:
+        """``_segments``' batches: (dtype, indices, element counts) in row order."""
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for k in idx:
+            by_dtype.setdefault(tensors[k].dtype, []).append(k)
+        out = []
+        for dtype, ks in by_dtype.items():
+            numels = [tensors[k].numel() for k in ks]
+            begin = total = 0
+            for j, n in enumerate(numels):
+                if total + n > _SEG_BUDGET and j > begin:
+                    out.append((dtype, ks[begin:j], numels[begin:j]))
+                    begin, total = j, 0
+                total += n
+            out.append((dtype, ks[begin:], numels[begin:]))
+        return out
+
     def _write_triton(self, tensors: Sequence[torch.Tensor], rows: list[int], pos: int) -> int:
         """The Triton kernel's share of ``write``; if it fails (a GPU Triton cannot compile for),
         one warning and the eager path from then on: the monitor never stops training."""
@@ -289,21 +381,10 @@ class DeviceRows:
         """``tensors[idx]`` into rows ``row..`` as segment batches: one per dtype (the zeros
         threshold is the dtype's) and per ``_SEG_BUDGET`` elements; returns the indices in row
         order.  No Python call per tensor: plain loops and comprehensions only."""
-        by_dtype: dict[torch.dtype, list[int]] = {}
-        for k in idx:
-            by_dtype.setdefault(tensors[k].dtype, []).append(k)
         order: list[int] = []
-        for dtype, ks in by_dtype.items():
-            numels = [tensors[k].numel() for k in ks]
-            begin = total = 0
-            for j, n in enumerate(numels):
-                if total + n > _SEG_BUDGET and j > begin:
-                    self._segment_batch([tensors[k] for k in ks[begin:j]], numels[begin:j], dtype, row + len(order))
-                    order += ks[begin:j]
-                    begin, total = j, 0
-                total += n
-            self._segment_batch([tensors[k] for k in ks[begin:]], numels[begin:], dtype, row + len(order))
-            order += ks[begin:]
+        for dtype, ks, numels in self._segment_batches(tensors, idx):
+            self._segment_batch([tensors[k] for k in ks], numels, dtype, row + len(order))
+            order += ks
         return order
 
     def _segment_batch(self, group: list[torch.Tensor], numels: list[int], dtype: torch.dtype, row: int) -> None:
@@ -361,7 +442,8 @@ class DeviceRows:
         counts = torch.stack(ccols, dim=1) if ccols else None
         done = 0
         while done < len(numels):  # rows may continue into the next chunk of the row buffer
-            chunk, r = self._chunk(row + done)
+            at, r = divmod(row + done, self.capacity)  # ``_chunk`` inline when the chunk exists
+            chunk = self.chunks[at] if at < len(self.chunks) else self._chunk(row + done)[0]
             n = min(len(numels) - done, self.capacity - r)
             if values is not None:
                 chunk.values[r : r + n, : values.shape[1]].copy_(values[done : done + n])
@@ -541,7 +623,10 @@ class DeviceRows:
         if "sum" in vc:
             torch.sum(t, dim=None, dtype=_F32, out=v[vc["sum"]])
         if "sumsq" in vc:
-            torch.linalg.vector_norm(t, dtype=_F32, out=v[vc["sumsq"]])
+            if t.dtype == torch.float64:  # a norm may not narrow its input: taken in fp64, stored in fp32
+                v[vc["sumsq"]].copy_(torch.linalg.vector_norm(t))
+            else:
+                torch.linalg.vector_norm(t, dtype=_F32, out=v[vc["sumsq"]])
         if "min" in vc:
             ext = v[vc["min"] : vc["min"] + 2] if t.dtype == _F32 else self._extremes(chunk, t.dtype)[r]
             torch.aminmax(t, out=(ext[0], ext[1]))

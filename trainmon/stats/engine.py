@@ -17,9 +17,12 @@ are first read.  ``stats_paths`` says which path each device type used (recorded
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
+import operator
 import os
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +31,7 @@ import numpy as np
 import torch
 
 from trainmon.stats._fused_cpu import FUSED_DTYPES, fill_rows
+from trainmon.stats._fused_cpu import _function as _fused_kernel
 from trainmon.stats.derive import derive_block
 from trainmon.stats.device_rows import DeviceRows, HostCopy
 from trainmon.stats.host_rows import HostRows
@@ -36,7 +40,7 @@ from trainmon.stats.partials import device_columns, fused_columns, write_cpu_row
 from trainmon.stats.rows import RowBlock, StepRows, paced_rows
 from trainmon.stats.table import combine, partials_for, unscale
 
-__all__ = ["StatsEngine", "Tracked", "Meta", "SEAM_ENV", "device_path_forced", "merge_rows"]
+__all__ = ["StatsEngine", "Tracked", "Meta", "FamilyBlock", "SEAM_ENV", "device_path_forced", "merge_rows"]
 
 SEAM_ENV = "TRAINMON_DEVICE_PATH"
 SKIPPED = Skipped(None)  # the row handle of a tensor seen while a CUDA graph was being captured
@@ -81,12 +85,62 @@ class Meta:
 # Plain tuples: a hook on a CPU model captures a few hundred of these per step.
 _Item = tuple
 
+# Per-tensor attributes read with ``map`` (a loop in C: no Python frame, whatever the count).
+_IS_CPU = operator.attrgetter("is_cpu")
+_DEVICE = operator.attrgetter("device")
+_LAYOUT = operator.attrgetter("layout")
+_DEVICE_INDEX = torch.Tensor.get_device  # -1 on the CPU
+_DATA_PTR = torch.Tensor.data_ptr
+_IS_CONTIGUOUS = torch.Tensor.is_contiguous
+_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the fused kernel's dtype codes
+
+
+_NO_ROWS = np.empty((0, 0))  # a step without host rows
+
+
+class FamilyBlock:
+    """One family's rows as a block: the layout a collector keeps from step to step
+    (``collectors.base.FamilyRows``) plus what the engine caches for it, so that a step of the
+    family is one multi-tensor call and one pending entry, with no Python work per tensor:
+
+    * ``items``: the rows' ``(name, vpp_stage, shape, dtype)``, never mutated (a new block is made
+      when the layout changes, so a step not yet written keeps its own);
+    * the fused CPU kernel's argument arrays: element counts and dtype codes (fixed with the
+      layout) and the data pointers, rebuilt only when an address moved (one ``map`` to read
+      them, one comparison of two lists);
+    * on the accelerator path, the device's route for these tensors (``DeviceRows.plan``), kept
+      while the tensors' types, layouts and device stay the same.
+    """
+
+    __slots__ = ("_keep", "device_key", "fused", "items", "kinds", "n", "numels", "plan", "ptr_addr", "ptrs")
+
+    def __init__(self, items: list[_Item], dtypes: Sequence[torch.dtype], numels: Sequence[int]):
+        self.items = items
+        self.n = len(items)
+        self.fused = all([d in _KIND for d in dtypes])
+        self.numels = array("q", numels)
+        self.kinds = array("i", [_KIND.get(d, -1) for d in dtypes])
+        self.ptrs: list[int] = []
+        self.ptr_addr = 0
+        self._keep: array | None = None  # the pointer array ``ptr_addr`` points into
+        self.device_key: tuple | None = None
+        self.plan: Any = None
+
+    def pointers(self, ptrs: list[int]) -> int:
+        """The address of the kernel's pointer array for ``ptrs`` (rebuilt when they moved)."""
+        if ptrs != self.ptrs:
+            self.ptrs = ptrs
+            self._keep = array("q", ptrs)
+            self.ptr_addr = self._keep.buffer_info()[0]
+        return self.ptr_addr
+
 
 @dataclass(slots=True)
 class _Pending:
     family: str
     items: list[_Item]
-    rows: list[Any]  # host row index (CPU), (DeviceRows, index), or a value tensor
+    rows: list[Any]  # host row index (CPU), (DeviceRows, index), or a value tensor; for a block
+    # (``capture_block``) a range or an int64 array of row numbers (of ``owner``, or of the host)
     columns: tuple[str, ...]
     micro_step: int | None = None
     extra: dict[str, Any] | None = None
@@ -97,6 +151,7 @@ class _Pending:
     slot: Any = None  # (device, index) of this capture's tensors in the step's copy
     scale: Any = None  # divide the partials by this (float, or a device 0-d tensor)
     extendable: bool = False  # items/rows are the engine's own lists: later hook rows may join them
+    owner: Any = None  # the DeviceRows whose rows ``rows`` (a range, or row numbers) are
 
 
 class StatsEngine:
@@ -113,6 +168,9 @@ class StatsEngine:
         self._devices: dict[torch.device, DeviceRows] = {}
         self.stats_paths: dict[str, str] = {}  # device type -> "cpu-fused" | "cpu-eager" | "device[-triton]"
         self._warned_capture = False
+        self._kernel: Any = None  # (fused kernel, its column map) once the first block decided on it
+        self._sharded = False  # a capture this step has a process group: finish_step merges
+        self._device_values = False  # a capture this step holds values or a scale on a device
 
     def capture(
         self,
@@ -245,6 +303,10 @@ class StatsEngine:
             kept = [(it, r) for it, r in zip(items, rows) if not _skipped(family, it.name, r)]
             items, rows = [it for it, _ in kept], [r for _, r in kept]
         if items:
+            if group is not None:
+                self._sharded = True
+            if isinstance(scale, torch.Tensor):
+                self._device_values = True
             self._pending.append(
                 _Pending(
                     family,
@@ -292,6 +354,94 @@ class StatsEngine:
             if not items:
                 return
         self._pending.append(_Pending(family, items, rows, self.columns, micro_step))
+
+    def block(self, items: list[_Item], dtypes: Sequence[torch.dtype], numels: Sequence[int]) -> FamilyBlock:
+        """A new ``FamilyBlock`` for ``capture_block`` (a collector makes one when its layout
+        changes)."""
+        return FamilyBlock(items, dtypes, numels)
+
+    def capture_block(
+        self, family: str, block: FamilyBlock, tensors: Sequence[torch.Tensor], micro_step: int | None = None
+    ) -> None:
+        """``capture_items`` of a family kept as a ``FamilyBlock``: ``tensors`` match its layout
+        (dtypes and element counts, checked by the caller).  CPU tensors: one call of the fused
+        kernel over the block's cached pointer table straight into the step buffer; accelerator
+        tensors (and the seam): the device's cached route.  Either way a step costs this frame,
+        the pending entry's and no Python work per tensor.  Anything unusual (no kernel, a
+        non-contiguous or sparse tensor, a tensor the kernel refuses, a device without a route)
+        takes ``capture_items``, whose values are the same."""
+        if not block.n:
+            return
+        try:
+            if not self.seam and block.fused and all(map(_IS_CPU, tensors)) and all(map(_IS_CONTIGUOUS, tensors)):
+                kernel = self._kernel if self._kernel is not None else self._fused_kernel()
+                if kernel:
+                    addresses = list(map(_DATA_PTR, tensors))
+                    ptrs = block.ptr_addr if addresses == block.ptrs else block.pointers(addresses)
+                    host, n, width = self._host, block.n, len(self.columns)
+                    with host.lock:
+                        start = host.count
+                        if start + n > host.tensor.shape[0]:
+                            host.reserve(n)
+                        host.count = start + n
+                        out = host.tensor.data_ptr() + start * width * 8
+                        bad = kernel[0](
+                            ptrs,
+                            block.numels.buffer_info()[0],
+                            block.kinds.buffer_info()[0],
+                            n,
+                            out,
+                            width,
+                            kernel[1],
+                            self.eps,
+                        )
+                    if not bad:  # else: rows left unused; the general path says which tensor
+                        rows: Any = range(start, start + n)
+                        self._pending.append(_Pending(family, block.items, rows, self.columns, micro_step))
+                        return
+            elif self.seam or not tensors[0].is_cpu:
+                # device indices, not torch.device objects (one allocation per tensor): a mix of
+                # device types with one index fails in the route and takes the general path
+                key = (
+                    set(map(type, tensors)),
+                    set(map(_LAYOUT, tensors)),
+                    set(map(_DEVICE_INDEX, tensors)),
+                    set(map(_IS_CPU, tensors)),
+                )
+                if key != block.device_key:
+                    block.device_key, block.plan = key, self._plan(tensors)
+                if block.plan is not None:
+                    owner, plan = block.plan
+                    start = owner.write_planned(plan, tensors)
+                    rows = range(start, start + block.n) if plan.order is None else plan.order + start
+                    self._pending.append(_Pending(family, block.items, rows, self.columns, micro_step, owner=owner))
+                    return
+        except Exception:  # a tensor these paths cannot read (sparse, no storage): the general path
+            block.plan = None  # handles it; a route that failed is not tried again for this layout
+        self.capture_items(family, block.items, tensors, micro_step=micro_step)
+
+    def _fused_kernel(self) -> Any:
+        """(the fused kernel, the engine's column map) or False (no kernel: the eager path)."""
+        cols = self._fused()
+        if "cpu" not in self.stats_paths:
+            self.stats_paths["cpu"] = "cpu-fused" if cols is not None else "cpu-eager"
+        fn = _fused_kernel() if cols is not None else None
+        # False: no kernel (decided once, like ``_fused``): blocks take the eager path
+        self._kernel = (fn, (ctypes.c_int64 * len(cols))(*cols)) if fn is not None and cols else False
+        return self._kernel
+
+    def _plan(self, tensors: Sequence[torch.Tensor]) -> tuple[DeviceRows, Any] | None:
+        """The device route of a block's tensors, or None (several devices, a capturing stream,
+        a device the host cannot read, or tensors without a fixed route: the general path)."""
+        devices = set(map(_DEVICE, tensors))
+        if len(devices) != 1:
+            return None
+        (device,) = devices
+        if stream_capturing(device) or unreadable_device(device) is not None:
+            return None
+        owner = self._device_rows(device)
+        plan = owner.plan(tensors)
+        return None if plan is None else (owner, plan)
 
     def capture_tensors(
         self,
@@ -358,6 +508,7 @@ class StatsEngine:
             kept = [k for k, v in enumerate(values) if v.is_cpu or not _unreadable_value(family, metas[k], v)]
             metas, values = [metas[k] for k in kept], [values[k] for k in kept]
         if metas:
+            self._device_values = True
             self._pending.append(
                 _Pending(
                     family,
@@ -384,6 +535,7 @@ class StatsEngine:
             return
         if not values.is_cpu and unreadable_device(values.device) is not None:
             return
+        self._device_values = True
         self._pending.append(_Pending(family, items, [values.detach()], tuple(columns), is_values=True, block=True))
 
     def mark(self) -> tuple[int, int]:
@@ -412,6 +564,7 @@ class StatsEngine:
 
     def discard(self) -> None:
         self._pending.clear()
+        self._sharded = self._device_values = False
         self._host.clear()
         for rows in self._devices.values():
             rows.clear()
@@ -422,15 +575,21 @@ class StatsEngine:
         rows merged) when the rows are first built, which for a threaded sink is on its writer
         thread."""
         pending, self._pending = self._pending, []
-        for dev, rows in self._devices.items():  # the Triton kernel may have been turned off since
-            self.stats_paths[dev.type] = rows.path
-        self._merge_sharded(pending)
-        extras = _device_extras(pending, self.seam)
-        copies = {dev: rows.snapshot(extras.get(dev, ())) for dev, rows in self._devices.items()}
+        sharded, self._sharded = self._sharded, False
+        if sharded:
+            self._merge_sharded(pending)
+        # only values, a device loss scale or sharded device rows add to a device's copy
+        extras = _device_extras(pending, self.seam) if self._device_values or (sharded and self._devices) else {}
+        self._device_values = False
+        copies: dict[Any, HostCopy | None] = {}
+        for dev, rows in self._devices.items():  # a loop, not a comprehension: one frame less
+            # the Triton kernel may have been turned off since (``DeviceRows.path``, inlined)
+            self.stats_paths[dev.type] = "device" if rows._triton is None else "device-triton"
+            copies[dev] = rows.snapshot(extras.get(dev, ()))
         for dev, tensors in extras.items():
             if dev not in copies:
                 copies[dev] = self._device_rows(dev).snapshot(tensors)
-        host = self._host.take()
+        host = self._host.take() if self._host.count else _NO_ROWS
         return StepRows(functools.partial(_build_blocks, pending, host, copies, step, self.ops))
 
     def has_pending(self) -> bool:
@@ -470,22 +629,23 @@ def _unreadable_value(family: str, meta: Meta, value: torch.Tensor) -> bool:
 
 def _build_blocks(
     pending: list[_Pending],
-    host: list[list[float]],
+    host: np.ndarray,
     copies: dict[Any, HostCopy | None],
     step: int,
     ops: tuple[str, ...],
 ) -> list[RowBlock]:
     """One block per run of consecutive captures that share a layout (an activation hook captures
     one or two tensors at a time: merged, a micro-batch's forward is one block, so numpy's fixed
-    cost is paid a few times per step, not once per hook call)."""
+    cost is paid a few times per step, not once per hook call).  Each run's partials are one
+    float64 matrix, derived in one numpy pass."""
     values = _to_host(pending, host, copies)
     blocks = []
     dtypes: dict[Any, str] = {}
     for (family, micro, extra, columns, is_values), run in _runs(pending, values):
-        items = [item for p, _ in run for item in p.items]
-        partials = [row for _, mat in run for row in mat]
+        items = run[0][0].items if len(run) == 1 else [item for p, _ in run for item in p.items]
+        partials = run[0][1] if len(run) == 1 else np.concatenate([mat for _, mat in run])
         stats = columns if is_values else ops
-        rows = partials if is_values else derive_block(ops, columns, partials)
+        rows = partials.tolist() if is_values else derive_block(ops, columns, partials)
         if is_values and run[0][0].integers:
             rows = [_as_ints(row, run[0][0].integers) for row in rows]
         names, vpps, shapes, dts = [], [], [], []
@@ -508,7 +668,7 @@ def _as_ints(row: list[float], columns: tuple[int, ...]) -> list[Any]:
     return out
 
 
-def _runs(pending: list[_Pending], values: list[list[list[float]]]):
+def _runs(pending: list[_Pending], values: list[np.ndarray]):
     """(layout, [(pending, values), ...]) for each run of consecutive captures with one layout.
     Paced by rows (a pending entry may hold one row or hundreds: hook rows join one entry)."""
     key = None
@@ -524,12 +684,11 @@ def _runs(pending: list[_Pending], values: list[list[list[float]]]):
         yield key, run
 
 
-def _to_host(
-    pending: list[_Pending], host: list[list[float]], copies: dict[Any, HostCopy | None]
-) -> list[list[list[float]]]:
-    """Each pending's rows as floats: host rows by index, device rows from their device's copy
-    (waiting for it here), value tensors and gathered shards from the extras of that copy."""
-    decoded: dict[Any, list[list[float]]] = {}
+def _to_host(pending: list[_Pending], host: np.ndarray, copies: dict[Any, HostCopy | None]) -> list[np.ndarray]:
+    """Each pending's rows as a float64 ``[rows, columns]`` matrix: host rows by index, device
+    rows from their device's copy (waiting for it here), value tensors and gathered shards from
+    the extras of that copy."""
+    decoded: dict[Any, np.ndarray] = {}
     extras: dict[Any, list[torch.Tensor]] = {}
     out = []
     for p in pending:
@@ -540,38 +699,55 @@ def _to_host(
                 if device not in extras:
                     extras[device] = copies[device].extra()  # type: ignore[union-attr]
                 p.scale = float(extras[device][k][0])
-            out[-1] = unscale(out[-1], p.columns, p.scale)
+            out[-1] = np.asarray(unscale(out[-1].tolist(), p.columns, p.scale), dtype=np.float64).reshape(out[-1].shape)
     return out
+
+
+def _decoded(owner: Any, columns: Sequence[str], copies: dict[Any, HostCopy | None], decoded: dict) -> np.ndarray:
+    """Every row of ``owner`` (a ``DeviceRows``) this step, decoded once per step."""
+    mat = decoded.get(owner)
+    if mat is None:
+        mat = decoded[owner] = copies[owner.device].rows(columns)  # type: ignore[union-attr]
+    return mat
 
 
 def _values_of(
     p: _Pending,
-    host: list[list[float]],
+    host: np.ndarray,
     copies: dict[Any, HostCopy | None],
-    decoded: dict[Any, list[list[float]]],
+    decoded: dict[Any, np.ndarray],
     extras: dict[Any, list[torch.Tensor]],
-) -> list[list[float]]:
-    """One pending's rows as floats (see ``_to_host``)."""
+) -> np.ndarray:
+    """One pending's rows as a float64 matrix (see ``_to_host``)."""
+    width = len(p.columns)
     if p.slot is not None:
         device, k = p.slot
         if device not in extras:
             extras[device] = copies[device].extra()  # type: ignore[union-attr]
         ex = extras[device]
-        return _merged_rows(ex[k], ex[k + 1], p.columns) if p.group is not None else ex[k].double().tolist()
+        if p.group is not None:
+            return np.asarray(_merged_rows(ex[k], ex[k + 1], p.columns), dtype=np.float64).reshape(-1, width)
+        return ex[k].double().numpy().reshape(-1, width)
     if p.block:
-        return p.rows[0].double().tolist()
+        return p.rows[0].detach().double().cpu().numpy().reshape(-1, width)
+    rows = p.rows
+    if p.owner is not None:  # a block of one device's rows
+        mat = _decoded(p.owner, p.columns, copies, decoded)
+        return mat[rows.start : rows.stop] if isinstance(rows, range) else mat[rows]
+    if isinstance(rows, range):
+        return host[rows.start : rows.stop]
+    if rows and all([type(r) is int for r in rows]):
+        return host[rows]
     row_values = []
-    for r in p.rows:
-        if isinstance(r, int):
+    for r in rows:
+        if isinstance(r, (int, np.integer)):
             row_values.append(host[r])
         elif isinstance(r, tuple):
             owner, i = r
-            if owner not in decoded:
-                decoded[owner] = copies[owner.device].rows(p.columns).tolist()  # type: ignore[union-attr]
-            row_values.append(decoded[owner][i])
+            row_values.append(_decoded(owner, p.columns, copies, decoded)[i])
         else:
-            row_values.append(r.double().tolist())
-    return row_values
+            row_values.append(r.double().cpu().numpy().reshape(-1))
+    return np.asarray(row_values, dtype=np.float64).reshape(-1, width)
 
 
 def _device_extras(pending: list[_Pending], seam: bool) -> dict[torch.device, list[torch.Tensor]]:

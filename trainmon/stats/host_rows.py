@@ -1,8 +1,9 @@
 """This step's CPU partials rows, in one float64 buffer reused from step to step.
 
 A CPU capture writes its row straight into the buffer and keeps only the row's index: no tensor
-per row, no stacking at the end of the step, and ``finish_step`` reads every row with one
-``tolist``.  Hooks run this once per module input/output, so per-capture cost is what matters.
+per row, no stacking at the end of the step, and ``finish_step`` takes every row as one numpy
+copy (no Python object per row on the training thread: the rows become numbers on the writer
+thread).  Hooks run this once per module input/output, so per-capture cost is what matters.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable
 
+import numpy as np
 import torch
 
 __all__ = ["HostRows"]
@@ -37,10 +39,11 @@ class HostRows:
         """A copy of the rows ``ids`` (for merging shards over a process group)."""
         return self.tensor[torch.as_tensor(list(ids), dtype=torch.long)]
 
-    def take(self) -> list[list[float]]:
-        """Every row written since the last ``take``/``clear``; the buffer is then reused."""
+    def take(self) -> np.ndarray:
+        """A copy of every row written since the last ``take``/``clear`` (float64 ``[rows,
+        width]``); the buffer is then reused."""
         with self.lock:
-            values = self.array[: self.count].tolist()
+            values = self.array[: self.count].copy()
             self.count = 0
         return values
 
