@@ -1,12 +1,14 @@
 """Analysis commands at scale: wall time, rows/s and peak RSS on synthetic runs of growing size.
 
     PYTHONPATH=. python benchmarks/analysis_scale.py --sizes 1m,10m --formats csv,parquet \\
-        --engines duckdb,memory --commands anomalies,ranks,compare --root /tmp/trainmon-scale
+        --paths bucket,memory --commands anomalies,ranks,compare --root /tmp/trainmon-scale
 
 Each run is a consistent data-parallel run (``trainmon.testing.synthetic_run``: replicated
 families equal on every rank) with a planted NaN and a planted spike, written once per size and
 format under ``--root`` (reused when present).  Each command runs in its own process
-(``python -m trainmon ... --json``); its peak RSS is that child's ``ru_maxrss``.  The first
+(``python -m trainmon ... --json``, ``--cluster ADDRESS`` passed on; ``--paths memory``: the old
+in-memory path, ``load_run`` and the checks on the whole table, for comparison); its peak RSS is
+that child's ``ru_maxrss``.  ``anomalies`` runs the rules it plants faults for (``RULES``).  The first
 finding is checked against the planted fault, so a fast wrong answer cannot pass: ``anomalies``
 must find the spike first and the NaN, ``ranks`` exactly the NaN on its one rank, ``compare``
 (the run against a copy whose ``param_updated`` drifts from step ``steps // 4``: written beside
@@ -88,36 +90,62 @@ def _planted(command: str, doc: dict, synth: SyntheticRun) -> bool:
     ) * synth.ranks
 
 
-def _one(command: str, runs: list[Path], synth: SyntheticRun, engine: str) -> dict:
+# The synthetic runs do not carry a param's value from one step's ``param_updated`` to the next
+# step's ``param_origin``, so the ``param_changed`` rule would flag every ``param_origin`` row
+# (1.6M findings at 9.6M rows, which the JSON and the findings' memory would then measure): the
+# benchmark runs the rules it plants faults for.
+RULES = ("--rules", "nonfinite,spike")
+
+
+def _command(command: str, runs: list[Path], path: str, cluster: str | None) -> list[str]:
+    """``python -m trainmon COMMAND RUNS --json`` (``path`` "bucket", the commands' one path), or
+    the in-memory path the commands used before (``memory``: the whole run read into pandas,
+    ``_memory`` in a child), with the same rules and the same JSON fields the check reads."""
+    if path == "memory":
+        child = f"import analysis_scale as a; a._memory({command!r}, {[str(r) for r in runs]!r})"
+        return [sys.executable, "-c", child]
+    extra = [*RULES] if command == "anomalies" else []
+    extra += ["--cluster", cluster] if cluster else []
+    return [sys.executable, "-m", "trainmon", command, *map(str, runs), "--json", *extra]
+
+
+def _memory(command: str, runs: list[str]) -> None:
+    """(Child process) the in-memory path: ``scan_all`` / ``check_ranks`` / ``compare_runs`` of
+    ``load_run``'s whole table, printed as the command's JSON fields the check reads."""
+    from trainmon.analysis.rules import Rules, SpikeRule
+    from trainmon.diagnosis.reader import load_run
+
+    if command == "anomalies":
+        from trainmon.diagnosis.scan import scan_all
+
+        found = scan_all(load_run(runs[0]), Rules(spike=SpikeRule(), param_changed=False)).anomalies
+        doc: dict = {"count": len(found), "anomalies": [a.to_json() for a in found]}
+    elif command == "ranks":
+        from trainmon.diagnosis.ranks import check_ranks
+
+        issues = check_ranks(load_run(runs[0]))
+        doc = {"count": len(issues), "issues": [i.to_json() for i in issues]}
+    else:
+        from trainmon.diagnosis.compare import compare_runs
+
+        doc = compare_runs(load_run(runs[0]), load_run(runs[1])).to_json()
+    json.dump(doc, sys.stdout)
+
+
+def _one(command: str, runs: list[Path], synth: SyntheticRun, path: str, cluster: str | None = None) -> dict:
     # A fresh interpreter per measurement keeps ru_maxrss per command (RUSAGE_CHILDREN is a max).
     code = (
         "import resource, subprocess, sys; p = subprocess.run(sys.argv[1:], capture_output=True, text=True); "
         "sys.stdout.write(p.stdout); sys.stderr.write(p.stderr); "
         "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); sys.exit(p.returncode)"
     )
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "benchmarks")]), OMP_NUM_THREADS="1")
     t0 = time.perf_counter()
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            code,
-            sys.executable,
-            "-m",
-            "trainmon",
-            command,
-            *map(str, runs),
-            "--json",
-            "--engine",
-            engine,
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-    )
+    argv = _command(command, runs, path, cluster)
+    proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
-        raise SystemExit(f"{command} {runs[0]} --engine {engine} failed: {proc.stderr.strip()[-500:]}")
+        raise SystemExit(f"{command} {runs[0]} ({path}) failed: {proc.stderr.strip()[-500:]}")
     doc = json.loads(proc.stdout)
     findings = doc.get("count", doc.get("diverged_rows"))
     return {
@@ -132,17 +160,17 @@ def _floor_read(run: str, fmt: str) -> None:
     """(Child process of ``_read_floor``) prints the seconds DuckDB takes to read every column of
     every family file of ``run`` once, through the engine's own scan of each header's files (CSV
     typed as ``anomalies`` reads it), and the rows."""
-    from trainmon.diagnosis import engine
+    from trainmon.diagnosis import engine, sql
 
     files = engine.run_files(run)
     with engine.Engine() as eng:
         scans = []  # (the scan of one header's files, that header)
         for family, stats in files.family_stats.items():
-            fam = engine._Family(eng.con, family, files.files[family], stats, headers=files.headers)
+            fam = sql.Family(eng.con, family, files.files[family], stats, headers=files.headers)
             scans += [(fam._scan(header, paths, filename=False), header) for header, paths in fam.groups.items()]
         t0, rows = time.perf_counter(), 0
         for scan, header in scans:
-            every = ", ".join(engine._q(c) for c in header)  # every column consumed: neither format skips one
+            every = ", ".join(sql.quote(c) for c in header)  # every column consumed: neither format skips one
             rows += eng.con.execute(f"SELECT count(*), bit_xor(hash({every})) FROM {scan}").fetchone()[0]
         print(time.perf_counter() - t0, rows)
 
@@ -177,7 +205,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="1m", help=f"comma list of {', '.join(SIZES)}")
     ap.add_argument("--formats", default="csv,parquet")
-    ap.add_argument("--engines", default="duckdb,memory", help="--engine values to measure")
+    ap.add_argument(
+        "--paths",
+        default="bucket",
+        help="comma list of bucket (the commands: DuckDB stages, checks per bucket) and memory (the "
+        "old in-memory path: the whole run read into pandas, for comparison)",
+    )
+    ap.add_argument("--cluster", default=None, metavar="ADDRESS", help="pass --cluster ADDRESS to the commands")
     ap.add_argument("--commands", default="anomalies", help="comma list of anomalies, ranks, compare")
     ap.add_argument("--root", type=Path, default=Path("/tmp/trainmon-scale"))
     ap.add_argument("--read-floor", action="store_true", help="only the read floor of each size and format")
@@ -186,7 +220,7 @@ def main() -> None:
         read_floor(args.sizes.split(","), sorted(args.formats.split(",")), args.root)
         return
     print(
-        "command    size  rows        format   MB on disk  engine  wall s  rows/s      peak RSS MB  findings  first ok"
+        "command    size  rows        format   MB on disk  path    wall s  rows/s      peak RSS MB  findings  first ok"
     )
     for size in args.sizes.split(","):
         synth = SIZES[size]
@@ -196,10 +230,10 @@ def main() -> None:
             for command in args.commands.split(","):
                 runs = [run, _run_dir(args.root, size, fmt, _drifted(synth))] if command == "compare" else [run]
                 rows = synth.rows * len(runs)
-                for engine in args.engines.split(","):
-                    r = _one(command, runs, synth, engine)
+                for path in args.paths.split(","):
+                    r = _one(command, runs, synth, path, args.cluster)
                     print(
-                        f"{command:<10} {size:<5} {synth.rows:<11,} {fmt:<8} {mb:>10.0f}  {engine:<7} "
+                        f"{command:<10} {size:<5} {synth.rows:<11,} {fmt:<8} {mb:>10.0f}  {path:<7} "
                         f"{r['wall_s']:>6.1f}  {rows / r['wall_s']:>10,.0f}  {r['peak_rss_mb']:>11.0f}  "
                         f"{r['findings']:>8}  {r['first_is_planted']}",
                         flush=True,

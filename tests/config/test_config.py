@@ -27,11 +27,12 @@ from trainmon.errors import ConfigError, Problem
 
 REPO = Path(__file__).resolve().parents[2]
 STATS = "norm, mean, min, max, zeros, nans, infs, std"
+# The order of docs/configuration.md's table (and of the schema's fields)
 TOP_KEYS = ("targets, start_step, step_interval, collect_times, format, ops, eps, ndigits, "
             "wg_distribution, mv_distribution, param_distribution, ur_distribution, xy_distribution, "
-            "forward_only, backward_only, all_xy, print_struct, squash_name, dynamic_on, global_layer_names, "
-            "monitor_mbs_grad, stack_info, recording_l2_features, "
-            "loss_alignment, replicated_once, module_ranks, step_count_per_record, cc_distribution, alert, l2_targets, sa_order, grad_probe, on_anomaly")
+            "forward_only, backward_only, all_xy, print_struct, squash_name, module_ranks, step_count_per_record, "
+            "global_layer_names, replicated_once, dynamic_on, monitor_mbs_grad, stack_info, recording_l2_features, "
+            "l2_targets, sa_order, cc_distribution, alert, grad_probe, loss_alignment, on_anomaly")
 
 
 def problems_of(data: object) -> list[tuple[str, str]]:
@@ -557,3 +558,31 @@ def test_docs_table_lists_every_key():
     # every top-level key the docs list is one the loader accepts
     for key in fields:
         parse_config({key: MonitorConfig().to_dict()[key]}, "x")
+
+
+def test_docs_table_lists_the_keys_in_the_schemas_order_each_with_its_docstring():
+    from trainmon.config import TOP_KEYS as keys
+    from trainmon.config.schema import key_doc
+
+    text = (REPO / "docs" / "configuration.md").read_text(encoding="utf-8")
+    table = text.split("## Top-level keys", 1)[1].split("\n## ", 1)[0]
+    documented = re.findall(r"^\| `([a-z0-9_]+)` \|", table, flags=re.MULTILINE)
+    assert documented == list(keys) == TOP_KEYS.split(", ")
+    for config in (MonitorConfig, CommConfig, AlertConfig, GradProbeConfig, AnomalyConfig):
+        for f in dataclasses.fields(config):
+            if f.name not in ("target_specs", "sink_settings", "source", "rule_name", "args"):
+                assert key_doc(config, f.name).strip(), (config.__name__, f.name)
+
+
+def test_boolean_and_escalation_keys_come_from_the_fields():
+    from trainmon.config import BOOLEAN_KEYS
+
+    defaults = MonitorConfig()
+    assert set(BOOLEAN_KEYS) == {k for k in TOP_KEYS.split(", ") if getattr(defaults, k) is False}
+    for name in BOOLEAN_KEYS:  # each one is read as a strict boolean
+        assert getattr(parse_config({name: True}, "x") if name != "xy_distribution"
+                       else parse_config({name: True, "all_xy": True}, "x"), name) is True
+        assert problems_of({name: 1}) == [(name, "1 is not a boolean (true or false)")]
+    assert ESCALATION_KEYS == ("targets", "ops", "eps", "wg_distribution", "mv_distribution", "param_distribution",
+                               "ur_distribution", "xy_distribution", "forward_only", "backward_only", "all_xy",
+                               "squash_name", "cc_distribution")

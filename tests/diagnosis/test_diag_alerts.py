@@ -18,9 +18,9 @@ import pytest
 from tests._support.simulate import FAULT_RANK, FAULT_STEP, named_run
 from trainmon.analysis.rules import COUNT_OPS, Anomaly, Rules, SpikeRule
 from trainmon.config import parse_config
-from trainmon.diagnosis.escalation import AlertLatch
 from trainmon.diagnosis.reader import load_run
 from trainmon.diagnosis.scan import read_alert_files, scan
+from trainmon.runtime.alert_latch import AlertLatch
 from trainmon.sinks.alerts import ALERTS_FILE, AlertSettings, AlertSink
 from trainmon.sinks.async_writer import AsyncSink
 from trainmon.sinks.base import SinkOptions

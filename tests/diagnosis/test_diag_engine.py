@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 pytest.importorskip("duckdb")
@@ -238,3 +239,39 @@ def test_a_long_query_prints_no_progress_bar_on_stdout_so_json_stays_clean(tmp_p
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout == f"{(n - 1) * n * (2 * n - 1) // 6}\n"
+
+
+@pytest.mark.slow  # four staged runs of the edge run
+def test_buckets_read_from_the_staged_files_or_sorted_again_find_what_the_whole_table_finds(edge_run, monkeypatch):
+    # A small run's buckets are read from its name-sorted staged files; a large one (more than
+    # DIRECT_FILES files) is written again by name first: both must give the whole table's findings.
+    import pickle
+
+    from trainmon.diagnosis.engine_buckets import StagedRun, bucket_scan_all, engine_ranks, read_bucket
+    from trainmon.diagnosis.ranks import check_ranks
+
+    table = load_run(edge_run)
+    rules = RULE_SETS["all"]
+    want_scan, want_ranks = _everything(scan_all(table, rules)), check_ranks(table)
+    assert want_scan[0] and want_ranks
+    for direct in (64, 0):
+        monkeypatch.setattr(engine_buckets, "DIRECT_FILES", direct)
+        files = engine.run_files(edge_run)
+        assert _everything(bucket_scan_all(files, rules, rows_per_bucket=300)) == want_scan
+        assert engine_ranks(files, rows_per_bucket=300) == want_ranks
+        with engine.Engine() as eng:
+            run = StagedRun(eng, files, "r", by_name=True)
+            buckets = engine_buckets._partition_by_name(run, 300, None, "test")
+            assert len(buckets) > 3 and (len(buckets[0].paths) > 1) == bool(direct)
+            # A bucket travels to a worker as plain values: pickled and back, it reads the same rows.
+            for bucket in buckets:
+                frame = read_bucket(pickle.loads(pickle.dumps(bucket))).frame
+                assert frame.equals(run.bucket(bucket.first, bucket.last).frame)
+            # Together the buckets hold every row of the whole table, once (the columns the checks
+            # read: keys, stats, shape, dtype, numel; not the extra columns of comm rows).
+            got = pd.concat([read_bucket(b).frame for b in buckets], ignore_index=True)
+            keys = ["family", "rank", "name", "step", "micro_step", "position", "occurrence"]
+            stats = [s for family in table.family_stats.values() for s in family]
+            columns = list(dict.fromkeys([*keys, "vpp_stage", "phase", "shape", "dtype", "numel", *stats]))
+            whole = table.frame.sort_values(keys, ignore_index=True)[columns]
+            pd.testing.assert_frame_equal(got.sort_values(keys, ignore_index=True)[columns], whole, check_dtype=False)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests._support.runs import REPO
-from trainmon.diagnosis import engine, engine_buckets
+from trainmon.diagnosis import engine, engine_buckets, sql
 from trainmon.diagnosis.engine_buckets import engine_ranks
 from trainmon.diagnosis.ranks import check_ranks
 from trainmon.diagnosis.reader import load_run
@@ -64,7 +64,7 @@ def small_files(request, tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("per_read", [1, 5])
 def test_reading_few_files_per_statement_finds_what_the_in_memory_reader_finds(small_files, monkeypatch, per_read):
-    monkeypatch.setattr(engine, "FILES_PER_READ", per_read)
+    monkeypatch.setattr(sql, "FILES_PER_READ", per_read)
     files = engine.run_files(small_files)
     table = load_run(small_files)
     want = _found(scan(table))
@@ -74,10 +74,10 @@ def test_reading_few_files_per_statement_finds_what_the_in_memory_reader_finds(s
 
 
 def test_batches_hold_at_most_files_per_read(small_files, monkeypatch):
-    monkeypatch.setattr(engine, "FILES_PER_READ", 4)
+    monkeypatch.setattr(sql, "FILES_PER_READ", 4)
     files = engine.run_files(small_files)
     with engine.Engine() as eng:
-        fam = engine._Family(eng.con, "grad_reduced", files.files["grad_reduced"], files.family_stats["grad_reduced"],
+        fam = sql.Family(eng.con, "grad_reduced", files.files["grad_reduced"], files.family_stats["grad_reduced"],
                              headers=files.headers)
         sizes = [sum(sql.count("/grad_reduced_") for sql in batch) for batch in fam._batches()]
     assert max(sizes) <= 4 and sum(sizes) == len(files.files["grad_reduced"])
@@ -92,7 +92,7 @@ def test_a_bad_cell_in_a_late_batch_is_named_by_file_line_and_column(tmp_path, m
     cells[4] = "oops"  # the third row's mean
     lines[3] = ",".join(cells)
     bad.write_text("\n".join(lines) + "\n")
-    monkeypatch.setattr(engine, "FILES_PER_READ", 3)
+    monkeypatch.setattr(sql, "FILES_PER_READ", 3)
     with pytest.raises(TrainmonError) as engine_err:
         engine_buckets.engine_scan(engine.run_files(run))
     with pytest.raises(TrainmonError) as memory_err:

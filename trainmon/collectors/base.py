@@ -195,7 +195,7 @@ class Collector(ABC):
     name: ClassVar[str]
     priority: ClassVar[int] = 100
     # False for collectors of what the optimizer step changes (params, moments): a step the AMP
-    # loss scaler skipped changed nothing, so they record nothing for it (integrations.amp).
+    # loss scaler skipped changed nothing, so they record nothing for it (core.step_boundary).
     runs_on_skipped_steps: ClassVar[bool] = True
 
     def __init__(self, ctx: CollectorContext):

@@ -15,7 +15,7 @@ import types
 import typing
 from typing import Any, Literal, Union
 
-from trainmon.config.reader import _at, _did_you_mean, _join, _Reader, _show
+from trainmon.config.reader import Reader, at, did_you_mean, join, show
 from trainmon.errors import Problem
 
 __all__ = ["parse_settings", "settings_keys"]
@@ -33,7 +33,7 @@ def parse_settings(schema: type, block: object, where: str) -> tuple[Any, list[P
     ``(None, problems)`` naming each bad key as ``<where>.<key>``."""
     if not dataclasses.is_dataclass(schema):
         raise TypeError(f"settings_schema of {where!r} must be a dataclass, got {schema!r}")
-    r = _Reader()
+    r = Reader()
     keys = settings_keys(schema)
     obj = r.obj(where, {} if block is None else block, keys)
     if obj is None:
@@ -41,7 +41,7 @@ def parse_settings(schema: type, block: object, where: str) -> tuple[Any, list[P
     hints = typing.get_type_hints(schema)
     values: dict[str, Any] = {}
     for f in dataclasses.fields(schema):
-        key = _join(where, f.name)
+        key = join(where, f.name)
         if f.name in obj:
             ok, value = _check(r, key, obj[f.name], hints[f.name])
             if ok:
@@ -64,7 +64,7 @@ def _own_check_problem(where: str, message: str) -> Problem:
     return Problem(where, message)
 
 
-def _check(r: _Reader, key: str, value: object, hint: Any) -> tuple[bool, Any]:
+def _check(r: Reader, key: str, value: object, hint: Any) -> tuple[bool, Any]:
     """(True, the value as the field holds it) or (False, None) with a problem recorded."""
     expect = _expect(hint)
     options = _options(hint)
@@ -82,14 +82,14 @@ def _check(r: _Reader, key: str, value: object, hint: Any) -> tuple[bool, Any]:
             return False, None  # a list with bad items: their problems say it all
     if isinstance(value, str) and any(typing.get_origin(o) is Literal for o in options):
         allowed = [a for o in options if typing.get_origin(o) is Literal for a in typing.get_args(o)]
-        hint_text = _did_you_mean(value, [str(a) for a in allowed])
+        hint_text = did_you_mean(value, [str(a) for a in allowed])
         r.bad(key, f"unknown value {value!r} ({hint_text}allowed: {expect})")
     else:
-        r.bad(key, f"{_show(value)} is not {_article(expect)}")
+        r.bad(key, f"{show(value)} is not {_article(expect)}")
     return False, None
 
 
-def _matches(r: _Reader, key: str, value: object, option: Any, expect: str) -> tuple[bool, Any]:
+def _matches(r: Reader, key: str, value: object, option: Any, expect: str) -> tuple[bool, Any]:
     origin = typing.get_origin(option)
     if option is bool:
         return isinstance(value, bool), value
@@ -104,9 +104,9 @@ def _matches(r: _Reader, key: str, value: object, option: Any, expect: str) -> t
         return value in typing.get_args(option) and isinstance(value, (str, int, bool)), value
     if origin in (list, tuple) and isinstance(value, list):
         item_type = typing.get_args(option)[0] if typing.get_args(option) else str
-        bad = [i for i, item in enumerate(value) if not _matches(r, _at(key, i), item, item_type, expect)[0]]
+        bad = [i for i, item in enumerate(value) if not _matches(r, at(key, i), item, item_type, expect)[0]]
         for i in bad:
-            r.bad(_at(key, i), f"{_show(value[i])} is not {_article(_expect(item_type))} ({expect})")
+            r.bad(at(key, i), f"{show(value[i])} is not {_article(_expect(item_type))} ({expect})")
         if bad:
             return False, None
         return True, (tuple(value) if origin is tuple else list(value))

@@ -45,9 +45,7 @@ def check_available() -> None:
         raise ClusterError(f"--cluster needs Dask's distributed scheduler: {_INSTALL}") from None
 
 
-def map_buckets(
-    fn: Callable[[T], R], items: Iterable[T], *, cluster: str | None = None, progress=None
-) -> list[R]:
+def map_buckets(fn: Callable[[T], R], items: Iterable[T], *, cluster: str | None = None, progress=None) -> list[R]:
     """``[fn(item) for item in items]``, in order; on the Dask scheduler at ``cluster`` if given.
     ``progress`` (anything with ``advance()``) hears of each item done."""
     if cluster is None:
@@ -83,7 +81,7 @@ def _on_dask(fn: Callable[[T], R], items: list[T], address: str, progress) -> li
         # pure=False: every bucket is its own task, even where two look alike to Dask's hashing.
         futures = client.map(fn, items, pure=False)
         try:
-            for _ in as_completed(futures):
+            for _ in as_completed(futures, loop=client.loop):
                 if progress is not None:
                     progress.advance()
             return client.gather(futures)

@@ -5,38 +5,41 @@ over steps, never across names.  So it can run on all rows of a set of names at 
 pandas logic unchanged (``compare`` stages runs here too, then aligns them in SQL:
 ``engine_compare``):
 
-1. **stage**: every family's files are read by DuckDB one unit at a time (``engine._Family``:
+1. **stage**: every family's files are read by DuckDB one unit at a time (``sql.Family``:
    CSV typed, with the bad-cell check, Parquet natively), with the ordering columns the
    in-memory reader computes (``position`` in the rank's (step, micro_step), ``occurrence`` of a
    repeated name, both from the files' row order), and written as a Parquet file of the
    engine's work directory (names, shapes and dtypes as integer codes);
 2. **partition**: buckets are runs of consecutive name codes (all families of a name in one
-   bucket, so a bucket holds ``ROWS_PER_BUCKET`` rows or one name); the staged rows are written
-   again sorted by name, one file per run of buckets of about ``SORT_ROWS`` rows;
-3. **bucket(first, last)**: a :class:`~trainmon.diagnosis.reader.RunTable` of those names' rows
-   (their row groups of one file) with the columns and dtypes the checks read from
+   bucket, so a bucket holds ``ROWS_PER_BUCKET`` rows or one name); a run staged in more than
+   ``DIRECT_FILES`` files or ``SORT_ROWS`` rows is written again sorted by name, one file per run
+   of buckets of about ``SORT_ROWS`` rows (a smaller one is read from its name-sorted staged files);
+3. **bucket**: a :class:`Bucket` (plain values: its files, its name codes, their texts, the
+   run's :class:`RunShape`) that ``read_bucket`` turns into a
+   :class:`~trainmon.diagnosis.reader.RunTable` with the columns and dtypes the checks read from
    ``load_run``'s table, sorted by ``FLOW_KEYS`` (unique per row, so the order is the in-memory
-   one whatever order DuckDB returns).
+   one whatever order the files hold); ``scan_bucket`` / ``ranks_bucket`` check one, in this
+   process or on a Dask worker (``cluster.map_buckets``).
 
 Python then holds one bucket at a time: its memory is bounded by the bucket size, not the run.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import functools
-
 import numpy as np
 import pandas as pd
 
-from trainmon.analysis.flow import FLOW_KEYS, PHASES, phase_of
+from trainmon.analysis.flow import PHASES, phase_of
 from trainmon.analysis.rules import Anomaly, Findings, Rules
 from trainmon.diagnosis.cluster import map_buckets
-from trainmon.diagnosis.engine import POSITION, Engine, RunFiles, _Family, _lit, _q
+from trainmon.diagnosis.engine import Engine, RunFiles
 from trainmon.diagnosis.reader import EXTRA_PREFIX, RunTable, numel_column
+from trainmon.diagnosis.sql import POSITION, Family, literal, quote
 from trainmon.errors import env_int
 
 __all__ = [
@@ -48,6 +51,13 @@ __all__ = [
     "Span",
     "consecutive_runs",
     "engine_ranks",
+    "bucket_scan_all",
+    "Bucket",
+    "RunShape",
+    "read_bucket",
+    "scan_bucket",
+    "ranks_bucket",
+    "DIRECT_FILES",
 ]
 
 # Rows handed to Python at once (all families, ranks and steps of a set of names):
@@ -108,14 +118,14 @@ class StagedRun:
         self.family_stats = {f: s for f, s in files.family_stats.items() if f in chosen}
         self.families = list(self.family_stats)
         self.stat_columns = list(dict.fromkeys(s for stats in self.family_stats.values() for s in stats))
-        stats = "".join(f", {_q(s)} DOUBLE" for s in self.stat_columns)
+        stats = "".join(f", {quote(s)} DOUBLE" for s in self.stat_columns)
         con = self.con
         for col in _CODED:
             con.execute(f"CREATE OR REPLACE TEMP TABLE {prefix}_{col}s(text VARCHAR, code INTEGER)")
         # The schema of the staged rows, and their view while no file holds any.
         con.execute(f"""CREATE OR REPLACE TEMP TABLE {prefix}_none (fam SMALLINT, rank INTEGER, vpp_stage BIGINT,
             name INTEGER, step BIGINT, micro_step BIGINT, occurrence BIGINT, position BIGINT, shape INTEGER,
-            dtype INTEGER, {_q(GROUP)} DOUBLE{stats})""")
+            dtype INTEGER, {quote(GROUP)} DOUBLE{stats})""")
         self.parts: list[list[Path]] = [[] for _ in self.families]
         # Each part's (first rank, last rank, first step, last step): a query for some ranks and
         # steps reads only the parts that hold them (``source``).
@@ -140,7 +150,7 @@ class StagedRun:
     def _read(self, paths: Sequence[Path]) -> str:
         if not paths:
             return f"SELECT * FROM {self.prefix}_none"
-        return "SELECT * FROM read_parquet([" + ", ".join(_lit(str(f)) for f in paths) + "])"
+        return "SELECT * FROM read_parquet([" + ", ".join(literal(str(f)) for f in paths) + "])"
 
     def _stage(self, fam_id: int, family: str, progress) -> None:
         for unit in self.files.units(family):  # position and occurrence stay within a rank's step
@@ -148,7 +158,7 @@ class StagedRun:
 
     def _stage_unit(self, fam_id: int, family: str, unit, progress) -> None:
         stats = self.family_stats[family]
-        fam = _Family(self.con, family, unit, stats, texts=("shape",), numbers=("group",), headers=self.files.headers)
+        fam = Family(self.con, family, unit, stats, texts=("shape",), numbers=("group",), headers=self.files.headers)
         fam.ordered_view()
         fam.check_cells()
         fam.report_duplicates(self.duplicates)
@@ -158,7 +168,7 @@ class StagedRun:
             self.con.execute(f"""INSERT INTO {p}_{col}s SELECT text, {known} + row_number() OVER () - 1 FROM (
                 SELECT DISTINCT COALESCE({col}, '') AS text FROM o EXCEPT SELECT text FROM {p}_{col}s)""")
         stats_sql = "".join(
-            f", o.{_q(s)}" if s in fam.present else f", NULL::DOUBLE AS {_q(s)}" for s in self.stat_columns
+            f", o.{quote(s)}" if s in fam.present else f", NULL::DOUBLE AS {quote(s)}" for s in self.stat_columns
         )
         position, firsts = self._position()
         path = self.dir / f"{p}-{fam_id}-{len(self.parts[fam_id])}.parquet"
@@ -166,10 +176,10 @@ class StagedRun:
             SELECT {fam_id}::SMALLINT AS fam, rank::INTEGER AS rank, vpp_stage::BIGINT AS vpp_stage, n.code AS name,
                    step::BIGINT AS step, micro_step::BIGINT AS micro_step, occurrence::BIGINT AS occurrence,
                    ({position})::BIGINT AS position, s.code AS shape, d.code AS dtype,
-                   "group"::DOUBLE AS {_q(GROUP)}{stats_sql}
+                   "group"::DOUBLE AS {quote(GROUP)}{stats_sql}
             FROM o JOIN {p}_names n ON n.text = COALESCE(o.name, '') JOIN {p}_shapes s ON s.text = o.shape
                    JOIN {p}_dtypes d ON d.text = o.dtype{firsts}{" ORDER BY n.code" if self.by_name else ""}
-            ) TO {_lit(str(path))} {_PARQUET}""")
+            ) TO {literal(str(path))} {_PARQUET}""")
         self.parts[fam_id].append(path)
         self.con.execute("DROP TABLE IF EXISTS firsts")
         n, r0, r1, s0, s1 = self.con.execute(
@@ -222,7 +232,7 @@ class StagedRun:
 
     def grouped(self, family: str) -> bool:
         """Whether some row of ``family`` has an optimizer param group (an ``extra:group`` value)."""
-        hit = self.con.execute(f"SELECT 1 FROM {self.source(family)} WHERE {_q(GROUP)} IS NOT NULL LIMIT 1")
+        hit = self.con.execute(f"SELECT 1 FROM {self.source(family)} WHERE {quote(GROUP)} IS NOT NULL LIMIT 1")
         return hit.fetchone() is not None
 
     def partition(self, runs: Sequence[tuple[int, int]], progress=None) -> None:
@@ -234,7 +244,7 @@ class StagedRun:
         for first, last in runs:
             path = self.dir / f"{p}-names-{first}-{last}.parquet"
             self.con.execute(f"""COPY (SELECT * FROM {p}_staged
-                WHERE name BETWEEN {int(first)} AND {int(last)} ORDER BY name) TO {_lit(str(path))} {_PARQUET}""")
+                WHERE name BETWEEN {int(first)} AND {int(last)} ORDER BY name) TO {literal(str(path))} {_PARQUET}""")
             self.sorted.append((int(first), int(last), path))
             if progress is not None:
                 progress.advance()
@@ -310,7 +320,7 @@ def read_bucket(bucket: Bucket) -> RunTable:
     on a cluster's worker: each file's row groups whose name codes miss the bucket are skipped
     (their min/max), and the order is one ``lexsort`` of the key columns (a pandas sort of seven
     columns took 5x as long, an ``ORDER BY`` in DuckDB 8x)."""
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # type: ignore[import-untyped]  # pyarrow ships no stubs
 
     run = bucket.run
     where = [("name", ">=", bucket.first), ("name", "<=", bucket.last)]

@@ -37,7 +37,7 @@ inner step's entry and the param and moments from the masters.  (A fused ``FP16_
 for DeepSpeed's FusedAdam, keeps flat masters that are not mapped: one warning, and ``grad_reduced``
 is then read at step entry, unscaled but before the clip.)  A step the loss scaler skips (an
 overflow: DeepSpeed's optimizer returns before its inner optimizer steps) is handled by
-``integrations.amp``: its ``grad_unreduced`` rows (with the overflow in them), no ``grad_reduced``,
+``core.step_boundary``: its ``grad_unreduced`` rows (with the overflow in them), no ``grad_reduced``,
 param or moment rows, and a ``steps`` row with ``skipped`` 1 and the ``loss_scale`` it ran with.
 """
 

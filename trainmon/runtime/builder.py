@@ -11,7 +11,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.nn as nn
 
@@ -29,6 +29,10 @@ from trainmon.runtime.session import Session, StepSession
 from trainmon.sinks import create_sink
 from trainmon.sinks.base import NullSink, Sink, SinkOptions
 from trainmon.stats.engine import StatsEngine
+
+if TYPE_CHECKING:
+    from trainmon.runtime.agreement import Agreement
+    from trainmon.sinks.alerts import AlertListener
 
 __all__ = ["Attachment", "SessionBuilder"]
 
@@ -67,7 +71,7 @@ class SessionBuilder:
         self.process_group = process_group
         self.params_have_main_grad = params_have_main_grad
         self.run_dir: Path | None = None
-        self.agreement: Any = None  # the dynamic driver's Agreement, shared with escalations
+        self.agreement: Agreement | None = None  # the dynamic driver's Agreement, shared with escalations
         self.summary: Any = None  # a sinks.summary.SummaryBoard: the framework callbacks' forward_to_loggers
         chunks = attachment.chunks
         self._names = module_names(chunks) + [(p.vpp_stage, p.name) for p in tracked_params(chunks)]
@@ -124,10 +128,10 @@ class SessionBuilder:
         first_step: int,
         step_optimizer: Any = None,
         *,
-        latch: Any = None,
+        latch: AlertListener | None = None,
         wrap_sink: Callable[[Sink], Sink] | None = None,
     ) -> Session:
-        """One plain session; ``latch`` (an ``AlertLatch``) is fed by its alert sink, ``wrap_sink``
+        """One plain session; ``latch`` (``runtime.alert_latch.AlertLatch``) is fed by its alert sink, ``wrap_sink``
         wraps its sink (the flight recorder's ring)."""
         matcher = self.check_targets(cfg, cfg.source or str(self.config_file))
         self._warn_unrecorded(cfg)
@@ -203,7 +207,7 @@ class SessionBuilder:
             return frozenset()
         return REPLICATED_UNDER_DDP
 
-    def _make_sink(self, cfg: MonitorConfig, integration: Any = None, latch: Any = None) -> Sink:
+    def _make_sink(self, cfg: MonitorConfig, integration: Any = None, latch: AlertListener | None = None) -> Sink:
         if cfg.module_ranks and self.rank not in cfg.module_ranks:
             return NullSink()
         path = rank_dir(self.run_dir, self.rank) if self.run_dir is not None else None
@@ -221,7 +225,7 @@ class SessionBuilder:
         )
 
 
-def _alert_sinks(cfg: MonitorConfig, options: SinkOptions, latch: Any = None) -> list[Sink]:
+def _alert_sinks(cfg: MonitorConfig, options: SinkOptions, latch: AlertListener | None = None) -> list[Sink]:
     if not cfg.alert.rules:
         return []
     from trainmon.sinks.alerts import AlertSettings, AlertSink

@@ -32,10 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from trainmon.config import MonitorConfig
+from trainmon.core import step_boundary
 from trainmon.core.hooks import Handle
 from trainmon.dynamic import ConfigStager, ConfigWatcher, Decision, WatchSettings
 from trainmon.errors import ConfigError
-from trainmon.integrations.amp import wrap_step_with_scaler
 from trainmon.runtime.agreement import Agreement
 from trainmon.runtime.builder import SessionBuilder
 from trainmon.runtime.forked import forget_in_forked_child
@@ -101,7 +101,7 @@ class DynamicDriver:
         optimizer = builder.attachment.optimizer
         self._handle: Handle | None = None
         if optimizer is not None:
-            self._handle = wrap_step_with_scaler(optimizer, self.before_step, self.after_step, entry=self.step_entry)
+            self._handle = step_boundary.subscribe(optimizer, self.before_step, self.after_step, entry=self.step_entry)
         self._decide()
         forget_in_forked_child(self)
 

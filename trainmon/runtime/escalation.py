@@ -28,18 +28,23 @@ import dataclasses
 import logging
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainmon.config import AlertConfig, CommConfig, MonitorConfig
 from trainmon.core import dist as _dist
+from trainmon.core import step_boundary
 from trainmon.core.hooks import Handle
-from trainmon.diagnosis.escalation import AlertLatch, Trigger
-from trainmon.integrations.amp import wrap_step_with_scaler
 from trainmon.output.layout import RUN_ESCALATIONS
 from trainmon.runtime.agreement import Agreement
+from trainmon.runtime.alert_latch import AlertLatch, Trigger
 from trainmon.runtime.forked import forget_in_forked_child
 from trainmon.runtime.run_dir import append_to_meta
 from trainmon.runtime.session import Session
+
+if TYPE_CHECKING:
+    from trainmon.collectors import Collector, CollectorContext
+    from trainmon.core.schedule import StepClock
+    from trainmon.runtime.builder import SessionBuilder
 
 __all__ = ["EscalatingSession", "recorder_config", "window_config"]
 
@@ -107,7 +112,7 @@ class EscalatingSession:
 
     wait_timeout_s = 60.0  # longest wait for the writer to judge a step (then: no more waiting)
 
-    def __init__(self, builder: Any, cfg: MonitorConfig, first_step: int, step_optimizer: Any = None):
+    def __init__(self, builder: SessionBuilder, cfg: MonitorConfig, first_step: int, step_optimizer: Any = None):
         assert cfg.on_anomaly is not None
         self.builder = builder
         self.cfg = cfg
@@ -137,7 +142,7 @@ class EscalatingSession:
         self._broken = False
         self._handle: Handle | None = None
         if step_optimizer is not None:
-            self._handle = wrap_step_with_scaler(
+            self._handle = step_boundary.subscribe(
                 step_optimizer, self.before_step, self.after_step, entry=self.step_entry
             )
         forget_in_forked_child(self)
@@ -156,15 +161,15 @@ class EscalatingSession:
 
     # -- what the drivers read -------------------------------------------------------------------
     @property
-    def clock(self):
+    def clock(self) -> StepClock:
         return self.base.clock
 
     @property
-    def ctx(self):
+    def ctx(self) -> CollectorContext:
         return self.base.ctx
 
     @property
-    def collectors(self) -> list:
+    def collectors(self) -> list[Collector]:
         return self.window.collectors if self.window is not None else self.base.collectors
 
     def _live(self) -> list[Session]:

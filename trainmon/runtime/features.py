@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from trainmon.config import MonitorConfig
-from trainmon.config.reader import _did_you_mean
+from trainmon.config.reader import did_you_mean
 from trainmon.config.settings import parse_settings
 from trainmon.errors import ConfigError, Problem
 
@@ -62,7 +62,7 @@ def _resolve(config: MonitorConfig) -> tuple[dict[str, Any], list[Problem]]:
 
 
 def _unknown(fmt: str, known: tuple[str, ...]) -> str:
-    return f"unknown format {fmt!r} ({_did_you_mean(fmt, known)}allowed: {', '.join(known)})"
+    return f"unknown format {fmt!r} ({did_you_mean(fmt, known)}allowed: {', '.join(known)})"
 
 
 def _sink_class(fmt: str, index: int) -> tuple[Any, Problem | None]:

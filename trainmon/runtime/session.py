@@ -17,11 +17,11 @@ import torch
 
 from trainmon.collectors import Collector, CollectorContext, collector_classes
 from trainmon.collectors.base import Guard
+from trainmon.core import step_boundary
 from trainmon.core.hooks import Handle
 from trainmon.core.naming import TrackedParam
 from trainmon.core.schedule import Schedule, StepClock
 from trainmon.families import FAMILIES, Family, Phase
-from trainmon.integrations import amp
 from trainmon.runtime.forked import forget_in_forked_child
 from trainmon.runtime.param_watch import ParamWatch
 from trainmon.runtime.run_dir import record_stats_path
@@ -75,12 +75,12 @@ class Session:
         self._step_handle: Handle | None = None
         self._entered = False  # on_step_entry ran for the running step
         self._paths_recorded: dict[str, str] = {}
-        self._scale: Any = None  # loss scale at step entry (integrations.amp)
+        self._scale: Any = None  # loss scale at step entry (core.step_boundary)
         self._inherited = False  # a forked child's copy (forget_parent)
         # (step method, skipped) -> [(collector, bound method)]: who runs at each step boundary,
         # worked out once (collectors whose method is a no-op for their config are left out)
         self._plans: dict[tuple[str, bool], list[tuple[Collector, Any]]] = {}
-        self._skipping = False  # amp.skipping() at this boundary's step entry
+        self._skipping = False  # step_boundary.skipping() at this boundary's step entry
         forget_in_forked_child(self)
         for c in list(self.collectors):
             ctx.guard.run(c, c.attach)
@@ -90,7 +90,7 @@ class Session:
         # params unfrozen or added to the optimizer later join ctx.params (runtime.param_watch)
         self._watch = ParamWatch(ctx, self._params_joined) if self.collectors else None
         if optimizer is not None:
-            self._step_handle = amp.wrap_step_with_scaler(
+            self._step_handle = step_boundary.subscribe(
                 optimizer, self.before_step, self.after_step, entry=self.step_entry
             )
         if ctx.clock.finished:
@@ -145,7 +145,7 @@ class Session:
         if self.ctx.clock.collecting:
             if self._watch is not None:
                 self._watch.at_step_entry()
-            self._skipping = amp.skipping()  # read once per boundary: before_step reuses it
+            self._skipping = step_boundary.skipping()  # read once per boundary: before_step reuses it
             key = ("on_step_entry", self._skipping)
             plan = self._plans.get(key)
             if plan is None:
@@ -160,7 +160,7 @@ class Session:
         clock = self.ctx.clock
         if clock.collecting:
             # the scale this iteration ran with, before the scaler updates it (a device tensor)
-            scale = amp.current_scale(self.ctx.optimizer) if self.ctx.optimizer is not None else None
+            scale = step_boundary.current_scale(self.ctx.optimizer) if self.ctx.optimizer is not None else None
             self._scale = None if scale is None else scale.detach().reshape(-1)[:1].clone()
             key = ("on_step_begin", self._skipping)
             plan = self._plans.get(key)
@@ -173,7 +173,7 @@ class Session:
         self._entered = False
         clock = self.ctx.clock
         if clock.collecting:
-            skipped = amp.skipped(self.ctx.optimizer)
+            skipped = step_boundary.skipped(self.ctx.optimizer)
             plan = self._plans.get(("on_step_end", skipped))
             if plan is None:
                 plan = self._plan("on_step_end", skipped)

@@ -8,8 +8,9 @@ writer), judges them with ``trainmon.analysis.rules`` and
   run leaves only whole lines and every alert of a finished ``write`` is on disk;
 * logs each (name, rule) once at WARNING, then only counts: at 10, 100, 1000 ... alerts of the
   same pair, and a summary at ``close``; at most ``max_log_lines`` first messages per step;
-* records its first alert in an ``AlertLatch`` (``trainmon.diagnosis.escalation``) when given one,
-  and marks every judged step there, so the step driver can escalate (``runtime.escalation``).
+* records its first alert in an :class:`AlertListener` (the escalation's ``runtime.alert_latch``)
+  when given one, and marks every judged step there, so the step driver can escalate
+  (``runtime.escalation``).
 
 The file is created with the first alert: a healthy run has none.
 """
@@ -24,7 +25,7 @@ import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 from trainmon.analysis.rules import (
     ALERTS_FILE,
@@ -41,15 +42,29 @@ from trainmon.analysis.rules import (
     judges_drops,
     nonfinite_op,
 )
-from trainmon.diagnosis.escalation import AlertLatch, Trigger
 from trainmon.sinks.base import Sink, SinkOptions
 from trainmon.stats.rows import StatRow, StepRows, paced
 
-__all__ = ["AlertSettings", "AlertSink", "ALERTS_FILE"]
+__all__ = ["AlertListener", "AlertSettings", "AlertSink", "ALERTS_FILE"]
 
 log = logging.getLogger(__name__)
 
 _FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
+
+
+class AlertListener(Protocol):
+    """What the sink tells about alerts, from the writer thread (``runtime.alert_latch.AlertLatch``
+    is the one in use; a Protocol so that ``sinks`` never imports ``runtime``)."""
+
+    attached: bool  # set by the sink that feeds it
+
+    def fire(self, *, step: int, rank: int, rule: str, kind: str, name: str, op: str) -> bool:
+        """An alert of ``step``; True if it is the first one the listener keeps."""
+        ...
+
+    def checked(self, step: int) -> None:
+        """Every row of ``step`` was judged (alert or not)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -115,7 +130,9 @@ def _is_tensor_row(row: StatRow) -> bool:
 class AlertSink(Sink):
     """See the module docstring.  ``count`` is the number of alerts so far."""
 
-    def __init__(self, options: SinkOptions, settings: AlertSettings | None = None, *, latch: AlertLatch | None = None):
+    def __init__(
+        self, options: SinkOptions, settings: AlertSettings | None = None, *, latch: AlertListener | None = None
+    ):
         super().__init__(options)
         self.settings = settings or AlertSettings()
         rules = self.settings.rules
@@ -229,7 +246,7 @@ class AlertSink(Sink):
             findings = [a for a in found if a.rule != SKIPPED]  # a lone skip is expected: no escalation
             if findings and self.latch is not None:
                 a = findings[0]
-                self.latch.fire(Trigger(step=a.step, rank=a.rank, rule=a.rule, kind=str(a.kind), name=a.name, op=a.op))
+                self.latch.fire(step=a.step, rank=a.rank, rule=a.rule, kind=str(a.kind), name=a.name, op=a.op)
         finally:  # judged (or failed): the boundary waiting for this step must not wait longer
             if self.latch is not None:
                 self.latch.checked(step)

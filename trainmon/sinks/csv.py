@@ -63,9 +63,10 @@ def _pieces(b: RowBlock) -> Iterator[RowBlock]:
         j = i + _PIECE_ROWS
         rows = slice(i, j)
         fields: dict[str, Any] = {"names": b.names[rows], "vpp_stages": b.vpp_stages[rows], "shapes": b.shapes[rows]}
-        fields.update(dtypes=b.dtypes[rows], values=None if b.values is None else b.values[rows])
-        if matrix is not None:
-            fields["matrix"] = matrix[rows]
+        if matrix is not None:  # its values are built from the piece's matrix only if read
+            fields.update(dtypes=b.dtypes[rows], values=None, matrix=matrix[rows])
+        else:
+            fields.update(dtypes=b.dtypes[rows], values=b.values[rows])
         yield dataclasses.replace(b, **fields)
         time.sleep(0)
 

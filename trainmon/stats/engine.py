@@ -32,7 +32,7 @@ import torch
 
 from trainmon.stats._fused_cpu import FUSED_DTYPES, fill_rows
 from trainmon.stats._fused_cpu import _function as _fused_kernel
-from trainmon.stats.derive import derive_block
+from trainmon.stats.derive import derive_matrix, integer_columns
 from trainmon.stats.device_rows import DeviceRows, HostCopy
 from trainmon.stats.host_rows import HostRows
 from trainmon.stats.odd_tensors import Skipped, reason_of, unreadable_device, warn_skipped
@@ -152,6 +152,7 @@ class _Pending:
     scale: Any = None  # divide the partials by this (float, or a device 0-d tensor)
     extendable: bool = False  # items/rows are the engine's own lists: later hook rows may join them
     owner: Any = None  # the DeviceRows whose rows ``rows`` (a range, or row numbers) are
+    layout: bool = False  # ``items`` is a collector's layout list, the same object step after step
 
 
 class StatsEngine:
@@ -353,7 +354,7 @@ class StatsEngine:
             items, rows = [items[k] for k in kept], [rows[k] for k in kept]
             if not items:
                 return
-        self._pending.append(_Pending(family, items, rows, self.columns, micro_step))
+        self._pending.append(_Pending(family, items, rows, self.columns, micro_step, layout=True))
 
     def block(self, items: list[_Item], dtypes: Sequence[torch.dtype], numels: Sequence[int]) -> FamilyBlock:
         """A new ``FamilyBlock`` for ``capture_block`` (a collector makes one when its layout
@@ -397,7 +398,7 @@ class StatsEngine:
                         )
                     if not bad:  # else: rows left unused; the general path says which tensor
                         rows: Any = range(start, start + n)
-                        self._pending.append(_Pending(family, block.items, rows, self.columns, micro_step))
+                        self._pending.append(_Pending(family, block.items, rows, self.columns, micro_step, layout=True))
                         return
             elif self.seam or not tensors[0].is_cpu:
                 # device indices, not torch.device objects (one allocation per tensor): a mix of
@@ -414,7 +415,9 @@ class StatsEngine:
                     owner, plan = block.plan
                     start = owner.write_planned(plan, tensors)
                     rows = range(start, start + block.n) if plan.order is None else plan.order + start
-                    self._pending.append(_Pending(family, block.items, rows, self.columns, micro_step, owner=owner))
+                    self._pending.append(
+                        _Pending(family, block.items, rows, self.columns, micro_step, owner=owner, layout=True)
+                    )
                     return
         except Exception:  # a tensor these paths cannot read (sparse, no storage): the general path
             block.plan = None  # handles it; a route that failed is not tried again for this layout
@@ -536,7 +539,9 @@ class StatsEngine:
         if not values.is_cpu and unreadable_device(values.device) is not None:
             return
         self._device_values = True
-        self._pending.append(_Pending(family, items, [values.detach()], tuple(columns), is_values=True, block=True))
+        self._pending.append(
+            _Pending(family, items, [values.detach()], tuple(columns), is_values=True, block=True, layout=True)
+        )
 
     def mark(self) -> tuple[int, int]:
         """Where the captures stand now, for ``drop_since``: (pending entries, items of the last)."""
@@ -640,32 +645,74 @@ def _build_blocks(
     float64 matrix, derived in one numpy pass."""
     values = _to_host(pending, host, copies)
     blocks = []
-    dtypes: dict[Any, str] = {}
+    counts = integer_columns(ops)
     for (family, micro, extra, columns, is_values), run in _runs(pending, values):
-        items = run[0][0].items if len(run) == 1 else [item for p, _ in run for item in p.items]
+        first = run[0][0]
+        items = first.items if len(run) == 1 else [item for p, _ in run for item in p.items]
         partials = run[0][1] if len(run) == 1 else np.concatenate([mat for _, mat in run])
-        stats = columns if is_values else ops
-        rows = partials.tolist() if is_values else derive_block(ops, columns, partials)
-        if is_values and run[0][0].integers:
-            rows = [_as_ints(row, run[0][0].integers) for row in rows]
-        names, vpps, shapes, dts = [], [], [], []
-        for name, vpp, shape, dtype in items:
-            dt = dtypes.get(dtype)
-            if dt is None:
-                dt = dtypes[dtype] = str(dtype)
-            names.append(name)
-            vpps.append(vpp)
-            shapes.append(tuple(shape))
-            dts.append(dt)
-        blocks.append(RowBlock(family, step, micro, extra, tuple(stats), names, vpps, shapes, dts, rows))
+        if is_values:
+            stats, matrix, ints = columns, np.ascontiguousarray(partials, dtype=np.float64), first.integers
+        else:
+            stats, matrix, ints = ops, derive_matrix(ops, columns, partials), counts
+        # a family's cached layout (not a hook-extended list): its lists, the same objects each step
+        names, vpps, shapes, dts = _layout_lists(items, cached=len(run) == 1 and first.layout)
+        blocks.append(
+            RowBlock(
+                family, step, micro, extra, tuple(stats), names, vpps, shapes, dts, matrix=matrix, integer_columns=ints
+            )
+        )
     return blocks
 
 
-def _as_ints(row: list[float], columns: tuple[int, ...]) -> list[Any]:
-    out: list[Any] = list(row)
-    for j in columns:
-        out[j] = int(out[j]) if out[j] == out[j] else out[j]  # a NaN stays NaN
-    return out
+_NAME, _VPP, _SHAPE, _DTYPE = (operator.itemgetter(k) for k in range(4))
+
+
+class _Interned(dict):
+    """``key -> its text or plain tuple``, made once per distinct key: read with
+    ``map(d.__getitem__, ...)`` (a C loop; a Python frame only for a key not seen yet).  Bounded
+    (cleared when full)."""
+
+    def __init__(self, make: Any):
+        super().__init__()
+        self.make = make
+
+    def __missing__(self, key: Any) -> Any:
+        if len(self) >= 4096:
+            self.clear()
+        value = self[key] = self.make(key)
+        return value
+
+
+_DTYPE_TEXT = _Interned(str)  # torch.float32 -> "torch.float32"
+_SHAPE_TUPLE = _Interned(tuple)  # torch.Size([4, 4]) -> (4, 4), one tuple per distinct shape
+# id(items) -> (items, its four lists): a family's layout list is reused step after step (kept
+# alive here, so its id is not reused while it is cached)
+_LAYOUTS: dict[int, tuple[list, tuple[list, list, list, list]]] = {}
+
+
+def _layout_lists(items: list[_Item], cached: bool) -> tuple[list, list, list, list]:
+    """The names, vpp stages, shapes and dtypes of ``items`` as lists, built with C loops (no
+    Python frame or object per row); for a family's cached ``items`` list, the same lists every
+    step (which also lets the CSV sink's template check compare them by identity)."""
+    if cached:
+        found = _LAYOUTS.get(id(items))
+        if found is not None and found[0] is items:
+            return found[1]
+    try:
+        shapes = list(map(_SHAPE_TUPLE.__getitem__, map(_SHAPE, items)))
+    except TypeError:  # a shape given as a list (unhashable)
+        shapes = [tuple(shape) for shape in map(_SHAPE, items)]
+    lists = (
+        list(map(_NAME, items)),
+        list(map(_VPP, items)),
+        shapes,
+        list(map(_DTYPE_TEXT.__getitem__, map(_DTYPE, items))),
+    )
+    if cached:
+        if len(_LAYOUTS) >= 256:
+            _LAYOUTS.clear()
+        _LAYOUTS[id(items)] = (items, lists)
+    return lists
 
 
 def _runs(pending: list[_Pending], values: list[np.ndarray]):

@@ -10,9 +10,12 @@ import dataclasses
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar, overload
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
-__all__ = ["StatRow", "RowBlock", "StepRows", "paced", "paced_rows"]
+if TYPE_CHECKING:
+    import numpy as np
+
+__all__ = ["StatRow", "RowBlock", "StepRows", "paced", "paced_rows", "values_of"]
 
 T = TypeVar("T")
 PACE = 32
@@ -67,7 +70,15 @@ class StatRow:
 @dataclass(frozen=True, slots=True)
 class RowBlock:
     """The rows of one capture in columnar form (one entry per tensor in each list): what the
-    CSV sink formats directly, without building a ``StatRow`` per row."""
+    CSV sink formats directly, without building a ``StatRow`` per row.
+
+    The engine hands ``matrix`` (float64, C-contiguous ``[rows, len(stats)]``; ``integer_columns``
+    hold counts) and no ``values``: a Python list per row alive while a step is written is what
+    made a monitored step collect young garbage every ~700 rows.  ``values`` is then built from
+    the matrix the first time a sink reads it (the CSV sink never does), exactly as the engine
+    used to build it: Python floats, ints in the count columns (a NaN there stays a float NaN).
+    The layout lists (``names`` ...) may be the same objects step after step: never mutate them.
+    """
 
     family: str
     step: int
@@ -78,10 +89,29 @@ class RowBlock:
     vpp_stages: list[int]
     shapes: list[tuple[int, ...]]
     dtypes: list[str]
-    values: list[list[float | int]]
+    # None with a ``matrix``: built on first read (``__getattr__``)
+    values: list[list[float | int]] = None  # type: ignore[assignment]
     # True when every value is a Python float or int (the engine's blocks): sinks may format
     # them with repr; hand-built rows (``StepRows.of``) may hold other scalars or text.
     plain: bool = True
+    matrix: np.ndarray | None = field(default=None, compare=False, repr=False)
+    integer_columns: tuple[int, ...] = field(default=(), compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.values is None:
+            if self.matrix is None:
+                raise ValueError("trainmon: a RowBlock needs values or a matrix")
+            # An empty slot: the first read of ``values`` lands in ``__getattr__``, every later
+            # read is a plain slot read (no property frame on the sinks' per-block loops).
+            object.__delattr__(self, "values")
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for an empty slot: ``values`` of a matrix block not read yet.
+        if name != "values":
+            raise AttributeError(f"'RowBlock' object has no attribute {name!r}")
+        values = values_of(self.matrix, self.integer_columns)  # type: ignore[arg-type]
+        object.__setattr__(self, "values", values)
+        return values
 
     def rows(self) -> list[StatRow]:
         family, step, micro, stats, extra = self.family, self.step, self.micro_step, self.stats, self.extra
@@ -89,6 +119,24 @@ class RowBlock:
             StatRow(family, name, step, dict(zip(stats, vals)), shape, dtype, vpp, micro, dict(extra) if extra else {})
             for name, vpp, shape, dtype, vals in zip(self.names, self.vpp_stages, self.shapes, self.dtypes, self.values)
         ]
+
+
+def values_of(matrix: np.ndarray, integer_columns: Sequence[int] = ()) -> list[list[float | int]]:
+    """``matrix`` as rows of Python floats, ints in ``integer_columns`` (a NaN or an infinity
+    there stays a float): what ``RowBlock.values`` holds for an engine block."""
+    import numpy as np  # only where a matrix exists (this module is imported without numpy)
+
+    if not integer_columns or not len(matrix):
+        return matrix.tolist()
+    cells = matrix.astype(object)  # Python floats
+    for j in integer_columns:
+        col = matrix[:, j]
+        finite = np.isfinite(col)
+        if finite.all() and np.abs(col).max() < 2.0**62:
+            cells[:, j] = col.astype(np.int64).astype(object)  # truncation, as int() does
+        else:
+            cells[:, j] = [int(v) if ok else v for v, ok in zip(col.tolist(), finite.tolist())]
+    return cells.tolist()
 
 
 class StepRows(Sequence[StatRow]):

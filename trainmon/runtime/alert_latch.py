@@ -7,6 +7,9 @@ boundary on the training thread, agrees with the other ranks and switches the re
 ``checked(step)`` is called for every step the sink has judged, alert or not, so the boundary can
 wait until the step that just ran has been judged (``wait_checked``): that makes the escalation
 start at the step right after the alert's, on every rank, however far behind the writer is.
+
+The sink sees this class only through ``sinks.alerts.AlertListener`` (plain values in, nothing
+out), so ``sinks`` never imports ``runtime``.
 """
 
 from __future__ import annotations
@@ -48,12 +51,12 @@ class AlertLatch:
         self._checked = -1  # highest step the sink has judged
         self.attached = False  # an alert sink feeds this latch (this rank writes)
 
-    def fire(self, trigger: Trigger) -> bool:
+    def fire(self, *, step: int, rank: int, rule: str, kind: str, name: str, op: str) -> bool:
         """Record an alert; True if it is the first since the last ``clear``."""
         with self._cond:
             if self._first is not None:
                 return False
-            self._first = trigger
+            self._first = Trigger(step=step, rank=rank, rule=rule, kind=kind, name=name, op=op)
             return True
 
     def checked(self, step: int) -> None:
