@@ -118,3 +118,17 @@ def test_map_buckets_in_process_keeps_the_order_and_counts_progress():
     progress = Count()
     assert cluster_mod.map_buckets(abs, [-3, 1, -2], progress=progress) == [3, 1, 2]
     assert progress.n == 3
+
+
+@pytest.mark.slow  # uses the two worker processes
+def test_a_worker_that_cannot_read_the_staged_files_names_the_shared_folder(local_cluster, tmp_path):
+    # What a worker on another machine meets when TRAINMON_ENGINE_WORKDIR is not shared storage.
+    shape = engine_buckets.RunShape(
+        str(tmp_path), ("grad_reduced",), (("grad_reduced", ("norm",)),), (), (), ("",), ("",)
+    )
+    missing = engine_buckets.Bucket(shape, (str(tmp_path / "r-0-0.parquet"),), 0, 0, ("w",))
+    with pytest.raises(cluster_mod.ClusterError) as err:
+        cluster_mod.map_buckets(engine_buckets.read_bucket, [missing], cluster=local_cluster.scheduler_address)
+    text = str(err.value)
+    assert "a worker cannot read the staged run" in text and "TRAINMON_ENGINE_WORKDIR" in text
+    assert len(text.splitlines()) == 1

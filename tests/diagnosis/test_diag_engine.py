@@ -48,7 +48,8 @@ def _assert_same_findings(name: str, rules: str, pq_dir: Path) -> list:
     run = named_run(name)
     want = _everything(scan_all(load_run(run), RULE_SETS[rules]))
     assert _everything(engine_buckets.engine_scan_all(engine.run_files(run), RULE_SETS[rules])) == want
-    assert _everything(engine_buckets.engine_scan_all(engine.run_files(_as_parquet(run, pq_dir)), RULE_SETS[rules])) == want
+    parquet = engine.run_files(_as_parquet(run, pq_dir))
+    assert _everything(engine_buckets.engine_scan_all(parquet, RULE_SETS[rules])) == want
     return want[0]
 
 
@@ -78,7 +79,8 @@ def test_engine_keeps_positions_occurrences_and_header_variants_exact(edge_run, 
     assert any(a.occurrence for a in want) or any(n.occurrence for n in found.by_design)
     assert any(a.micro_step is not None for a in want)
     for run in (edge_run, _as_parquet(edge_run, pq_dir)):
-        assert _everything(engine_buckets.engine_scan_all(engine.run_files(run), RULE_SETS[rules])) == _everything(found)
+        got = engine_buckets.engine_scan_all(engine.run_files(run), RULE_SETS[rules])
+        assert _everything(got) == _everything(found)
 
 
 def test_units_keep_small_ranks_together_and_cut_big_ranks_only_between_step_windows(monkeypatch, tmp_path):
@@ -164,7 +166,8 @@ def test_missing_stat_columns_and_empty_cells_read_as_nan_like_the_in_memory_rea
     rank.mkdir(parents=True)
     rows = "".join(f"0,w,{s},{1.0 + s * 0.01},{'' if s == 7 else 0},\"[2]\",torch.float32\n" for s in range(10))
     (rank / "grad_reduced_0-9.csv").write_text("vpp_stage,name,step,norm,nans,shape,dtype\n" + rows)
-    (rank / "grad_reduced_0-9.1.csv").write_text("vpp_stage,name,step,max,shape,dtype\n0,w,9,nan,\"[2]\",torch.float32\n")
+    variant = "vpp_stage,name,step,max,shape,dtype\n0,w,9,nan,\"[2]\",torch.float32\n"
+    (rank / "grad_reduced_0-9.1.csv").write_text(variant)
     want = _found(scan(load_run(tmp_path / "run")))
     assert want and _found(engine_buckets.engine_scan(engine.run_files(tmp_path / "run"))) == want
 

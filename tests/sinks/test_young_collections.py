@@ -40,26 +40,12 @@ def _young_collections(fn) -> int:
     return count
 
 
-def _matrix_block_type():
-    if "matrix" in RowBlock.__dataclass_fields__:
-        return RowBlock
-    from dataclasses import dataclass
-
-    @dataclass(frozen=True, slots=True)
-    class MatrixBlock(RowBlock):
-        matrix: np.ndarray | None = None
-        integer_columns: tuple[int, ...] = ()
-
-    return MatrixBlock
-
-
 def _engine_like_steps(steps: int, as_matrix: bool) -> list[StepRows]:
     """Steps of 6 families x 512 tensors, as the engine hands them: a float64 matrix per family
     (or today's per-row value lists) and the layout's lists, the same objects every step."""
     rng = np.random.default_rng(0)
     names = [f"layers.{i}.weight" for i in range(N)]
     vpps, shapes, dtypes = [0] * N, [(4, 4)] * N, ["torch.float32"] * N
-    block_type = _matrix_block_type()
     out = []
     for step in range(steps):
         mats = {f: np.abs(rng.standard_normal((N, len(OPS)))) for f in FAMILIES}
@@ -69,7 +55,7 @@ def _engine_like_steps(steps: int, as_matrix: bool) -> list[StepRows]:
         def build(step=step, mats=mats):
             if as_matrix:
                 return [
-                    block_type(
+                    RowBlock(
                         f,
                         step,
                         None,
@@ -147,10 +133,6 @@ def test_a_monitored_step_collects_at_most_twice_as_often_as_an_unmonitored_one(
 
     from trainmon import TrainerMon
 
-    if "matrix" not in RowBlock.__dataclass_fields__:
-        # the engine still hands per-row value lists (stats/engine.py _build_blocks): the garbage
-        # this test counts; see /tmp/notes/writer_gc_findings.md
-        pytest.xfail("RowBlock.matrix not there yet: the engine builds a Python list per row")
     flags = {
         "wg": {"wg_distribution": True},
         "all-on": {"wg_distribution": True, "mv_distribution": True, "param_distribution": True},

@@ -24,9 +24,10 @@ from trainmon.diagnosis.reader import FamilyStatsView, RunDirError, ranked_dirs,
 
 # The SQL toolkit's old private names, for ``engine_compare`` until it imports ``diagnosis.sql``.
 from trainmon.diagnosis.sql import fill_table as _fill  # noqa: F401
+from trainmon.diagnosis.sql import header_and_rows
 from trainmon.diagnosis.sql import quote as _q  # noqa: F401
 from trainmon.diagnosis.workdir import WorkDir
-from trainmon.errors import DamagedFileError, EnvError, env_int
+from trainmon.errors import EnvError, env_int
 from trainmon.output import runs
 from trainmon.output.layout import FamilyFile
 
@@ -161,47 +162,6 @@ class Unit:
     continues: bool = False  # holds later steps of the previous unit's last rank: spike windows carry over
 
 
-def _parquet_rows_and_columns(f: FamilyFile) -> tuple[int, list[str]]:
-    """A Parquet file's row count and column names, from one read of its footer, checked
-    (``parquet_layout``: a damaged file is a DamagedFileError naming it, never skipped)."""
-    from trainmon.output.parquet import parquet_layout
-
-    return parquet_layout(f.path)
-
-
-def _csv_rows(f: FamilyFile) -> int:
-    """A CSV file's number of rows, estimated from its size and its first row (0: none)."""
-    with open(f.path, "rb") as fh:
-        header = fh.readline()
-        if not header.strip():  # the sink never leaves an empty file: damage, as for the other readers
-            size = os.fstat(fh.fileno()).st_size
-            # the in-memory reader's words for an empty file (``output.runs``): one message per damage
-            raise DamagedFileError(
-                f.path, "empty file (0 bytes): no header and no rows" if size == 0 else "empty file (no header)"
-            )
-        first = fh.readline()
-        if not first.strip():
-            return 0
-        return max(1, round((os.fstat(fh.fileno()).st_size - len(header)) / len(first)))
-
-
-def _header_and_rows(f: FamilyFile) -> tuple[tuple[str, ...], int] | None:
-    """The columns of a file that holds rows and its number of rows (exact for Parquet, estimated
-    for CSV); None: no rows.  A CSV file is checked whole here (``runs._header``: NUL bytes,
-    UTF-8, trainmon's header), once: the engine then reads it."""
-    if f.ext == "parquet":
-        n, columns = _parquet_rows_and_columns(f)
-        return (tuple(columns), n) if n > 0 else None
-    n = _csv_rows(f)
-    return (tuple(runs._header(Path(f.path))), n) if n else None
-
-
-def header_of(f: FamilyFile) -> tuple[str, ...] | None:
-    """The columns of a file that holds rows (None: no rows)."""
-    found = _header_and_rows(f)
-    return None if found is None else found[0]
-
-
 def _roles(f: FamilyFile) -> runs.ColumnRoles:
     # The in-memory reader's own rule (it may look at dtypes), on one file of this header.
     from trainmon.output.parquet import read_parquet
@@ -234,7 +194,7 @@ def run_files(
         for family, files in by_rank[rank].items():
             if families is not None and family not in families:
                 continue
-            found = {str(f.path): h for f in files if (h := _header_and_rows(f)) is not None}
+            found = {str(f.path): h for f in files if (h := header_and_rows(f)) is not None}
             with_rows = [f for f in files if str(f.path) in found]
             if not with_rows:
                 continue

@@ -19,13 +19,26 @@ is a :class:`~trainmon.output.cells.BadCellError` naming the file, line and colu
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
+from trainmon.errors import DamagedFileError
 from trainmon.output import runs
 from trainmon.output.cells import NAN_SPELLINGS, BadCellError
 from trainmon.output.layout import FamilyFile
 
-__all__ = ["quote", "literal", "fill_table", "Family", "POSITION", "FILES_PER_READ", "chunks"]
+__all__ = [
+    "quote",
+    "literal",
+    "fill_table",
+    "Family",
+    "POSITION",
+    "FILES_PER_READ",
+    "chunks",
+    "header_of",
+    "header_and_rows",
+]
 
 # Files one read statement scans at most: DuckDB keeps ~0.1 MB per file of a statement until it
 # ends (100,000 one-row files of msprobe's per-step layout ran out of 1 GB in one read).
@@ -91,7 +104,8 @@ class Family:
             c for c in sorted(cols) if c not in runs.KEY_COLUMNS and c not in self.stats and c not in TAIL_COLUMNS
         ]
         self.duplicates: tuple | None = None  # (rows beyond the first of their key, first key..., copies)
-        self._views()
+        # No views yet: ``_read`` makes them per batch of files (binding a read of many files
+        # costs ~20 ms a view; made here too, they were 12% of staging a 1M-row run).
 
     def _views(self, sources: Sequence[str] | None = None, offset: int = 0) -> None:
         """The views ``raw`` (the rows of ``sources``, some of ``_batches()``: the first by
@@ -299,7 +313,6 @@ class Family:
         self._read()
         if self.typed and self.con.execute("SELECT count(*) FROM reject_errors").fetchone()[0]:
             self.typed = False  # a cell DuckDB's number parser refused: read as text, judged there
-            self._views()
             self._read()
         # Rows with equal keys have equal hashes, so as many distinct hashes as rows means no
         # repeats (a collision only sends this family down the exact path): one hash aggregate
@@ -331,8 +344,42 @@ def fill_table(con, table: str, columns: Mapping[str, str], rows: Sequence[tuple
         con.execute(f"INSERT INTO {table} SELECT " + ", ".join(f"unnest(?::{t}[])" for t in columns.values()), lists)
 
 
-def header_of(f: FamilyFile) -> tuple[str, ...] | None:
-    """The columns of a file that holds rows (None: no rows), read from the file (``engine``)."""
-    from trainmon.diagnosis.engine import header_of as read_header
+def _parquet_rows_and_columns(f: FamilyFile) -> tuple[int, list[str]]:
+    """A Parquet file's row count and column names, from one read of its footer, checked
+    (``parquet_layout``: a damaged file is a DamagedFileError naming it, never skipped)."""
+    from trainmon.output.parquet import parquet_layout
 
-    return read_header(f)
+    return parquet_layout(f.path)
+
+
+def _csv_rows(f: FamilyFile) -> int:
+    """A CSV file's number of rows, estimated from its size and its first row (0: none)."""
+    with open(f.path, "rb") as fh:
+        header = fh.readline()
+        if not header.strip():  # the sink never leaves an empty file: damage, as for the other readers
+            size = os.fstat(fh.fileno()).st_size
+            # the in-memory reader's words for an empty file (``output.runs``): one message per damage
+            raise DamagedFileError(
+                f.path, "empty file (0 bytes): no header and no rows" if size == 0 else "empty file (no header)"
+            )
+        first = fh.readline()
+        if not first.strip():
+            return 0
+        return max(1, round((os.fstat(fh.fileno()).st_size - len(header)) / len(first)))
+
+
+def header_and_rows(f: FamilyFile) -> tuple[tuple[str, ...], int] | None:
+    """The columns of a file that holds rows and its number of rows (exact for Parquet, estimated
+    for CSV); None: no rows.  A CSV file is checked whole here (``runs._header``: NUL bytes,
+    UTF-8, trainmon's header), once: the engine then reads it."""
+    if f.ext == "parquet":
+        n, columns = _parquet_rows_and_columns(f)
+        return (tuple(columns), n) if n > 0 else None
+    n = _csv_rows(f)
+    return (tuple(runs._header(Path(f.path))), n) if n else None
+
+
+def header_of(f: FamilyFile) -> tuple[str, ...] | None:
+    """The columns of a file that holds rows (None: no rows)."""
+    found = header_and_rows(f)
+    return None if found is None else found[0]
