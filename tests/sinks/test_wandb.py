@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -64,10 +65,16 @@ def wandb_records(path: Path) -> list:
     return out
 
 
-def offline_runs(root: Path) -> dict[str, Path]:
-    """run name -> its .wandb file, for every offline run under ``root``."""
+def offline_runs(root: Path, timeout: float = 60.0) -> dict[str, Path]:
+    """run name -> its .wandb file, for every offline run under ``root``.  ``run.finish()`` returns
+    before wandb's service has written the file out (seen under load: a 7-byte header alone), so
+    each file is read once it holds its closing ``exit`` record."""
     runs = {}
     for path in root.glob("wandb/offline-run-*/run-*.wandb"):
+        deadline = time.monotonic() + timeout
+        while not any(r.WhichOneof("record_type") == "exit" for r in wandb_records(path)):
+            assert time.monotonic() < deadline, f"{path}: no exit record after {timeout} s"
+            time.sleep(0.1)
         names = [r.run.display_name for r in wandb_records(path) if r.WhichOneof("record_type") == "run"]
         runs[names[0]] = path
     return runs
@@ -317,6 +324,11 @@ def test_format_wandb_without_the_package_is_a_config_error_at_attach(tmp_path):
         "json.dump({'wg_distribution': True, 'format': ['csv', 'wandb']}, open(p, 'w'))\n"
         "try:\n    TrainerMon(p)\nexcept ConfigError as e:\n    print('ERR', e)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={**__import__("os").environ, "MONITOR_OUTPUT_DIR": str(tmp_path / "out")})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**__import__("os").environ, "MONITOR_OUTPUT_DIR": str(tmp_path / "out")},
+    )
     assert "ERR" in out.stdout and "pip install trainmon[wandb]" in out.stdout, out.stdout + out.stderr

@@ -30,6 +30,8 @@ from itertools import chain
 from pathlib import Path
 from typing import Any, SupportsFloat, cast
 
+import numpy as np
+
 from trainmon.output.layout import family_file_name, partial_file_name, window_bounds
 from trainmon.sinks.base import LostRows, Sink, SinkOptions, register_sink, sync_dir
 from trainmon.sinks.csv_text import matrix_cells, row_cells
@@ -314,12 +316,29 @@ class CsvSink(Sink):
             if template is not None:
                 cells = tuple(runs[0]) if len(runs) == 1 else tuple(chain.from_iterable(zip(*runs)))
                 return self._filled(template, b, cells)
+        filled = self._matrix_text(b)
+        if filled is not None:
+            return filled
         width = len(b.stats)
         if b.values and set(map(len, b.values)) == {width}:
             template = self._template(b, ",%r" * width)  # bytes' %r is ascii(repr(x)): repr for numbers
             if template is not None:
                 return self._filled(template, b, tuple(chain.from_iterable(b.values)))
         return "".join(self._block_lines(b)).encode()
+
+    def _matrix_text(self, b: RowBlock) -> bytes | None:
+        """A float64 matrix block in the %-template without ``orjson``: ``%r`` per float (``repr``,
+        NaN and infinities included) and ``%d`` per count (``str(int(x))``), fed one flat list of
+        floats; floats are not containers the collector tracks, so no per-row garbage either.
+        None where a count is not finite (a values row) or there is no such matrix."""
+        matrix = getattr(b, "matrix", None)
+        if matrix is None or matrix.dtype != np.float64 or matrix.ndim != 2 or matrix.shape[1] != len(b.stats):
+            return None
+        counts = frozenset(getattr(b, "integer_columns", ()))
+        if counts and not np.isfinite(matrix[:, sorted(counts)]).all():
+            return None
+        template = self._template(b, "".join([",%d" if j in counts else ",%r" for j in range(matrix.shape[1])]))
+        return None if template is None else self._filled(template, b, tuple(matrix.ravel().tolist()))
 
     def _filled(self, template: bytes, b: RowBlock, cells: tuple) -> bytes:
         return template.replace(_LEAD, self._lead(b).replace("%", "%%").encode()) % cells
@@ -329,10 +348,8 @@ class CsvSink(Sink):
         """Each row's number cells, per run of columns (``csv_text``): from the block's float64
         matrix when the engine hands one (no Python object per row), else from its values."""
         matrix = getattr(b, "matrix", None)
-        if matrix is not None:
-            runs = matrix_cells(matrix, getattr(b, "integer_columns", ()))
-            if runs is not None:
-                return runs
+        if matrix is not None:  # else the %-template fills it from the matrix (``_matrix_text``)
+            return matrix_cells(matrix, getattr(b, "integer_columns", ()))
         row_texts = row_cells(b.values)
         return None if row_texts is None else [row_texts]
 
