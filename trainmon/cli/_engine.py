@@ -1,8 +1,9 @@
-"""``--engine auto|duckdb|memory``: one choice for the commands that can run in the embedded engine.
+"""What ``anomalies``, ``ranks`` and ``compare`` share before and around the embedded engine.
 
-``anomalies``, ``ranks`` and ``compare`` read a run either into pandas (``memory``) or through
-DuckDB (``duckdb``: ``diagnosis.engine`` / ``diagnosis.engine_buckets``, bounded memory).  The
-same rule picks for all three, and engine errors become one line (exit code 2).
+Each stages its run(s) in DuckDB (``diagnosis.engine`` / ``diagnosis.engine_buckets``, bounded
+memory) and runs the one pandas rule set per bucket, for every size: there is no in-memory path to
+choose.  ``--engine`` is accepted for a release as a deprecated no-op; engine errors become one
+line (exit code 2).
 """
 
 from __future__ import annotations
@@ -11,12 +12,10 @@ import argparse
 import contextlib
 import logging
 from collections.abc import Iterator
-from pathlib import Path
 
 from trainmon.cli import CommandError
 from trainmon.diagnosis import engine
 from trainmon.diagnosis.workdir import remove_stale
-from trainmon.output import runs
 from trainmon.output.cells import BadCellError
 
 log = logging.getLogger("trainmon")
@@ -24,52 +23,22 @@ log = logging.getLogger("trainmon")
 __all__ = [
     "engine_required",
     "ENGINES",
-    "AUTO_ENGINE_BYTES",
     "add_engine_argument",
-    "use_engine",
     "check_settings",
     "engine_errors",
 ]
 
-ENGINES = ("auto", "duckdb", "memory")
-# ``--engine auto`` reads runs at least this large (bytes of family files) in DuckDB; smaller ones
-# in memory, where every cell is validated as it is read (damaged files: one line naming file,
-# line and column).
-AUTO_ENGINE_BYTES = 256 * 2**20
+ENGINES = ("auto", "duckdb", "memory")  # what the deprecated --engine accepts
 
 
-def add_engine_argument(parser: argparse.ArgumentParser, work: str, *, deprecated: bool = False) -> None:
-    """``deprecated``: the command always stages the run in DuckDB and runs its checks per bucket
-    (one code path for every size); ``--engine`` is accepted for a release, with one warning."""
-    if deprecated:
-        parser.add_argument("--engine", choices=ENGINES, default=None, help="deprecated, no effect")
-        return
-    parser.add_argument(
-        "--engine",
-        choices=ENGINES,
-        default="auto",
-        help=f"duckdb: {work} in an embedded engine, bounded memory; memory: read the "
-        "whole run into pandas, every cell validated; auto (default): duckdb when installed and the "
-        "run's family files hold 256 MiB or more, else memory",
-    )
-
-
-def use_engine(choice: str, *run_dirs: str) -> bool:
-    """Whether ``--engine choice`` runs in DuckDB for these runs (auto: their files together)."""
-    # Every engine-capable command starts here, whichever engine it picks: the next one a user runs
-    # removes the work directories of killed ones (``workdir``), even when it reads in memory.
-    remove_stale()
-    check_settings()
-    if choice == "duckdb" and not engine.available():
-        raise CommandError("--engine duckdb needs duckdb: pip install trainmon[engine]")
-    if choice != "auto":
-        return choice == "duckdb"
-    return engine.available() and _family_bytes(run_dirs) >= AUTO_ENGINE_BYTES
+def add_engine_argument(parser: argparse.ArgumentParser) -> None:
+    """The deprecated ``--engine``: accepted for a release, one warning, no effect."""
+    parser.add_argument("--engine", choices=ENGINES, default=None, help="deprecated, no effect")
 
 
 def engine_required(choice: str | None) -> None:
     """For a command that always runs in DuckDB: a clear error without it, one warning for the
-    deprecated ``--engine`` flag, and the ``use_engine`` housekeeping."""
+    deprecated ``--engine`` flag; first the work directories of killed commands go (``workdir``)."""
     remove_stale()
     check_settings()
     if choice is not None:
@@ -88,17 +57,6 @@ def check_settings() -> None:
     engine.unit_rows()
     engine_buckets.bucket_rows()
     engine_buckets.sort_rows()
-
-
-def _family_bytes(run_dirs) -> int:
-    total = 0
-    for run_dir in run_dirs:
-        for rank_dir in Path(run_dir).glob("**/rank*"):
-            for files in runs.family_files(rank_dir).values() if rank_dir.is_dir() else ():
-                total += sum(f.path.stat().st_size for f in files)
-                if total >= AUTO_ENGINE_BYTES:
-                    return total
-    return total
 
 
 @contextlib.contextmanager
@@ -133,7 +91,7 @@ def _engine_problem(path: object, kind: str, message: str) -> str:
             f"(set TRAINMON_ENGINE_MEMORY above {cap}, e.g. {_twice(cap)}, or TRAINMON_ENGINE_UNIT_ROWS "
             f"below {engine.unit_rows()} rows)"
         )
-    return f"{path}: damaged family file: {first_line} (--engine memory names the file, line and column)"
+    return f"{path}: damaged family file: {first_line}"
 
 
 def _twice(cap: str) -> str:

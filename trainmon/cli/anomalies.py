@@ -63,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-runtime", action="store_true", help="ignore the anomalies.jsonl files alerts wrote during the run"
     )
-    add_engine_argument(parser, "scan the files", deprecated=True)
+    add_engine_argument(parser)
     add_cluster_option(parser)
     parser.add_argument(
         "--limit",

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from trainmon.cli import CommandError
-from trainmon.cli._engine import add_engine_argument, engine_errors, use_engine
+from trainmon.cli._engine import add_engine_argument, engine_errors, engine_required
 from trainmon.cli._options import check_recorded, non_negative, rank_list
 from trainmon.cli._progress import Progress
 from trainmon.diagnosis import engine
-from trainmon.diagnosis.compare import compare_runs
 from trainmon.diagnosis.engine_compare import engine_compare
-from trainmon.diagnosis.reader import DuplicateKeys, RunDirError, RunTable, duplicate_keys, load_run
+from trainmon.diagnosis.reader import DuplicateKeys, RunDirError
 from trainmon.diagnosis.report import dump_json, escape, parse_name_list, table
 from trainmon.families import NOT_SCALAR
 
@@ -30,21 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kinds", default=None, help="comma list of families (default: all common)")
     parser.add_argument("--ranks", default=None, help="comma list of ranks (default: all)")
     parser.add_argument("--top", type=int, default=5, help="largest differences listed per family (default 5)")
-    add_engine_argument(parser, "align the files")
+    add_engine_argument(parser)
     parser.add_argument("--json", action="store_true", help="machine-readable output (fields: docs/diagnosis.md)")
-
-
-def _load(path: str, kinds, ranks, quiet: bool = False):
-    progress = Progress(f"reading {Path(path).name}", 0, quiet=quiet)
-    try:
-        run = load_run(path, families=kinds, ranks=ranks, progress=progress)
-    except RunDirError as exc:
-        raise CommandError(str(exc)) from None
-    finally:
-        progress.done()
-    check_recorded(kinds, run.families_on_disk, "family", run.path)
-    check_recorded(ranks, run.ranks_on_disk, "rank", run.path)
-    return run
 
 
 def _run_files(path: str, kinds, ranks) -> engine.RunFiles:
@@ -63,32 +48,20 @@ def run(args: argparse.Namespace) -> int:
     non_negative(args.top, "--top")
     kinds, ranks = parse_name_list(args.kinds), rank_list(args.ranks)
     options = {"rtol": args.rtol, "atol": args.atol, "ops": parse_name_list(args.ops), "top": args.top}
-    base: RunTable | engine.RunFiles
-    target: RunTable | engine.RunFiles
     # Keys written twice in a run (two runs in one folder): a finding of their own per run.
     repeated = {"base": DuplicateKeys(), "target": DuplicateKeys()}
-    if use_engine(args.engine, args.base, args.target):
-        base, target = _run_files(args.base, kinds, ranks), _run_files(args.target, kinds, ranks)
-        # Packed sign bits (``trainmon similarity``) are never compared, nor read.
-        files = sum(len(v) for run in (base, target) for f, v in run.files.items() if f not in NOT_SCALAR)
-        progress = Progress("compare", files, quiet=args.json)
-        try:
-            with engine_errors(f"{base.path} / {target.path}"):
-                result = engine_compare(
-                    base, target, progress=progress, duplicates=(repeated["base"], repeated["target"]), **options
-                )
-        finally:
-            progress.done()
-    else:
-        base_table, target_table = (
-            _load(args.base, kinds, ranks, args.json),
-            _load(args.target, kinds, ranks, args.json),
-        )
-        result = compare_runs(base_table, target_table, **options)
-        base, target = base_table, target_table
-        scalar = [f for f in base_table.families if f not in NOT_SCALAR]  # the families compare reads
-        repeated["base"] = duplicate_keys(base_table, scalar)
-        repeated["target"] = duplicate_keys(target_table, [f for f in target_table.families if f not in NOT_SCALAR])
+    engine_required(args.engine)
+    base, target = _run_files(args.base, kinds, ranks), _run_files(args.target, kinds, ranks)
+    # Packed sign bits (``trainmon similarity``) are never compared, nor read.
+    files = sum(len(v) for run in (base, target) for f, v in run.files.items() if f not in NOT_SCALAR)
+    progress = Progress("compare", files, quiet=args.json)
+    try:
+        with engine_errors(f"{base.path} / {target.path}"):
+            result = engine_compare(
+                base, target, progress=progress, duplicates=(repeated["base"], repeated["target"]), **options
+            )
+    finally:
+        progress.done()
     if args.json:
         dump_json(
             {

@@ -6,13 +6,13 @@ import argparse
 from collections import Counter
 
 from trainmon.cli import CommandError
-from trainmon.cli._engine import add_engine_argument, engine_errors, use_engine
+from trainmon.cli._engine import add_engine_argument, engine_errors, engine_required
 from trainmon.cli._options import add_cluster_option, check_recorded, cluster_address, non_negative, rank_list
 from trainmon.cli._progress import Progress
 from trainmon.diagnosis import engine
 from trainmon.diagnosis.engine_buckets import engine_ranks
-from trainmon.diagnosis.ranks import CHECKS, check_ranks
-from trainmon.diagnosis.reader import DuplicateKeys, RunDirError, RunTable, duplicate_keys, load_run
+from trainmon.diagnosis.ranks import CHECKS
+from trainmon.diagnosis.reader import DuplicateKeys, RunDirError
 from trainmon.diagnosis.report import dump_json, escape, parse_name_list, table
 
 HELP = "check cross-rank consistency (reduced grads, averaging, partial NaN, outlier ranks)"
@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ranks", default=None, help="comma list of ranks forming one data-parallel group (default: all)"
     )
-    add_engine_argument(parser, "check the files")
+    add_engine_argument(parser)
     add_cluster_option(parser)
     parser.add_argument(
         "--limit",
@@ -52,18 +52,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help=f"show at most N issues (text default {_TEXT_LIMIT}, JSON default all; 0 = all)",
     )
-
-
-def _load(path: str, ranks, *, quiet: bool) -> RunTable:
-    progress = Progress("reading", 0, quiet=quiet)
-    try:
-        run_table = load_run(path, ranks=ranks, progress=progress)
-    except RunDirError as exc:
-        raise CommandError(str(exc)) from None
-    finally:
-        progress.done()
-    check_recorded(ranks, run_table.ranks_on_disk, "rank", run_table.path)
-    return run_table
 
 
 def _run_files(path: str, ranks) -> engine.RunFiles:
@@ -85,21 +73,16 @@ def run(args: argparse.Namespace) -> int:
     non_negative(args.limit, "--limit")
     ranks = rank_list(args.ranks)
     options = {"rtol": args.rtol, "outlier_factor": args.outlier_factor, "reduce": args.reduce, "checks": checks}
-    run_table: RunTable | engine.RunFiles
     repeated = DuplicateKeys()  # keys written twice: a finding of their own (two runs in one folder)
-    cluster = cluster_address(args)  # the buckets run on a Dask cluster: the run is staged in DuckDB
-    if use_engine("duckdb" if cluster else args.engine, args.run_dir):
-        run_table = _run_files(args.run_dir, ranks)
-        progress = Progress("ranks", sum(len(v) for v in run_table.files.values()), quiet=args.json)
-        try:
-            with engine_errors(run_table.path):
-                issues = engine_ranks(run_table, progress=progress, duplicates=repeated, cluster=cluster, **options)
-        finally:
-            progress.done()
-    else:
-        run_table = _load(args.run_dir, ranks, quiet=args.json)
-        issues = check_ranks(run_table, **options)
-        repeated = duplicate_keys(run_table)
+    engine_required(args.engine)
+    cluster = cluster_address(args)  # the buckets run on a Dask cluster, else in this process
+    run_table = _run_files(args.run_dir, ranks)
+    progress = Progress("ranks", sum(len(v) for v in run_table.files.values()), quiet=args.json)
+    try:
+        with engine_errors(run_table.path):
+            issues = engine_ranks(run_table, progress=progress, duplicates=repeated, cluster=cluster, **options)
+    finally:
+        progress.done()
     limit = args.limit if args.limit is not None else (0 if args.json else _TEXT_LIMIT)
     shown = issues if limit == 0 else issues[:limit]
     by_check = dict(Counter(i.check for i in issues))

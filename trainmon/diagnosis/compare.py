@@ -61,6 +61,10 @@ __all__ = [
     "SliceResult",
     "compare_slice",
     "finish_comparison",
+    "judge",
+    "family_part",
+    "first_per_rank",
+    "largest_rows",
 ]
 
 STAGES: tuple[str, ...] = (
@@ -270,6 +274,16 @@ def _family_diffs(
     only_b, only_t = len(base) - len(merged), every_target - len(merged)
     if merged.empty:
         return merged, only_b, only_t
+    merged["group"] = merged[extras[0]].fillna(-1).astype(int) if extras else -2
+    return judge(merged, family, ops, rtol, atol), only_b, only_t
+
+
+def judge(merged: pd.DataFrame, family: str, ops: Sequence[str], rtol: float, atol: float) -> pd.DataFrame:
+    """Every aligned row's verdict, the one place the comparison rule is written: ``merged`` holds
+    each op of base (column ``op``) and of target (``op@t``), ``numel`` and the alignment and flow
+    keys; added: the row's worst ``op`` with its ``base``, ``target`` and ``rel_diff``, whether it
+    ``diverged``, and its ``kind``.  Used for a whole run and for each group the engine aligned."""
+    ops = list(ops)
     rms = merged["norm"] / np.sqrt(merged["numel"]) if "norm" in ops else pd.Series(0.0, index=merged.index)
     rms = rms.replace([np.inf, -np.inf], np.nan).fillna(0.0).to_numpy()
     b = np.column_stack([merged[op].to_numpy(float) for op in ops])
@@ -282,14 +296,35 @@ def _family_diffs(
         score = np.where(over, 2.0, 0.0) + np.where(np.isinf(rel), 1.0, rel / (1.0 + rel))
     pick = np.argmax(score, axis=1)
     rows = np.arange(len(merged))
-    merged["op"] = np.asarray(ops)[pick]
+    merged["op"] = np.asarray(ops, dtype=object)[pick]
     merged["base"] = b[rows, pick]
     merged["target"] = t[rows, pick]
     merged["rel_diff"] = rel[rows, pick]
     merged["diverged"] = over.any(axis=1)
     merged["kind"] = family
-    merged["group"] = merged[extras[0]].fillna(-1).astype(int) if extras else -2
-    return merged, only_b, only_t
+    return merged
+
+
+def family_part(family: str, judged: pd.DataFrame, top: int) -> SliceResult:
+    """What one family's judged rows (``judge``) add to a comparison: rows aligned per (stage,
+    rank), the family's largest differences, each rank's first diverged row."""
+    out = SliceResult(aligned_rows=len(judged))
+    if judged.empty:
+        return out
+    for rank, n in judged.groupby("rank").size().items():
+        out.aligned[(stage_of(family), int(rank))] = int(n)
+    out.largest[family] = [largest_rows([judged], top)]
+    hit = judged[judged["diverged"].to_numpy()]
+    out.diverged_rows = len(hit)
+    if not hit.empty:
+        out.firsts.append(first_per_rank([hit]))
+    return out
+
+
+def first_per_rank(frames: list[pd.DataFrame]) -> pd.DataFrame:
+    """Each rank's first row in training-flow order, of the rows of ``frames`` together."""
+    rows = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]
+    return rows.sort_values(list(FLOW_KEYS), kind="mergesort").groupby("rank", sort=False).head(1).copy()
 
 
 def _difference(r) -> Difference:
@@ -314,7 +349,7 @@ def _difference(r) -> Difference:
 _LARGEST = (["rel_diff", *FLOW_KEYS], [False] + [True] * len(FLOW_KEYS))
 
 
-def _largest(frames: list[pd.DataFrame], top: int) -> pd.DataFrame:
+def largest_rows(frames: list[pd.DataFrame], top: int) -> pd.DataFrame:
     rows = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]
     # A copy: a slice would keep all of the sorted rows alive (one slice per family and bucket).
     return rows.sort_values(_LARGEST[0], ascending=_LARGEST[1], kind="mergesort").head(top).copy()
@@ -363,18 +398,7 @@ def compare_slice(
         )
         out.only_in_base += only_b
         out.only_in_target += only_t
-        out.aligned_rows += len(merged)
-        if merged.empty:
-            continue
-        for rank, n in merged.groupby("rank").size().items():
-            key = (stage_of(family), int(rank))
-            out.aligned[key] = out.aligned.get(key, 0) + int(n)
-        out.largest[family] = [_largest([merged], top)]
-        hit = merged[merged["diverged"]]
-        out.diverged_rows += len(hit)
-        if not hit.empty:
-            first = hit.sort_values(list(FLOW_KEYS), kind="mergesort").groupby("rank", sort=False).head(1)
-            out.firsts.append(first.copy())
+        out.add(family_part(family, merged, top))
     for family in target.family_stats:
         if family not in base.family_stats and family not in NOT_SCALAR:
             out.only_in_target += len(target.family(family))
@@ -412,7 +436,7 @@ def finish_comparison(
     result.renamed = sum(plan.renamed for plan in plans.values())
     result.families = tuple(plans)
     for family in (f for f in plans if f in part.largest):
-        largest = _largest(part.largest[family], top)
+        largest = largest_rows(part.largest[family], top)
         result.largest_by_family[family] = [_difference(r) for r in largest.itertuples(index=False) if r.rel_diff > 0]
     firsts: dict[tuple[str, int], Difference] = {}
     if part.firsts:

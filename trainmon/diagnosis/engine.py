@@ -21,11 +21,7 @@ from pathlib import Path
 
 from trainmon.analysis.flow import family_rank
 from trainmon.diagnosis.reader import FamilyStatsView, RunDirError, ranked_dirs, resolve_run_dir
-
-# The SQL toolkit's old private names, for ``engine_compare`` until it imports ``diagnosis.sql``.
-from trainmon.diagnosis.sql import fill_table as _fill  # noqa: F401
 from trainmon.diagnosis.sql import header_and_rows
-from trainmon.diagnosis.sql import quote as _q  # noqa: F401
 from trainmon.diagnosis.workdir import WorkDir
 from trainmon.errors import EnvError, env_int
 from trainmon.output import runs

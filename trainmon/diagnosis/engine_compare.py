@@ -1,12 +1,12 @@
-"""``compare`` in the engine: the two runs' rows aligned and compared inside DuckDB.
+"""``compare`` of two staged runs: DuckDB aligns the rows, ``compare.judge`` judges them.
 
 Both runs are staged (``engine_buckets.StagedRun``); each family's rows are joined on
 ``compare``'s alignment key (the target's names mapped onto the base's through the wrapper-prefix
-matching, ``compare.plan_families``), and every relative difference, tolerance test and worst op
-is computed in SQL with ``compare.rel_diff``'s rules (NaN/Inf included).  Only what the result
-needs comes back to Python: row counts per rank, each family's largest differences and each
-rank's first diverged row.  The result equals ``compare.compare_runs`` on the same runs (tested on
-the diagnosis fault runs, CSV and Parquet).
+matching, ``compare.plan_families``) one group of ranks/steps at a time, so memory follows the
+group, not the run.  Each aligned group comes back as one frame and goes through the one
+comparison rule, ``compare.judge`` (relative differences, tolerances, worst op, NaN/Inf): no rule
+is written here.  Between groups only each family's largest differences and each rank's first
+diverged row are kept.
 """
 
 from __future__ import annotations
@@ -16,26 +16,26 @@ from collections.abc import Sequence
 import numpy as np
 import pandas as pd
 
-from trainmon.analysis.flow import FLOW_KEYS, PHASES, phase_of
-from trainmon.diagnosis import engine
+from trainmon.analysis.flow import PHASES, phase_of
+from trainmon.diagnosis import engine, sql
 from trainmon.diagnosis.compare import (
     ALIGN_KEYS,
     Comparison,
     FamilyPlan,
     SliceResult,
+    family_part,
     finish_comparison,
+    first_per_rank,
+    judge,
+    largest_rows,
     plan_families,
-    stage_of,
 )
-from trainmon.diagnosis.engine import Engine, RunFiles, _q
+from trainmon.diagnosis.engine import Engine, RunFiles
 from trainmon.diagnosis.engine_buckets import GROUP, Span, StagedRun, consecutive_runs
 from trainmon.diagnosis.reader import numel_column
 from trainmon.families import NOT_SCALAR
 
 __all__ = ["engine_compare"]
-
-# FLOW_KEYS within one family (``flow`` and ``family_order`` are the same on every row)
-_ORDER = ", ".join(k for k in FLOW_KEYS if k not in ("flow", "family_order"))
 
 
 def engine_compare(
@@ -94,16 +94,7 @@ def _count(con, source: str) -> int:
 
 def _numels(con, prefix: str, shapes: list[str]) -> None:
     numel = numel_column(pd.Series(shapes, dtype=object)).to_numpy(dtype=float)
-    engine._fill(con, f"{prefix}_numel", {"shape": "INTEGER", "numel": "DOUBLE"}, list(enumerate(numel.tolist())))
-
-
-def _rel(b: str, t: str, scale: str) -> str:
-    """``compare.rel_diff`` in SQL (``scale`` is finite)."""
-    den = f"greatest(abs({b}), abs({t}), {scale})"
-    return f"""(CASE WHEN isfinite({b}) AND isfinite({t})
-                     THEN (CASE WHEN {den} = 0 THEN 0.0 ELSE abs({t} - {b}) / {den} END)
-                     WHEN (isnan({b}) AND isnan({t})) OR (isinf({b}) AND {b} = {t}) THEN 0.0
-                     ELSE 'inf'::DOUBLE END)"""
+    sql.fill_table(con, f"{prefix}_numel", {"shape": "INTEGER", "numel": "DOUBLE"}, list(enumerate(numel.tolist())))
 
 
 def _family(
@@ -120,36 +111,45 @@ def _family(
     progress=None,
 ) -> SliceResult:
     """One family's part of the comparison, aligned one group of rows at a time (``groups``, from
-    ``_align_groups``)."""
+    ``_align_groups``); only the family's top rows and each rank's first diverged row are carried
+    from group to group."""
     code_b = {name: i for i, name in enumerate(b.texts["name"])}
     code_t = {name: i for i, name in enumerate(t.texts["name"])}
-    engine._fill(
+    sql.fill_table(
         con,
         "name_map",
         {"tname": "INTEGER", "name": "INTEGER"},
         [(code_t[tn], code_b[bn]) for tn, bn in plan.names.items() if tn in code_t and bn in code_b],
     )
     out = SliceResult()
-    for k, group in enumerate(groups):
-        out.add(_group_part(con, b, t, family, plan, group, rtol=rtol, atol=atol, top=top, first=k == 0))
+    flow, order = PHASES.index(phase_of(family)), b.families.index(family)
+    for group in groups:
+        aligned = _aligned(con, b, t, family, plan, group)
+        aligned["flow"], aligned["family_order"], aligned["phase"] = flow, order, phase_of(family)
+        _carry(out, family_part(family, judge(aligned, family, plan.ops, rtol, atol), top), family, top)
         if progress is not None:
             progress.advance()
-    if out.aligned_rows:
-        # The family's top rows and each rank's first diverged row, from the groups' candidates:
-        # one frame each, not one per group (a run of billions of rows has tens of thousands of groups).
-        frame = lambda sql: _frame(con.execute(sql).fetchdf(), b, t, family, list(plan.ops))  # noqa: E731
-        out.largest[family] = [frame(f"SELECT * FROM top_rows ORDER BY rel_diff DESC, {_ORDER} LIMIT {int(top)}")]
-        if out.diverged_rows:
-            out.firsts.append(
-                frame(f"""SELECT * FROM first_rows
-                QUALIFY row_number() OVER (PARTITION BY rank ORDER BY {_ORDER}) = 1 ORDER BY {_ORDER}""")
-            )
-    con.execute("DROP TABLE IF EXISTS top_rows")
-    con.execute("DROP TABLE IF EXISTS first_rows")
+    names_b, names_t = np.asarray(b.texts["name"], dtype=object), np.asarray(t.texts["name"], dtype=object)
+    for frame in [*out.largest.get(family, []), *out.firsts]:  # the few rows reported: names as text
+        frame["name"] = names_b[frame["name"].to_numpy(dtype=np.int64)]
+        frame["target_name"] = names_t[frame["target_name"].to_numpy(dtype=np.int64)]
     # Every target row that found no base row, whether its name has a counterpart or not.
     out.only_in_base = _count(con, b.source(family)) - out.aligned_rows
     out.only_in_target = _count(con, t.source(family)) - out.aligned_rows
     return out
+
+
+def _carry(out: SliceResult, part: SliceResult, family: str, top: int) -> None:
+    """``out.add(part)``, keeping one frame of top rows and one of first rows: a run of billions of
+    rows has tens of thousands of groups."""
+    out.aligned_rows += part.aligned_rows
+    out.diverged_rows += part.diverged_rows
+    for key, n in part.aligned.items():
+        out.aligned[key] = out.aligned.get(key, 0) + n
+    if part.largest:
+        out.largest[family] = [largest_rows([*out.largest.get(family, []), *part.largest[family]], top)]
+    if part.firsts:
+        out.firsts = [first_per_rank([*out.firsts, *part.firsts])]
 
 
 def _align_groups(con, source: str) -> list[Span]:
@@ -181,98 +181,18 @@ def _align_groups(con, source: str) -> list[Span]:
     return groups
 
 
-def _group_part(
-    con,
-    b: StagedRun,
-    t: StagedRun,
-    family: str,
-    plan: FamilyPlan,
-    span: Span,
-    *,
-    rtol: float,
-    atol: float,
-    top: int,
-    first: bool,
-) -> SliceResult:
-    """The family's rows of ``span`` (some ranks, maybe some of their steps) aligned in the table
-    ``cmp``, then their counts; its largest differences and each rank's first diverged row go into
-    the tables ``top_rows`` and ``first_rows`` (made by the ``first`` group of the family)."""
+def _aligned(con, b: StagedRun, t: StagedRun, family: str, plan: FamilyPlan, span: Span) -> pd.DataFrame:
+    """The family's rows of ``span`` (some ranks, maybe some of their steps) in both runs, joined
+    on the alignment key: base's keys, ``numel`` and ops (empty cells NaN), target's ops as
+    ``op@t``, names as codes (``name``: base's, ``target_name``: target's)."""
     ops = list(plan.ops)
-    num = lambda run, op: f"COALESCE({run}.{_q(op)}, 'NaN'::DOUBLE)"  # noqa: E731 - empty cells are NaN
-    rms = (
-        "(CASE WHEN isfinite(bb.norm / sqrt(n.numel)) THEN bb.norm / sqrt(n.numel) ELSE 0.0 END)"
-        if "norm" in ops
-        else "0.0"
-    )
-    group = f"COALESCE(CAST(bb.{_q(GROUP)} AS BIGINT), -1)" if plan.grouped else "-2"
-    cols = ", ".join(f"{num('bb', op)} AS b{i}, {num('tt', op)} AS t{i}" for i, op in enumerate(ops))
-    rel = [_rel(f"b{i}", f"t{i}", "0.0" if op == "norm" else "scale") for i, op in enumerate(ops)]
-    over = [f"(r{i} > {float(rtol)!r} AND NOT (abs(t{i} - b{i}) <= {float(atol)!r}))" for i in range(len(ops))]
-    score = [
-        f"((CASE WHEN o{i} THEN 2.0 ELSE 0.0 END) + (CASE WHEN isinf(r{i}) THEN 1.0 ELSE r{i} / (1 + r{i}) END))"
-        for i in range(len(ops))
-    ]
-    n = len(ops)
-    best = "s0" if n == 1 else f"greatest({', '.join(f's{i}' for i in range(n))})"
-    pick = "CASE " + " ".join(f"WHEN s{i} = m THEN {i}" for i in range(n)) + " END"  # the first worst op
-
-    def chosen(prefix: str) -> str:
-        return "CASE k " + " ".join(f"WHEN {i} THEN {prefix}{i}" for i in range(n)) + " END"
-
-    joined = f"""
+    num = lambda run, op, alias: f"COALESCE({run}.{sql.quote(op)}, 'NaN'::DOUBLE) AS {sql.quote(alias)}"  # noqa: E731
+    group = f"COALESCE(CAST(bb.{sql.quote(GROUP)} AS BIGINT), -1)" if plan.grouped else "-2"
+    cols = ", ".join(f"{num('bb', op, op)}, {num('tt', op, op + '@t')}" for op in ops)
+    return con.execute(f"""
         SELECT bb.step, bb.micro_step, bb.position, bb.rank, bb.occurrence, bb.vpp_stage, bb.name,
-               tt.tname, {group} AS grp, {rms} AS scale, {cols}
+               tt.tname AS target_name, {group} AS "group", n.numel, {cols}
         FROM (SELECT * FROM {b.source(family, span)} WHERE {span.sql()}) bb
         LEFT JOIN b_numel n ON n.shape = bb.shape
         JOIN (SELECT s.* EXCLUDE (name), m.name, s.name AS tname FROM {t.source(family, span)} s
-              JOIN name_map m ON m.tname = s.name WHERE {span.sql()}) tt USING ({", ".join(ALIGN_KEYS)})"""
-    # One statement: the aligned rows are never a table of their own (a group's copy less in memory).
-    con.execute(f"""CREATE OR REPLACE TEMP TABLE cmp AS WITH aligned AS ({joined})
-        SELECT step, micro_step, position, rank, occurrence, vpp_stage, name, tname, grp, k,
-               {chosen("b")} AS base, {chosen("t")} AS target, {chosen("r")} AS rel_diff, diverged
-        FROM (SELECT *, {pick} AS k FROM (
-            SELECT *, {best} AS m, {" OR ".join(f"o{i}" for i in range(n))} AS diverged
-            FROM (SELECT *, {", ".join(f"{x} AS s{i}" for i, x in enumerate(score))} FROM (
-                SELECT *, {", ".join(f"{x} AS o{i}" for i, x in enumerate(over))} FROM (
-                    SELECT *, {", ".join(f"{x} AS r{i}" for i, x in enumerate(rel))} FROM aligned)))))""")
-    out = SliceResult()
-    per_rank = con.execute("SELECT rank, count(*), count(*) FILTER (WHERE diverged) FROM cmp GROUP BY rank").fetchall()
-    aligned = sum(int(n) for _, n, _ in per_rank)
-    out.aligned_rows = aligned
-    out.diverged_rows = sum(int(d) for _, _, d in per_rank)
-    for rank, n, _ in per_rank:
-        out.aligned[(stage_of(family), int(rank))] = int(n)
-    # This group's candidates for the family's top rows and each rank's first diverged row.
-    make = "CREATE OR REPLACE TEMP TABLE {} AS" if first else "INSERT INTO {}"
-    con.execute(f"{make.format('top_rows')} SELECT * FROM cmp ORDER BY rel_diff DESC, {_ORDER} LIMIT {int(top)}")
-    con.execute(f"""{make.format("first_rows")} SELECT * FROM cmp WHERE diverged
-        QUALIFY row_number() OVER (PARTITION BY rank ORDER BY {_ORDER}) = 1""")
-    con.execute("DROP TABLE cmp")
-    return out
-
-
-def _frame(rows: pd.DataFrame, b: StagedRun, t: StagedRun, family: str, ops: list[str]) -> pd.DataFrame:
-    """Rows of ``cmp`` in the columns ``compare.finish_comparison`` reads (``_difference``, FLOW_KEYS)."""
-    names_b, names_t = np.asarray(b.texts["name"], dtype=object), np.asarray(t.texts["name"], dtype=object)
-    phase = phase_of(family)
-    return pd.DataFrame(
-        {
-            "step": rows["step"].to_numpy(dtype=np.int64),
-            "flow": PHASES.index(phase),
-            "micro_step": rows["micro_step"].to_numpy(dtype=np.int64),
-            "family_order": b.families.index(family),
-            "position": rows["position"].to_numpy(dtype=np.int64),
-            "rank": rows["rank"].to_numpy(dtype=np.int64),
-            "occurrence": rows["occurrence"].to_numpy(dtype=np.int64),
-            "phase": phase,
-            "kind": family,
-            "name": names_b[rows["name"].to_numpy(dtype=np.int64)],
-            "target_name": names_t[rows["tname"].to_numpy(dtype=np.int64)],
-            "vpp_stage": rows["vpp_stage"].to_numpy(dtype=np.int64),
-            "op": np.asarray(ops, dtype=object)[rows["k"].to_numpy(dtype=np.int64)],
-            "base": rows["base"].to_numpy(dtype=float),
-            "target": rows["target"].to_numpy(dtype=float),
-            "rel_diff": rows["rel_diff"].to_numpy(dtype=float),
-            "group": rows["grp"].to_numpy(dtype=np.int64),
-        }
-    )[[*FLOW_KEYS, "phase", "kind", "name", "target_name", "vpp_stage", "op", "base", "target", "rel_diff", "group"]]
+              JOIN name_map m ON m.tname = s.name WHERE {span.sql()}) tt USING ({", ".join(ALIGN_KEYS)})""").fetchdf()

@@ -176,7 +176,7 @@ class Family:
         for header, paths in self.groups.items():
             pad = self._padding(header)
             if self._numbered == "text":
-                out += [(f"SELECT *{pad} FROM {self._scan(header, p)}", len(p)) for p in chunks(paths)]
+                out += [(f"SELECT *{pad} FROM {self._scan(header, p, limit=n)}", len(p)) for p, n in self._reads(paths)]
             elif self._numbered == "parquet":  # each file's number in the read order, not its name on every row
                 for p in chunks(paths):
                     number = f"{self.file_no[p[0]]} + file_index AS file_no"
@@ -184,10 +184,26 @@ class Family:
             else:
                 for rank, run in itertools.groupby(paths, key=self.rank_of.__getitem__):
                     out += [
-                        (f"SELECT {int(rank)} AS rank, *{pad} FROM {self._scan(header, p, filename=False)}", len(p))
-                        for p in chunks(list(run))
+                        (f"SELECT {int(rank)} AS rank, *{pad} FROM {self._scan(header, p, False, n)}", len(p))
+                        for p, n in self._reads(list(run))
                     ]
         return out
+
+    @staticmethod
+    def _reads(paths: list[str]) -> list[tuple[list[str], int | None]]:
+        """``chunks(paths)``, except that a CSV file whose last line was cut short (a run killed
+        while writing) is read alone, up to its last whole row (``runs.whole_rows``: the reader's
+        rule and warning): a cut row's numbers may be cut too."""
+        out: list[tuple[list[str], int | None]] = []
+        whole: list[str] = []
+        for path in paths:
+            rows = runs.whole_rows(path)
+            if rows is None:
+                whole.append(path)
+                continue
+            out += [(p, None) for p in chunks(whole)] + [([path], rows)]
+            whole = []
+        return out + [(p, None) for p in chunks(whole)]
 
     def _padding(self, header: tuple[str, ...]) -> str:
         """``, NULL AS <column>`` for each column of the family that ``header`` lacks."""
@@ -195,7 +211,9 @@ class Family:
         missing = [c for c in sorted(self.cols) if c not in header]
         return "".join(f", NULL::{'DOUBLE' if c in numeric else 'VARCHAR'} AS {quote(c)}" for c in missing)
 
-    def _scan(self, header: tuple[str, ...], paths: list[str], *, filename: bool = True) -> str:
+    def _scan(self, header: tuple[str, ...], paths: list[str], filename: bool = True, limit: int | None = None) -> str:
+        if limit is not None:  # the whole rows of a file cut short (``_reads``)
+            return f"(SELECT * FROM {self._scan(header, paths, filename)} LIMIT {int(limit)})"
         listing = "[" + ", ".join(literal(p) for p in paths) + "]"
         if self.parquet:
             return f"read_parquet({listing}, file_row_number=true)"

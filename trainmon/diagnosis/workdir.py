@@ -5,8 +5,8 @@ stage (gigabytes at 100M rows: ``docs/analysis_at_scale.md``).  It is removed wh
 ends, but a command that is killed (SIGKILL, the OOM killer, a node draining) cannot remove it,
 and repeated kills would fill the disk.  So each directory holds ``owner.lock``, locked
 (``flock``) by its command for as long as it runs; the kernel drops the lock when the process
-dies, however it dies.  Each analysis command (``cli._engine.use_engine``, whichever engine it
-then picks: a small run is read in memory) first removes the directories whose lock it can take:
+dies, however it dies.  Each analysis command (``cli._engine.engine_required``, as it starts)
+first removes the directories whose lock it can take:
 their command is gone.  Nothing is removed on a guess: a directory without the lock file
 (made by an older trainmon, or not ours), or one in a file system where ``flock`` does not work,
 is left alone, and another user's directories cannot be opened at all (``mkdtemp`` makes them

@@ -15,6 +15,7 @@ import csv
 import functools
 import json
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     import pandas as pd
 
 __all__ = [
+    "whole_rows",
     "FamilyFile",
     "ColumnRoles",
     "escalations",
@@ -217,14 +219,39 @@ def _load_text(path: Path) -> tuple[list[str], str]:
     check_header(header, path)
     if body and not body.endswith("\n"):
         cut = body.rfind("\n") + 1
-        log.warning(
-            "trainmon: %s line %d is cut short (no end of line: the run was killed while writing it, "
-            "or is still writing); that line is left out",
-            path,
-            2 + body.count("\n", 0, cut),
-        )
+        _warn_cut(path, 2 + body.count("\n", 0, cut))
         body = body[:cut]
     return header, body
+
+
+def _warn_cut(path: str | Path, line: int) -> None:
+    log.warning(
+        "trainmon: %s line %d is cut short (no end of line: the run was killed while writing it, "
+        "or is still writing); that line is left out",
+        path,
+        line,
+    )
+
+
+def whole_rows(path: str | Path) -> int | None:
+    """For a CSV family file whose last line has no end of line (cut short, as ``_load_text``
+    finds it): its number of whole rows, after the same one warning; None for a whole file (one
+    byte read) or one without a whole header (the header check names that)."""
+    try:
+        with open(path, "rb") as f:
+            if f.seek(0, os.SEEK_END) == 0:
+                return None
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) == b"\n":
+                return None
+            f.seek(0)
+            lines = f.read().count(b"\n")  # the header's and each whole row's
+    except OSError:
+        return None  # the read itself names what is wrong
+    if lines == 0:
+        return None
+    _warn_cut(path, lines + 1)
+    return lines - 1
 
 
 def read_csv(path: str | Path) -> pd.DataFrame:
