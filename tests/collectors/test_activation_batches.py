@@ -207,3 +207,57 @@ def test_hooks_without_torch_handles_record_what_register_hook_records(tmp_path,
     for a, b in zip(fast, slow):
         assert not a.empty
         pd.testing.assert_frame_equal(a, b)
+
+
+@pytest.mark.parametrize("batch_tensors", [2, 256])
+def test_each_memory_is_read_once_across_batches_and_values_stay_hook_time(
+    output_root, make_config, monkeypatch, batch_tensors
+):
+    """A module's output and the next module's input (an alias) are one memory: read once, also
+    when they land in consecutive batches (2 tensors a batch: every flush splits such a pair).
+    Truth: the tensors handed to the reductions, all kept alive for the step (so no memory is
+    reused), hold no two of the same data pointer, size, dtype and version; every input and
+    output row still equals float64 stats taken in the modules' own hooks, in-place ops included."""
+    from trainmon.stats.engine import StatsEngine
+
+    monkeypatch.setenv("TRAINMON_ACTV_BATCH_TENSORS", str(batch_tensors))
+    read: list[tuple] = []  # (tensor, its key when read): the tensor kept alive for the step
+    partials = StatsEngine.partials
+
+    def spy(self, tensors, no_sync=False):
+        read.extend((t, (t.data_ptr(), t.numel(), t.dtype, t._version)) for t in tensors)
+        return partials(self, tensors, no_sync=no_sync)
+
+    monkeypatch.setattr(StatsEngine, "partials", spy)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.GELU(), nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 3))
+    truth: dict = {"step": 0}
+    for name, m in model.named_modules():
+        if name:
+            m.register_forward_pre_hook(lambda mod, a, n=name: truth.update({(truth["step"], f"{n}.input"): reference_stats(a[0])}))
+            m.register_forward_hook(lambda mod, a, out, n=name: truth.update({(truth["step"], f"{n}.output"): reference_stats(out)}))
+    mon = TrainerMon(make_config(xy_distribution=True, all_xy=True, ops=OPS))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon.set_monitor(model, optimizer=opt)
+    per_step = []
+    for step in range(3):
+        truth["step"] = step
+        read.clear()
+        model(torch.randn(4, 6, generator=torch.Generator().manual_seed(step))).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        keys = [key for _, key in read]
+        assert len(keys) == len(set(keys)), f"step {step}: a memory read twice"
+        per_step.append(len(keys))
+    mon.close()
+    actv = read_family(only_run_dir(output_root) / "rank0", "actv")
+    # forward: x, 3 output/input pairs, ReLU's output (its input changed in place: a version of its
+    # own) shared with the last input, the last output: 6 of 10 rows (ReLU's input is reduced in
+    # its hook, learned at step 0); backward: at most 5 distinct grads of 10 rows
+    assert all(n <= 6 + 5 for n in per_step[1:]), per_step
+    names = {f"{i}.{io}" for i in range(5) for io in ("input", "output")}
+    assert all(set(actv[actv.step == s].name) == names for s in (1, 2))
+    for row in actv.itertuples():
+        want = truth[(row.step, row.name)]
+        for op in OPS:
+            assert getattr(row, op) == pytest.approx(want[op], rel=1e-5, abs=1e-7), (row.step, row.name, op)
