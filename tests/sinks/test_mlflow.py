@@ -289,7 +289,7 @@ def test_a_sqlite_store_is_written_from_a_child_process_with_the_csv_values(tmp_
     sink = write_steps(rank_dir, range(3), MlflowSettings(tracking_uri=uri, experiment="local"))
     assert sink.failed is None and sink.own_run
     assert isinstance(sink.store, ChildStore) and sink.store.pid != os.getpid()
-    assert sink.store._proc.poll() == 0  # closed with the sink, exited cleanly
+    assert sink.store.process.poll() == 0  # closed with the sink, exited cleanly
     client = MlflowClient(uri)
     assert client.get_run(sink.mlflow_run_id).info.status == "FINISHED"
     assert_logged(client, sink.mlflow_run_id, csv_metrics(rank_dir, ("grad_reduced", "actv"), OPS))
@@ -314,7 +314,7 @@ def test_a_killed_store_process_is_one_warning_and_the_csv_keeps_every_step(tmp_
                 parent = os.getpriority(os.PRIO_PROCESS, 0)
                 assert os.getpriority(os.PRIO_PROCESS, tracker.store.pid) == min(19, parent + 10)
                 os.kill(tracker.store.pid, signal.SIGKILL)
-                tracker.store._proc.wait()
+                tracker.store.process.wait()
         sink.close()
     mine = [w for w in warned if "MLflow" in w]
     assert len(mine) == 1 and "off for the rest of this run" in mine[0], warned

@@ -332,3 +332,34 @@ def test_format_wandb_without_the_package_is_a_config_error_at_attach(tmp_path):
         env={**__import__("os").environ, "MONITOR_OUTPUT_DIR": str(tmp_path / "out")},
     )
     assert "ERR" in out.stdout and "pip install trainmon[wandb]" in out.stdout, out.stdout + out.stderr
+
+
+@pytest.mark.slow
+def test_an_own_run_lives_in_a_child_process_and_a_killed_one_is_one_warning(offline):
+    """A run of the sink's own is built and logged in a child process (W&B's Python per key never
+    holds this process's GIL; its values read back: ``test_every_logged_value_equals_the_csv_row``),
+    and killing that process mid-run costs one warning while the CSV keeps every step."""
+    import os
+    import signal
+
+    from trainmon.sinks.wandb_run import ChildRun
+
+    rank_dir = offline / "run-kill" / "rank0"
+    options = SinkOptions(rank_dir=rank_dir)
+    tracker = WandbSink(options)
+    sink = create_sink("csv", options, extra_sinks=[tracker])
+    with trainmon_warnings() as warned:
+        for step in range(5):
+            sink.write(step_rows(step), step)
+            if step == 1:
+                sink.flush()
+                assert tracker.wait_idle(120) and tracker.failed is None
+                assert isinstance(tracker.run, ChildRun) and tracker.run.pid != os.getpid()
+                parent = os.getpriority(os.PRIO_PROCESS, 0)  # background work: training first
+                assert os.getpriority(os.PRIO_PROCESS, tracker.run.pid) == min(19, parent + 10)
+                os.kill(tracker.run.pid, signal.SIGKILL)
+                tracker.run.process.wait()
+        sink.close()
+    mine = [w for w in warned if "W&B" in w]
+    assert len(mine) == 1 and "off for the rest of this run" in mine[0], warned
+    assert sorted(read_family(rank_dir, "grad_reduced")["step"].unique()) == list(range(5))
