@@ -1,5 +1,5 @@
-"""``--cluster ADDRESS``: the per-bucket checks of ``anomalies`` and ``ranks`` on a real Dask
-cluster (a ``LocalCluster`` of two worker processes), against the same commands run in-process.
+"""``--cluster ADDRESS``: the per-bucket checks of ``anomalies`` and ``ranks`` (and ``compare``'s
+alignment groups) on a real Dask cluster (a ``LocalCluster`` of two worker processes), against the same commands run in-process.
 
 Truth: the local run's JSON, byte for byte (every rule looks within one bucket of names; the
 findings come back in bucket order and are sorted the same way).  The workers read the staged
@@ -75,6 +75,25 @@ def test_cluster_findings_are_byte_identical_to_the_local_run(command, run, task
     rows = sum(files.rows.values())
     assert _done(local_cluster, task) - before >= max(3, rows // TINY_BUCKET // 2)
     assert not list(shared.iterdir())  # the work directory is removed after the command
+
+
+@pytest.mark.slow  # starts two worker processes
+def test_compare_on_the_cluster_is_byte_identical_to_the_local_run(local_cluster, shared, monkeypatch):
+    """``compare``'s alignment groups (here a few rows each: many groups per family) aligned and
+    judged on the workers, each in a DuckDB connection of its own over the shared staged files:
+    the same JSON as in one process, a divergence and renamed names included."""
+    monkeypatch.setattr(engine, "UNIT_ROWS", 30)
+    base, target = str(named_run("base")), str(named_run("act"))
+    code, local = _json("compare", base, target, "--json")
+    assert code == 0
+    before = _done(local_cluster, "judge_group")
+    code, remote = _json("compare", base, target, "--json", "--cluster", local_cluster.scheduler_address)
+    assert code == 0
+    assert remote == local
+    found = json.loads(local)
+    assert found["first_divergence"] is not None and found["renamed"] > 0 and found["diverged_rows"] > 0
+    assert _done(local_cluster, "judge_group") - before > len(found["families"])  # families cut in groups
+    assert not list(shared.iterdir())
 
 
 @pytest.mark.slow  # waits for a connection that cannot come

@@ -47,7 +47,8 @@ def add_cluster_option(parser: argparse.ArgumentParser) -> None:
         "--cluster",
         metavar="ADDRESS",
         default=None,
-        help="run the per-bucket checks on the Dask scheduler at ADDRESS (e.g. tcp://10.0.0.5:8786); "
+        help="run the per-bucket checks (compare: the alignment groups) on the Dask scheduler at ADDRESS "
+        "(e.g. tcp://10.0.0.5:8786); "
         "its workers read the staged files, so TRAINMON_ENGINE_WORKDIR must be a folder they see too "
         "(needs: pip install trainmon[cluster]; docs/analysis_at_scale.md)",
     )

@@ -6,7 +6,7 @@ import argparse
 
 from trainmon.cli import CommandError
 from trainmon.cli._engine import add_engine_argument, engine_errors, engine_required
-from trainmon.cli._options import check_recorded, non_negative, rank_list
+from trainmon.cli._options import add_cluster_option, check_recorded, cluster_address, non_negative, rank_list
 from trainmon.cli._progress import Progress
 from trainmon.diagnosis import engine
 from trainmon.diagnosis.engine_compare import engine_compare
@@ -29,6 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ranks", default=None, help="comma list of ranks (default: all)")
     parser.add_argument("--top", type=int, default=5, help="largest differences listed per family (default 5)")
     add_engine_argument(parser)
+    add_cluster_option(parser)
     parser.add_argument("--json", action="store_true", help="machine-readable output (fields: docs/diagnosis.md)")
 
 
@@ -51,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
     # Keys written twice in a run (two runs in one folder): a finding of their own per run.
     repeated = {"base": DuplicateKeys(), "target": DuplicateKeys()}
     engine_required(args.engine)
+    cluster = cluster_address(args)  # the alignment groups run on a Dask cluster, else in this process
     base, target = _run_files(args.base, kinds, ranks), _run_files(args.target, kinds, ranks)
     # Packed sign bits (``trainmon similarity``) are never compared, nor read.
     files = sum(len(v) for run in (base, target) for f, v in run.files.items() if f not in NOT_SCALAR)
@@ -58,7 +60,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         with engine_errors(f"{base.path} / {target.path}"):
             result = engine_compare(
-                base, target, progress=progress, duplicates=(repeated["base"], repeated["target"]), **options
+                base,
+                target,
+                progress=progress,
+                duplicates=(repeated["base"], repeated["target"]),
+                cluster=cluster,
+                **options,
             )
     finally:
         progress.done()

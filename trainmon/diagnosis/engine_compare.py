@@ -11,13 +11,16 @@ diverged row are kept.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 
 from trainmon.analysis.flow import PHASES, phase_of
 from trainmon.diagnosis import engine, sql
+from trainmon.diagnosis.cluster import map_buckets
 from trainmon.diagnosis.compare import (
     ALIGN_KEYS,
     Comparison,
@@ -49,9 +52,11 @@ def engine_compare(
     threads: int | None = None,
     progress=None,
     duplicates: tuple | None = None,
+    cluster: str | None = None,
 ) -> Comparison:
     """``compare.compare_runs`` of two runs' files, aligned in the engine; ``duplicates``: the
-    ``reader.DuplicateKeys`` of base and of target, to add each run's repeated keys to."""
+    ``reader.DuplicateKeys`` of base and of target, to add each run's repeated keys to;
+    ``cluster``: the Dask scheduler the groups are aligned and judged on (``cluster.map_buckets``)."""
     dup_b, dup_t = duplicates if duplicates is not None else (None, None)
     with Engine(threads) as eng:
         con = eng.con
@@ -78,10 +83,10 @@ def engine_compare(
             if family not in t.families:
                 total.only_in_base += _count(con, b.source(family))
             elif family in plans:
-                part = _family(
-                    con, b, t, family, plans[family], groups[family], rtol=rtol, atol=atol, top=top, progress=progress
-                )
-                total.add(part)
+                tasks = _tasks(con, b, t, family, plans[family], groups[family], (rtol, atol, top), cluster is not None)
+                judge_here = functools.partial(judge_group, con=con)  # the tables ``_tasks`` filled
+                parts = map_buckets(judge_group if cluster else judge_here, tasks, cluster=cluster, progress=progress)
+                total.add(_family_total(con, b, t, family, parts, top))
         for family in t.families:
             if family not in b.families:
                 total.only_in_target += _count(con, t.source(family))
@@ -97,38 +102,83 @@ def _numels(con, prefix: str, shapes: list[str]) -> None:
     sql.fill_table(con, f"{prefix}_numel", {"shape": "INTEGER", "numel": "DOUBLE"}, list(enumerate(numel.tolist())))
 
 
-def _family(
-    con,
-    b: StagedRun,
-    t: StagedRun,
-    family: str,
-    plan: FamilyPlan,
-    groups: list[Span],
-    *,
-    rtol: float,
-    atol: float,
-    top: int,
-    progress=None,
-) -> SliceResult:
-    """One family's part of the comparison, aligned one group of rows at a time (``groups``, from
-    ``_align_groups``); only the family's top rows and each rank's first diverged row are carried
-    from group to group."""
+@dataclass(frozen=True)
+class AlignGroup:
+    """One family's rows of one group of ranks/steps in both staged runs: what aligning and
+    judging them needs, as plain values (a Dask worker gets it pickled)."""
+
+    family: str
+    base_rows: str  # SQL reading base's staged rows of the group
+    target_rows: str
+    plan: FamilyPlan
+    flow: int  # the family's place in training-flow order (``FLOW_KEYS``)
+    order: int
+    limits: tuple[float, float, int]  # rtol, atol, top
+    # For a connection of the task's own (a worker's): the target -> base name codes, base numels
+    name_map: tuple[tuple[int, int], ...] = ()
+    numels: tuple[float, ...] = ()
+
+
+def _tasks(
+    con, b: StagedRun, t: StagedRun, family: str, plan: FamilyPlan, groups: list[Span], limits, remote: bool
+) -> list[AlignGroup]:
+    """The family's groups as tasks; ``name_map`` (and ``b_numel``, filled by ``engine_compare``)
+    are tables of ``con`` for tasks run here, values of each task for a worker."""
     code_b = {name: i for i, name in enumerate(b.texts["name"])}
     code_t = {name: i for i, name in enumerate(t.texts["name"])}
-    sql.fill_table(
-        con,
-        "name_map",
-        {"tname": "INTEGER", "name": "INTEGER"},
-        [(code_t[tn], code_b[bn]) for tn, bn in plan.names.items() if tn in code_t and bn in code_b],
-    )
-    out = SliceResult()
+    pairs = [(code_t[tn], code_b[bn]) for tn, bn in plan.names.items() if tn in code_t and bn in code_b]
+    sql.fill_table(con, "name_map", {"tname": "INTEGER", "name": "INTEGER"}, pairs)
+    numels = tuple(r[0] for r in con.execute("SELECT numel FROM b_numel ORDER BY shape").fetchall()) if remote else ()
     flow, order = PHASES.index(phase_of(family)), b.families.index(family)
-    for group in groups:
-        aligned = _aligned(con, b, t, family, plan, group)
-        aligned["flow"], aligned["family_order"], aligned["phase"] = flow, order, phase_of(family)
-        _carry(out, family_part(family, judge(aligned, family, plan.ops, rtol, atol), top), family, top)
-        if progress is not None:
-            progress.advance()
+    return [
+        AlignGroup(
+            family,
+            f"(SELECT * FROM {b.source(family, span)} WHERE {span.sql()})",
+            f"(SELECT * FROM {t.source(family, span)} WHERE {span.sql()})",
+            plan,
+            flow,
+            order,
+            limits,
+            tuple(pairs) if remote else (),
+            numels,
+        )
+        for span in groups
+    ]
+
+
+def judge_group(group: AlignGroup, con=None) -> SliceResult:
+    """Align one group in DuckDB and judge it with ``compare.judge``: the group's part of the
+    comparison (names still as codes).  Without ``con`` (on a Dask worker), in a connection of
+    its own, reading the staged files from the shared work directory."""
+    own = con is None
+    if own:
+        con = _task_connection(group)
+    try:
+        aligned = _aligned(con, group)
+    finally:
+        if own:
+            con.close()
+    aligned["flow"], aligned["family_order"], aligned["phase"] = group.flow, group.order, phase_of(group.family)
+    rtol, atol, top = group.limits
+    return family_part(group.family, judge(aligned, group.family, group.plan.ops, rtol, atol), int(top))
+
+
+def _task_connection(group: AlignGroup):
+    import duckdb
+
+    con = duckdb.connect(":memory:", config={"memory_limit": engine.memory_limit()})
+    con.execute("SET enable_progress_bar = false")
+    sql.fill_table(con, "name_map", {"tname": "INTEGER", "name": "INTEGER"}, list(group.name_map))
+    sql.fill_table(con, "b_numel", {"shape": "INTEGER", "numel": "DOUBLE"}, list(enumerate(group.numels)))
+    return con
+
+
+def _family_total(con, b: StagedRun, t: StagedRun, family: str, parts: list[SliceResult], top: int) -> SliceResult:
+    """The family's groups' parts added up, in group order, keeping only the top rows and each
+    rank's first diverged row; their names as text."""
+    out = SliceResult()
+    for part in parts:
+        _carry(out, part, family, top)
     names_b, names_t = np.asarray(b.texts["name"], dtype=object), np.asarray(t.texts["name"], dtype=object)
     for frame in [*out.largest.get(family, []), *out.firsts]:  # the few rows reported: names as text
         frame["name"] = names_b[frame["name"].to_numpy(dtype=np.int64)]
@@ -181,18 +231,18 @@ def _align_groups(con, source: str) -> list[Span]:
     return groups
 
 
-def _aligned(con, b: StagedRun, t: StagedRun, family: str, plan: FamilyPlan, span: Span) -> pd.DataFrame:
-    """The family's rows of ``span`` (some ranks, maybe some of their steps) in both runs, joined
-    on the alignment key: base's keys, ``numel`` and ops (empty cells NaN), target's ops as
-    ``op@t``, names as codes (``name``: base's, ``target_name``: target's)."""
-    ops = list(plan.ops)
+def _aligned(con, group: AlignGroup) -> pd.DataFrame:
+    """The group's rows in both runs, joined on the alignment key: base's keys, ``numel`` and ops
+    (empty cells NaN), target's ops as ``op@t``, names as codes (``name``: base's,
+    ``target_name``: target's)."""
+    ops = list(group.plan.ops)
     num = lambda run, op, alias: f"COALESCE({run}.{sql.quote(op)}, 'NaN'::DOUBLE) AS {sql.quote(alias)}"  # noqa: E731
-    group = f"COALESCE(CAST(bb.{sql.quote(GROUP)} AS BIGINT), -1)" if plan.grouped else "-2"
+    grp = f"COALESCE(CAST(bb.{sql.quote(GROUP)} AS BIGINT), -1)" if group.plan.grouped else "-2"
     cols = ", ".join(f"{num('bb', op, op)}, {num('tt', op, op + '@t')}" for op in ops)
     return con.execute(f"""
         SELECT bb.step, bb.micro_step, bb.position, bb.rank, bb.occurrence, bb.vpp_stage, bb.name,
-               tt.tname AS target_name, {group} AS "group", n.numel, {cols}
-        FROM (SELECT * FROM {b.source(family, span)} WHERE {span.sql()}) bb
+               tt.tname AS target_name, {grp} AS "group", n.numel, {cols}
+        FROM {group.base_rows} bb
         LEFT JOIN b_numel n ON n.shape = bb.shape
-        JOIN (SELECT s.* EXCLUDE (name), m.name, s.name AS tname FROM {t.source(family, span)} s
-              JOIN name_map m ON m.tname = s.name WHERE {span.sql()}) tt USING ({", ".join(ALIGN_KEYS)})""").fetchdf()
+        JOIN (SELECT s.* EXCLUDE (name), m.name, s.name AS tname FROM {group.target_rows} s
+              JOIN name_map m ON m.tname = s.name) tt USING ({", ".join(ALIGN_KEYS)})""").fetchdf()
