@@ -378,15 +378,9 @@ class CsvSink(Sink):
         return template
 
     def _build_template(self, b: RowBlock, cells: str) -> bytes | None:
-        heads, tails, parts = self._heads, self._tails, []
-        for name, vpp, shape, dtype in zip(b.names, b.vpp_stages, b.shapes, b.dtypes):
-            head = heads.get((vpp, name))
-            if head is None:
-                head = self._remember(heads, (vpp, name), f"{int(vpp)},{_quote(str(name))},")
-            tail = tails.get((shape, dtype))
-            if tail is None:
-                tail = self._remember(tails, (shape, dtype), f",{_shape_cell(shape)},{_quote(str(dtype))}\n")
-            parts.append(head.replace("%", "%%") + "\x00" + cells + tail.replace("%", "%%"))
+        parts = [
+            head.replace("%", "%%") + "\x00" + cells + tail.replace("%", "%%") for head, tail in self._heads_tails(b)
+        ]
         text = "".join(parts).encode()
         return None if text.count(_LEAD) != len(parts) else text
 
@@ -394,16 +388,23 @@ class CsvSink(Sink):
         # Engine-derived values are Python floats and ints: repr is the full-precision cell.
         number = repr if self._fmt.full_precision and b.plain else self._fmt.number
         lead = self._lead(b)
-        heads, tails, out = self._heads, self._tails, []
-        for name, vpp, shape, dtype, vals in zip(b.names, b.vpp_stages, b.shapes, b.dtypes, b.values):
+        return [
+            ",".join([head + lead, *map(number, vals)]) + tail
+            for (head, tail), vals in zip(self._heads_tails(b), b.values)
+        ]
+
+    def _heads_tails(self, b: RowBlock) -> Iterator[tuple[str, str]]:
+        """Each row's text before its step (vpp stage, name) and after its numbers (shape, dtype),
+        from caches shared by every block."""
+        heads, tails = self._heads, self._tails
+        for name, vpp, shape, dtype in zip(b.names, b.vpp_stages, b.shapes, b.dtypes):
             head = heads.get((vpp, name))
             if head is None:
                 head = self._remember(heads, (vpp, name), f"{int(vpp)},{_quote(str(name))},")
             tail = tails.get((shape, dtype))
             if tail is None:
                 tail = self._remember(tails, (shape, dtype), f",{_shape_cell(shape)},{_quote(str(dtype))}\n")
-            out.append(",".join([head + lead, *map(number, vals)]) + tail)
-        return out
+            yield head, tail
 
     @staticmethod
     def _remember(cache: dict, key: tuple, text: str) -> str:
