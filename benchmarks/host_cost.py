@@ -29,7 +29,6 @@ Counts are deterministic; times depend on the machine and its load (say which wh
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import re
@@ -100,23 +99,6 @@ def _aten_ops(fn) -> int:
     return counter.ops
 
 
-def _gc_collections(fn) -> int:
-    """Young (generation 0) collections while ``fn`` runs, on any thread."""
-    count = 0
-
-    def callback(phase, info):
-        nonlocal count
-        if phase == "start" and info["generation"] == 0:
-            count += 1
-
-    gc.callbacks.append(callback)
-    try:
-        fn()
-    finally:
-        gc.callbacks.remove(callback)
-    return count
-
-
 def _timed(fn) -> tuple[float, float]:
     """(training-thread CPU s, other threads' CPU s) of one call."""
     t0, p0 = time.thread_time(), time.process_time()
@@ -142,6 +124,7 @@ def measure(n_tensors: int, config: str, steps: int, workdir: Path) -> dict:
     import torch
 
     from trainmon import TrainerMon
+    from trainmon.testing.gc_counter import young_collections
 
     torch.set_num_threads(1)
     base_model, base_opt = _model(n_tensors)
@@ -164,8 +147,8 @@ def measure(n_tensors: int, config: str, steps: int, workdir: Path) -> dict:
     (mon_py, mon_c), (base_py, base_c) = _python_calls(mon), _python_calls(base)
     ops = _aten_ops(mon) - _aten_ops(base)
     _flush_writer(monitor)
-    gc_base = _gc_collections(_repeat(base, steps)) / steps
-    gc_mon = _gc_collections(lambda: (_repeat(mon, steps)(), _flush_writer(monitor))) / steps
+    gc_base = young_collections(_repeat(base, steps), collect_first=False) / steps
+    gc_mon = young_collections(lambda: (_repeat(mon, steps)(), _flush_writer(monitor)), collect_first=False) / steps
     own, base_own = [], []
     _flush_writer(monitor)
     t0, p0 = time.thread_time(), time.process_time()

@@ -9,7 +9,6 @@ things with timings; these are the exact parts, for tests.
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import sys
@@ -20,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from trainmon.testing.gc_counter import young_collections
 from trainmon.testing.op_counter import OpCounter
 
 OPS = ["norm", "mean", "min", "max", "nans"]  # the shipped configs' list
@@ -69,22 +69,6 @@ def aten_ops(fn: Callable[[], None]) -> int:
     return counter.ops
 
 
-def gen0_collections(fn: Callable[[], None]) -> int:
-    seen = [0]
-
-    def callback(phase, info):
-        if phase == "start" and info.get("generation") == 0:
-            seen[0] += 1
-
-    gc.collect()
-    gc.callbacks.append(callback)
-    try:
-        fn()
-    finally:
-        gc.callbacks.remove(callback)
-    return seen[0]
-
-
 def step_cost(tmp: Path, config: dict, n_tensors: int, monkeypatch) -> StepCost:
     """The monitor's cost of one step of ``chain(n_tensors)`` under ``config`` (after warm-up)."""
     from trainmon import TrainerMon
@@ -111,7 +95,7 @@ def step_cost(tmp: Path, config: dict, n_tensors: int, monkeypatch) -> StepCost:
         cost = (
             frames(mon) - frames(base),
             aten_ops(mon) - aten_ops(base),
-            gen0_collections(mon) - gen0_collections(base),
+            young_collections(mon) - young_collections(base),
         )
     finally:
         monitor.close()

@@ -6,7 +6,6 @@ with ``gc.callbacks``: deterministic, not a timing."""
 
 from __future__ import annotations
 
-import gc
 from pathlib import Path
 
 import numpy as np
@@ -17,27 +16,11 @@ from trainmon.sinks.async_writer import AsyncSink
 from trainmon.sinks.base import SinkOptions
 from trainmon.sinks.csv import CsvSink
 from trainmon.stats.rows import RowBlock, StepRows
+from trainmon.testing.gc_counter import young_collections
 
 FAMILIES = ("grad_unreduced", "grad_reduced", "param_origin", "param_updated", "exp_avg", "exp_avg_sq")
 OPS = ("norm", "mean", "min", "max", "nans")
 N = 512
-
-
-def _young_collections(fn) -> int:
-    count = 0
-
-    def callback(phase, info):
-        nonlocal count
-        if phase == "start" and info["generation"] == 0:
-            count += 1
-
-    gc.collect()
-    gc.callbacks.append(callback)
-    try:
-        fn()
-    finally:
-        gc.callbacks.remove(callback)
-    return count
 
 
 def _engine_like_steps(steps: int, as_matrix: bool) -> list[StepRows]:
@@ -105,7 +88,7 @@ def test_writing_matrix_blocks_makes_no_per_row_garbage(tmp_path: Path):
             sink.write(rows, i)
         sink.flush()
 
-    collections = _young_collections(write_all)
+    collections = young_collections(write_all)
     sink.close()
     assert collections <= 5, collections  # <= 0.25 a step
     lines = sum(1 for p in tmp_path.glob("*.csv") for _ in p.open()) - len(FAMILIES)
@@ -117,7 +100,7 @@ def test_value_lists_are_what_made_the_garbage(tmp_path: Path):
     path avoids.  Keeps the test above honest: the count does see per-row objects."""
     steps = _engine_like_steps(6, as_matrix=False)
     sink = CsvSink(SinkOptions(rank_dir=tmp_path, step_count_per_record=100))
-    collections = _young_collections(lambda: [sink.write(rows, i) for i, rows in enumerate(steps)])
+    collections = young_collections(lambda: [sink.write(rows, i) for i, rows in enumerate(steps)])
     sink.close()
     assert collections >= 6 * 3, collections  # ~4 a step (3,072 lists alive per step)
 
@@ -158,7 +141,7 @@ def test_a_monitored_step_collects_at_most_twice_as_often_as_an_unmonitored_one(
     steps(*models[0], 3)
     steps(*models[1], 3)  # warm-up: layouts and templates built
     monitor._driver.session.sink.flush()
-    base = _young_collections(lambda: steps(*models[0]))
-    monitored = _young_collections(lambda: (steps(*models[1]), monitor._driver.session.sink.flush()))
+    base = young_collections(lambda: steps(*models[0]))
+    monitored = young_collections(lambda: (steps(*models[1]), monitor._driver.session.sink.flush()))
     monitor.close()
     assert monitored <= 2 * base + 6, (monitored, base)  # + 1 a step: the step's few Python objects
