@@ -16,6 +16,7 @@ import pytest
 pq = pytest.importorskip("pyarrow.parquet")
 
 from trainmon.output import runs
+from trainmon.output.layout import partial_file_name
 from trainmon.sinks import SinkOptions, create_sink
 from trainmon.sinks.csv import CsvSink
 from trainmon.sinks.parquet import ParquetSink
@@ -93,7 +94,7 @@ def test_a_long_window_goes_to_its_temp_file_in_row_groups_and_appears_whole_at_
     for s in range(9):
         sink.write(StepRows.of(_rows(s)), step=s)
     assert not list(tmp_path.glob("*.parquet"))               # nothing visible before the window ends
-    tmp = tmp_path / ".grad_reduced_0-99.parquet.tmp"
+    tmp = tmp_path / partial_file_name("grad_reduced_0-99.parquet", os.getpid(), sink._token)
     assert tmp.exists() and all(len(v) < 4 for v in sink._open[next(iter(sink._open))].cells.values())
     sink.close()
     meta = pq.ParquetFile(tmp_path / "grad_reduced_0-99.parquet").metadata

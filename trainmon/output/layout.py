@@ -106,10 +106,11 @@ def family_file_name(family: str, a: int, b: int, k: int = 0, ext: str = "csv") 
     return f"{family}_{a}-{b}.{ext}" if k == 0 else f"{family}_{a}-{b}.{k}.{ext}"
 
 
-def partial_file_name(name: str, pid: int) -> str:
+def partial_file_name(name: str, pid: int, writer: int) -> str:
     """The hidden name a file is written under before it gets ``name`` (never parsed as a family
-    file: a leftover after a kill is ignored by every reader)."""
-    return f".{name}.{int(pid)}.tmp"
+    file: a leftover after a kill is ignored by every reader).  ``writer`` tells apart the sinks of
+    one process that may write the same file at once."""
+    return f".{name}.{int(pid)}-{int(writer)}{TMP_SUFFIX}"
 
 
 def parse_family_file(path: Path) -> FamilyFile | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
@@ -14,7 +15,17 @@ from typing import Any, ClassVar
 
 from trainmon.stats.rows import StepRows
 
-__all__ = ["Sink", "NullSink", "DropFamilies", "SinkOptions", "register_sink", "sink_class", "registered_sinks"]
+__all__ = [
+    "Sink",
+    "NullSink",
+    "DropFamilies",
+    "SinkOptions",
+    "register_sink",
+    "sink_class",
+    "registered_sinks",
+    "claim_file",
+    "writer_token",
+]
 
 
 @dataclass(frozen=True)
@@ -170,6 +181,29 @@ class LostRows:
                 self.first_error,
             )
             self._reported = self.count
+
+
+# Several sinks of one process may write one rank directory at once (an escalation's flight
+# recorder and its window, two monitors of one model): the names they write under must not collide.
+_CLAIMS_LOCK = threading.Lock()
+_CLAIMED_FILES: set[Path] = set()
+_WRITER_TOKENS = itertools.count()
+
+
+def claim_file(path: Path) -> bool:
+    """Take ``path`` for this process's sinks: False if a sink of this process took it already
+    (for a file that appears on disk only when finished, like a Parquet window)."""
+    with _CLAIMS_LOCK:
+        if path in _CLAIMED_FILES:
+            return False
+        _CLAIMED_FILES.add(path)
+        return True
+
+
+def writer_token() -> int:
+    """A number no other sink of this process has: part of its temporary file names."""
+    with _CLAIMS_LOCK:
+        return next(_WRITER_TOKENS)
 
 
 def sync_dir(path: Path) -> None:

@@ -33,7 +33,7 @@ from typing import Any, SupportsFloat, cast
 import numpy as np
 
 from trainmon.output.layout import family_file_name, partial_file_name, window_bounds
-from trainmon.sinks.base import LostRows, Sink, SinkOptions, register_sink, sync_dir
+from trainmon.sinks.base import LostRows, Sink, SinkOptions, register_sink, sync_dir, writer_token
 from trainmon.sinks.csv_text import matrix_cells, row_cells
 from trainmon.sinks.step_times import StepTimes
 from trainmon.stats.rows import RowBlock, StepRows, paced
@@ -190,6 +190,11 @@ def _publish(tmp: Path, path: Path) -> None:
     os.unlink(tmp)
 
 
+# Creating a file loses to another sink of this process making it first at most this many times
+# in a row (each loss leaves a file to append to, or a name with another header to skip).
+_PUBLISH_TRIES = 4
+
+
 class _TailDamaged(OSError):
     """A write failed part way and the partial text could not be cut off again."""
 
@@ -250,6 +255,7 @@ class CsvSink(Sink):
         self._tails: dict[tuple, str] = {}  # (shape, dtype) -> ",shape,dtype\n"
         self._templates: dict[tuple, tuple] = {}  # a block layout -> its rows' template (_template)
         self._lost = LostRows(self._dir, logger)
+        self._token = writer_token()  # its temporary files' names differ from other sinks' here
         self._warned_removed = False
         self._times = StepTimes(self._dir)  # step_times.tsv: when each written step was recorded
 
@@ -422,11 +428,14 @@ class CsvSink(Sink):
             family, *window_bounds(a, self._steps_per_file)
         )
         try:
-            path, fd, is_new = self._open_for(family, a, columns, header)
-            if fd is None:
-                self._create(path, header + body)
-            else:
-                _write_all(fd, header + body if is_new else body)
+            for _ in range(_PUBLISH_TRIES):
+                path, fd, is_new = self._open_for(family, a, columns, header)
+                if fd is not None:
+                    _write_all(fd, header + body if is_new else body)
+                    return
+                if self._create(path, header + body):
+                    return
+            raise FileExistsError(f"{path} kept being created by another writer of this directory")
         except OSError as exc:
             self._failed(path, exc, text.rows)
 
@@ -492,11 +501,12 @@ class CsvSink(Sink):
         self._fds.put(path, fd)
         return fd, size == 0
 
-    def _create(self, path: Path, data: bytes) -> None:
+    def _create(self, path: Path, data: bytes) -> bool:
         """Make ``path`` with its header and first rows in one step: written under a hidden
         temporary name, then linked into place, so a full disk or a kill never leaves an empty
-        or header-only file under a family file's name."""
-        tmp = path.with_name(partial_file_name(path.name, os.getpid()))
+        or header-only file under a family file's name.  False (nothing written) when another
+        sink of this process made ``path`` meanwhile: the caller appends to that file instead."""
+        tmp = path.with_name(partial_file_name(path.name, os.getpid(), self._token))
         _unlink_quietly(tmp)  # left by a killed process that had this pid
         try:
             fd = os.open(tmp, _OPEN_FLAGS | os.O_CREAT | os.O_EXCL, 0o644)
@@ -507,11 +517,14 @@ class CsvSink(Sink):
         try:
             _write_all(fd, data)
             _publish(tmp, path)
-        except BaseException:
+        except BaseException as exc:
             _close_quietly(fd)
             _unlink_quietly(tmp)
+            if isinstance(exc, FileExistsError):
+                return False
             raise
         self._fds.put(path, fd)
+        return True
 
     def _failed(self, path: Path, exc: OSError, n_rows: int) -> None:
         self._lost.lose(n_rows, path, exc)

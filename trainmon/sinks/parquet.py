@@ -9,14 +9,17 @@ spelled ``[64, 32]`` as in the CSV.
 
 Crash safety.  A Parquet file is only readable once its footer is written, so a file cannot
 grow row by row like a CSV.  Each *open* window (``step_count_per_record`` steps) is written to
-``.<name>.tmp`` in the rank dir, one row group per ``ROW_GROUP_ROWS`` buffered rows (so the sink's
-memory stays bounded however long a window is); when the window ends its footer is written and
-the file is renamed to its final name with ``os.replace``.  A rename is atomic, so a killed run
-leaves every file that has its final name complete and readable, no file half-written under a
-family name (a stale ``.tmp`` is ignored by every reader), and loses at most the rows of the
-windows still open -- with ``step_count_per_record: 1`` a window is one step, closed
-as soon as the step's rows arrive.  ``flush`` closes the open windows' files too; a window's later
-rows then go to its next ``.{k}`` file, which readers concatenate in order.  Failures never reach
+a hidden temp file in the rank dir (``layout.partial_file_name``: ``.<name>.<pid>-<writer>.tmp``),
+one row group per ``ROW_GROUP_ROWS`` buffered rows (so the sink's memory stays bounded however long
+a window is); when the window ends its footer is written and the file is renamed to its final name
+with ``os.replace``.  A rename is atomic, so a killed run leaves every file that has its final name
+complete and readable, no file half-written under a family name (a stale ``.tmp`` is ignored by
+every reader), and loses at most the rows of the windows still open -- with
+``step_count_per_record: 1`` a window is one step, closed as soon as the step's rows arrive.
+``flush`` closes the open windows' files too; a window's later rows then go to its next ``.{k}``
+file, which readers concatenate in order.  Final names are claimed process-wide
+(``sinks.base.claim_file``): two sinks of one process writing one rank dir (an escalation's
+recorder and window) never pick the same file.  Failures never reach
 the training loop: logged once, counted, reported at ``close`` like the CSV sink.
 """
 
@@ -33,8 +36,8 @@ from pathlib import Path
 import pyarrow as pa  # type: ignore[import-untyped]  # pyarrow ships no stubs
 import pyarrow.parquet as pq  # type: ignore[import-untyped]  # pyarrow ships no stubs
 
-from trainmon.output.layout import TMP_SUFFIX, family_file_name, window_bounds
-from trainmon.sinks.base import LostRows, Sink, SinkOptions, register_sink, sync_dir
+from trainmon.output.layout import family_file_name, partial_file_name, window_bounds
+from trainmon.sinks.base import LostRows, Sink, SinkOptions, claim_file, register_sink, sync_dir, writer_token
 from trainmon.sinks.step_times import StepTimes
 from trainmon.stats.rows import RowBlock, StepRows, paced
 
@@ -65,6 +68,7 @@ class _Window:
     path: Path | None = None  # final name, chosen when the first row group is written
     writer: pq.ParquetWriter | None = None
     written: int = 0  # rows already in the temp file
+    token: int = 0  # the sink's writer token: its temp files' names differ from other sinks' here
 
     def __post_init__(self):
         self.clear()
@@ -79,7 +83,7 @@ class _Window:
     @property
     def tmp(self) -> Path:
         assert self.path is not None
-        return self.path.with_name("." + self.path.name + TMP_SUFFIX)
+        return self.path.with_name(partial_file_name(self.path.name, os.getpid(), self.token))
 
 
 class _Values:
@@ -117,7 +121,7 @@ class ParquetSink(Sink):
         self._values = _Values(options.ndigits)
         self._dir = Path(options.rank_dir)
         self._open: dict[_FileKey, _Window] = {}
-        self._claimed: set[Path] = set()
+        self._token = writer_token()
         self._lock = threading.Lock()
         self._lost = LostRows(self._dir, logger)
         self._times = StepTimes(self._dir)  # step_times.tsv: when each written step was recorded
@@ -177,7 +181,7 @@ class ParquetSink(Sink):
         key = (b.family, a, columns)
         w = self._open.get(key)
         if w is None:
-            w = self._open[key] = _Window(b.family, a, end, columns)
+            w = self._open[key] = _Window(b.family, a, end, columns, token=self._token)
         n = len(b.names)
         cells = w.cells
         cells["vpp_stage"].extend(int(v) for v in b.vpp_stages)
@@ -249,8 +253,7 @@ class ParquetSink(Sink):
         while True:
             path = self._dir / family_file_name(w.family, w.a, w.b, k, ext="parquet")
             k += 1
-            if path not in self._claimed and not path.exists():
-                self._claimed.add(path)
+            if not path.exists() and claim_file(path):  # a file of another sink here appears only when done
                 return path
 
     def _failed(self, w: _Window, exc: Exception, rows: int) -> None:
