@@ -35,7 +35,7 @@ step hyperparams come first, then per micro-batch the input, forward and loss).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -61,6 +61,7 @@ __all__ = [
     "SliceResult",
     "compare_slice",
     "finish_comparison",
+    "align",
     "judge",
     "family_part",
     "first_per_rank",
@@ -97,6 +98,7 @@ def stage_of(family: str) -> str:
 
 
 ALIGN_KEYS = ["vpp_stage", "name", "step", "rank", "micro_step", "occurrence"]
+GROUP_COLUMN = EXTRA_PREFIX + "group"  # a hyperparams row's optimizer param group
 
 
 @dataclass(frozen=True)
@@ -253,29 +255,37 @@ def plan_families(
 
 
 def _grouped(frame: pd.DataFrame) -> bool:
-    col = EXTRA_PREFIX + "group"
-    return col in frame.columns and bool(frame[col].notna().any())
+    return GROUP_COLUMN in frame.columns and bool(frame[GROUP_COLUMN].notna().any())
 
 
 def _family_diffs(
     family: str, base: pd.DataFrame, target: pd.DataFrame, plan: FamilyPlan, rtol: float, atol: float
 ) -> tuple[pd.DataFrame, int, int]:
     ops = list(plan.ops)
-    every_target = len(target)  # rows of names with no base counterpart are "only in target" too
-    target = target[target["name"].isin(plan.names.keys())].copy()
-    target["target_name"] = target["name"]
-    target["name"] = target["name"].map(plan.names)
-    extras = [EXTRA_PREFIX + "group"] if plan.grouped else []
+    extras = [GROUP_COLUMN] if plan.grouped else []
     keep_b = [*ALIGN_KEYS, *(c for c in FLOW_KEYS if c not in ALIGN_KEYS), "phase", "numel", *extras, *ops]
-    keep_t = [*ALIGN_KEYS, "target_name", *ops]
-    merged = base[keep_b].merge(target[keep_t], on=ALIGN_KEYS, how="inner", suffixes=("", "@t"))
-    # Keys are unique on each side (``occurrence`` numbers a repeated name), so the merge pairs
-    # rows one to one: what is not aligned is on one side only.
-    only_b, only_t = len(base) - len(merged), every_target - len(merged)
+    merged = align(base[keep_b], target[[*ALIGN_KEYS, *ops]], plan.names, plan.grouped)
+    # Every target row that found no base row, whether its name has a counterpart or not.
+    only_b, only_t = len(base) - len(merged), len(target) - len(merged)
     if merged.empty:
         return merged, only_b, only_t
-    merged["group"] = merged[extras[0]].fillna(-1).astype(int) if extras else -2
     return judge(merged, family, ops, rtol, atol), only_b, only_t
+
+
+def align(base: pd.DataFrame, target: pd.DataFrame, names: Mapping, grouped: bool) -> pd.DataFrame:
+    """The one alignment rule: one family's rows of both runs paired on ``ALIGN_KEYS``, the
+    target's names first mapped onto the base's (``names``: target name -> base name, from
+    ``plan_families``; text, or the staged runs' name codes).  ``base``: the alignment keys and
+    whatever else the comparison reads (ops, ``numel``, flow keys, the group column when
+    ``grouped``); ``target``: the alignment keys and its ops, which come back as ``op@t`` beside
+    ``target_name``; ``group``: a hyperparams row's param group (-1: optimizer-wide; -2: the
+    family has none).  Keys are unique on each side (``occurrence`` numbers a repeated name), so
+    rows pair one to one: what is not returned is on one side only."""
+    target = target[target["name"].isin(names.keys())]
+    target = target.assign(target_name=target["name"], name=target["name"].map(names))
+    merged = base.merge(target, on=ALIGN_KEYS, how="inner", suffixes=("", "@t"))
+    merged["group"] = merged.pop(GROUP_COLUMN).fillna(-1).astype(np.int64) if grouped else -2
+    return merged
 
 
 def judge(merged: pd.DataFrame, family: str, ops: Sequence[str], rtol: float, atol: float) -> pd.DataFrame:

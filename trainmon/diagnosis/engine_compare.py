@@ -1,19 +1,19 @@
-"""``compare`` of two staged runs: DuckDB aligns the rows, ``compare.judge`` judges them.
+"""``compare`` of two staged runs: DuckDB stages and groups the rows, ``compare`` pairs and judges them.
 
-Both runs are staged (``engine_buckets.StagedRun``); each family's rows are joined on
-``compare``'s alignment key (the target's names mapped onto the base's through the wrapper-prefix
-matching, ``compare.plan_families``) one group of ranks/steps at a time, so memory follows the
-group, not the run.  Each aligned group comes back as one frame and goes through the one
-comparison rule, ``compare.judge`` (relative differences, tolerances, worst op, NaN/Inf): no rule
-is written here.  Between groups only each family's largest differences and each rank's first
-diverged row are kept.
+Both runs are staged (``engine_buckets.StagedRun``); each family's rows are read one group of
+ranks/steps at a time (``_align_groups``), so memory follows the group, not the run.  A group's
+rows of both runs are paired by the one alignment rule, ``compare.align`` (the target's names
+mapped onto the base's through the wrapper-prefix matching of ``compare.plan_families``, as name
+codes), and judged by the one comparison rule, ``compare.judge`` (relative differences,
+tolerances, worst op, NaN/Inf): no rule is written here.  Between groups only each family's
+largest differences and each rank's first diverged row are kept.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
@@ -26,6 +26,7 @@ from trainmon.diagnosis.compare import (
     Comparison,
     FamilyPlan,
     SliceResult,
+    align,
     family_part,
     finish_comparison,
     first_per_rank,
@@ -114,20 +115,18 @@ class AlignGroup:
     flow: int  # the family's place in training-flow order (``FLOW_KEYS``)
     order: int
     limits: tuple[float, float, int]  # rtol, atol, top
-    # For a connection of the task's own (a worker's): the target -> base name codes, base numels
-    name_map: tuple[tuple[int, int], ...] = ()
-    numels: tuple[float, ...] = ()
+    names: dict[int, int] = field(default_factory=dict, hash=False)  # target -> base name codes
+    numels: tuple[float, ...] = ()  # base numels by shape code, for a connection of the task's own
 
 
 def _tasks(
     con, b: StagedRun, t: StagedRun, family: str, plan: FamilyPlan, groups: list[Span], limits, remote: bool
 ) -> list[AlignGroup]:
-    """The family's groups as tasks; ``name_map`` (and ``b_numel``, filled by ``engine_compare``)
-    are tables of ``con`` for tasks run here, values of each task for a worker."""
+    """The family's groups as tasks; base's numels are the table ``b_numel`` of ``con`` (filled by
+    ``engine_compare``) for tasks run here, values of each task for a worker."""
     code_b = {name: i for i, name in enumerate(b.texts["name"])}
     code_t = {name: i for i, name in enumerate(t.texts["name"])}
-    pairs = [(code_t[tn], code_b[bn]) for tn, bn in plan.names.items() if tn in code_t and bn in code_b]
-    sql.fill_table(con, "name_map", {"tname": "INTEGER", "name": "INTEGER"}, pairs)
+    names = {code_t[tn]: code_b[bn] for tn, bn in plan.names.items() if tn in code_t and bn in code_b}
     numels = tuple(r[0] for r in con.execute("SELECT numel FROM b_numel ORDER BY shape").fetchall()) if remote else ()
     flow, order = PHASES.index(phase_of(family)), b.families.index(family)
     return [
@@ -139,7 +138,7 @@ def _tasks(
             flow,
             order,
             limits,
-            tuple(pairs) if remote else (),
+            names,
             numels,
         )
         for span in groups
@@ -168,7 +167,6 @@ def _task_connection(group: AlignGroup):
 
     con = duckdb.connect(":memory:", config={"memory_limit": engine.memory_limit()})
     con.execute("SET enable_progress_bar = false")
-    sql.fill_table(con, "name_map", {"tname": "INTEGER", "name": "INTEGER"}, list(group.name_map))
     sql.fill_table(con, "b_numel", {"shape": "INTEGER", "numel": "DOUBLE"}, list(enumerate(group.numels)))
     return con
 
@@ -232,17 +230,13 @@ def _align_groups(con, source: str) -> list[Span]:
 
 
 def _aligned(con, group: AlignGroup) -> pd.DataFrame:
-    """The group's rows in both runs, joined on the alignment key: base's keys, ``numel`` and ops
-    (empty cells NaN), target's ops as ``op@t``, names as codes (``name``: base's,
-    ``target_name``: target's)."""
-    ops = list(group.plan.ops)
-    num = lambda run, op, alias: f"COALESCE({run}.{sql.quote(op)}, 'NaN'::DOUBLE) AS {sql.quote(alias)}"  # noqa: E731
-    grp = f"COALESCE(CAST(bb.{sql.quote(GROUP)} AS BIGINT), -1)" if group.plan.grouped else "-2"
-    cols = ", ".join(f"{num('bb', op, op)}, {num('tt', op, op + '@t')}" for op in ops)
-    return con.execute(f"""
-        SELECT bb.step, bb.micro_step, bb.position, bb.rank, bb.occurrence, bb.vpp_stage, bb.name,
-               tt.tname AS target_name, {grp} AS "group", n.numel, {cols}
-        FROM {group.base_rows} bb
-        LEFT JOIN b_numel n ON n.shape = bb.shape
-        JOIN (SELECT s.* EXCLUDE (name), m.name, s.name AS tname FROM {group.target_rows} s
-              JOIN name_map m ON m.tname = s.name) tt USING ({", ".join(ALIGN_KEYS)})""").fetchdf()
+    """The group's rows of both runs as read from the staged files (names as codes, base's with
+    ``numel``), paired by the one alignment rule, ``compare.align``."""
+    ops = ", ".join(sql.quote(op) for op in group.plan.ops)
+    grp = f"bb.{sql.quote(GROUP)}, " if group.plan.grouped else ""
+    base = con.execute(f"""
+        SELECT bb.step, bb.micro_step, bb.position, bb.rank, bb.occurrence, bb.vpp_stage, bb.name, {grp}
+               n.numel, {", ".join(f"bb.{sql.quote(op)}" for op in group.plan.ops)}
+        FROM {group.base_rows} bb LEFT JOIN b_numel n ON n.shape = bb.shape""").fetchdf()
+    target = con.execute(f"SELECT {', '.join(ALIGN_KEYS)}, {ops} FROM {group.target_rows}").fetchdf()
+    return align(base, target, group.names, group.plan.grouped)
