@@ -31,6 +31,7 @@ number of ops for the whole group.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import math
@@ -82,6 +83,12 @@ _SMALL = 1 << 12  # elements of a tensor at most to join a segment batch (larger
 _SEG_BUDGET = 1 << 20  # elements of one segment batch at most (its temporaries: a few 4 MiB float32 copies)
 _BLOCK = 256
 _SEG_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# ``segment_reduce`` checks its lengths unless ``unsafe``: a ``min().item()`` and an
+# ``all().item()``, two device->host syncs per call on a GPU, invisible to a dispatch mode (they run
+# inside the kernel).  Every lengths tensor here is built by this module from host numbers that
+# add up by construction, so the checks are skipped (a C partial: no Python frame per call).
+_segment_reduce = functools.partial(torch.segment_reduce, unsafe=True)
+_SMALLEST_SCALE = 2.0**-149  # the smallest float32 (subnormal): an all-zero tensor's scale, any > 0 will do
 _CHUNKS_PER_ROW = 256  # a batched group's float32 partials stay within 1 KiB per row: a tensor that
 # alone spans more chunks is reduced by itself (3 ops reading it, no temporary), where the launches a
 # batch saves are nothing next to reading it; small tensors beside it lend the group their share
@@ -389,57 +396,66 @@ class DeviceRows:
 
     def _segment_batch(self, group: list[torch.Tensor], numels: list[int], dtype: torch.dtype, row: int) -> None:
         """One batch of small tensors of one dtype into rows ``row..``: their elements flattened
-        into one buffer (one ``cat``), every column reduced per block of ``_BLOCK`` elements, then
-        per tensor (``segment_reduce`` with the layout's cached lengths), the columns stacked and
-        written into the row buffer as one block per buffer chunk (no view per row).  min/max go
-        to the float32 columns (exact for bf16/fp16); m2 takes the tensor's mean back to its
-        elements (``repeat_interleave``, output size known on the host: no sync)."""
+        into one buffer (one ``cat``), reduced per block of ``_BLOCK`` elements, then per tensor
+        (``segment_reduce`` with the layout's cached lengths), the columns written into the row
+        buffer as one block per buffer chunk (no view per row).  Columns that reduce alike are
+        reduced together, as the columns of one ``[elements, k]`` matrix: the maxima (``|x|``
+        for the norm's scale, ``x``, ``-x`` for the min) in one pair of ``segment_reduce`` calls,
+        the sums (``x``, the scaled squares, each count's mask) in another, so a batch costs ~20
+        ops whatever its columns.  min/max go to the float32 columns (exact for bf16/fp16); m2
+        takes the tensor's mean back to its elements (``repeat_interleave``, output size known on
+        the host: no sync)."""
         key = tuple(numels)
         layout = self._seg_layouts.get(key)  # inline: the common case costs no frame
         blocks, tensor_blocks, lengths = layout if layout is not None else self._segment_layout(key)
         flat = torch._C._nn.flatten_dense_tensors(group)  # contiguous + view + cat, in C++
         x = flat if dtype == _F32 else flat.to(_F32)
-
-        seg = torch.segment_reduce  # blocks, then the blocks of each tensor (inline: no frame per column)
-        vcols: list[torch.Tensor] = []
-        total = None
-        for c in self.values:
-            if c == "sum":
-                total = seg(seg(x, "sum", lengths=blocks), "sum", lengths=tensor_blocks)
-                vcols.append(total)
-            elif c == "sumsq":
-                # each tensor scaled by a power of two at or near its largest |x| before squaring
-                # (exact; 0, Inf and NaN keep scale 1): a sum of squares beyond float32 (|x| above
-                # ~1.8e19) still gives a finite norm, and squares below its range do not vanish
-                peak = seg(seg(x.abs(), "max", lengths=blocks), "max", lengths=tensor_blocks)
-                scale = torch.exp2(torch.floor(torch.log2(peak)))
-                scale = torch.where(torch.isfinite(scale) & (scale > 0), scale, torch.ones_like(scale))
-                y = x / scale.repeat_interleave(lengths, output_size=x.numel())
-                norm = seg(seg(y * y, "sum", lengths=blocks), "sum", lengths=tensor_blocks)
-                vcols.append(norm.sqrt_().mul_(scale))
-            elif c == "min":
-                vcols += [
-                    seg(seg(x, "min", lengths=blocks), "min", lengths=tensor_blocks),
-                    seg(seg(x, "max", lengths=blocks), "max", lengths=tensor_blocks),
-                ]
-            elif c == "m2":
-                count = lengths.to(_F32)
-                if total is None:
-                    total = seg(seg(x, "sum", lengths=blocks), "sum", lengths=tensor_blocks)
-                dev = x - (total / count).repeat_interleave(lengths, output_size=x.numel())
-                vcols.append(seg(seg(dev * dev, "sum", lengths=blocks), "sum", lengths=tensor_blocks) / count)
-        ccols = []
+        seg = _segment_reduce  # blocks, then the blocks of each tensor
+        vc = self.values
+        # the maxima: [|x|] for the norm's scale, [x, -x] for max and min (min = -max(-x), exact)
+        tops = ([x.abs()] if "sumsq" in vc else []) + ([x, torch.neg(x)] if "min" in vc else [])
+        peaks = None
+        if tops:
+            m = torch.stack(tops, dim=1)
+            peaks = seg(seg(m, "max", lengths=blocks, axis=0), "max", lengths=tensor_blocks, axis=0)
+        scale = None
+        sums = [x] if "sum" in vc or "m2" in vc else []
+        if "sumsq" in vc:
+            # each tensor scaled by a power of two at or near its largest |x| before squaring
+            # (exact; 0, Inf and NaN keep a harmless finite scale): a sum of squares beyond float32
+            # (|x| above ~1.8e19) still gives a finite norm, and squares below its range do not vanish
+            scale = torch.exp2(torch.floor(torch.log2(peaks[:, 0])))  # type: ignore[index]
+            scale = torch.nan_to_num(scale, nan=1.0, posinf=1.0).clamp_min_(_SMALLEST_SCALE)
+            y = x / scale.repeat_interleave(lengths, output_size=x.numel())
+            sums.append(y * y)
         for col in self.counts:  # the masks inline (no frame per count); zeros at the dtype's eps
             if col == "nans":
-                mask = torch.isnan(flat)
+                sums.append(torch.isnan(flat))
             elif col == "infs":
-                mask = torch.isinf(flat)
+                sums.append(torch.isinf(flat))
             else:
-                mask = flat.abs() < self._eps_in(dtype)
-            ccols.append(seg(seg(mask.to(_F32), "sum", lengths=blocks), "sum", lengths=tensor_blocks))
+                sums.append(flat.abs() < self._eps_in(dtype))
+        totals = None
+        if sums:
+            m = torch.stack(sums, dim=1)  # the masks become 0/1 float32 (exact counts: _SMALL elements)
+            totals = seg(seg(m, "sum", lengths=blocks, axis=0), "sum", lengths=tensor_blocks, axis=0)
+        vcols: list[torch.Tensor] = []
+        for c in vc:
+            if c == "sum":
+                vcols.append(totals[:, 0])  # type: ignore[index]
+            elif c == "sumsq":  # the column after x's when x is summed
+                norm = totals[:, 1 if "sum" in vc or "m2" in vc else 0].sqrt()  # type: ignore[index]
+                vcols.append(norm.mul_(scale))  # type: ignore[arg-type]
+            elif c == "min":
+                extremes = peaks[:, -2:]  # type: ignore[index]
+                vcols += [torch.neg(extremes[:, 1]), extremes[:, 0]]
+            elif c == "m2":
+                count = lengths.to(_F32)
+                dev = x - (totals[:, 0] / count).repeat_interleave(lengths, output_size=x.numel())  # type: ignore[index]
+                vcols.append(seg(seg(dev * dev, "sum", lengths=blocks), "sum", lengths=tensor_blocks) / count)
         self.numels[row : row + len(numels)] = numels
         values = torch.stack(vcols, dim=1) if vcols else None
-        counts = torch.stack(ccols, dim=1) if ccols else None
+        counts = totals[:, len(sums) - len(self.counts) :] if self.counts else None  # type: ignore[index]
         done = 0
         while done < len(numels):  # rows may continue into the next chunk of the row buffer
             at, r = divmod(row + done, self.capacity)  # ``_chunk`` inline when the chunk exists
@@ -522,15 +538,15 @@ class DeviceRows:
         lengths, cols = layout.lengths, []
         for c in self.values:
             if c == "sum":
-                cols.append(torch.segment_reduce(torch.sum(flat, dim=1, dtype=_F32), "sum", lengths=lengths))
+                cols.append(_segment_reduce(torch.sum(flat, dim=1, dtype=_F32), "sum", lengths=lengths))
             elif c == "sumsq":
                 sq = torch.linalg.vector_norm(flat, dim=1, dtype=_F32).square_()
-                cols.append(torch.segment_reduce(sq, "sum", lengths=lengths).sqrt_())
+                cols.append(_segment_reduce(sq, "sum", lengths=lengths).sqrt_())
             elif c == "min":
                 lo, hi = torch.aminmax(flat, dim=1)
                 cols += [
-                    torch.segment_reduce(lo, "min", lengths=lengths),
-                    torch.segment_reduce(hi, "max", lengths=lengths),
+                    _segment_reduce(lo, "min", lengths=lengths),
+                    _segment_reduce(hi, "max", lengths=lengths),
                 ]
         cols += self._batch_counts(flat, layout)
         for k, t in enumerate(tensors):
@@ -592,7 +608,7 @@ class DeviceRows:
         out = []
         for k, col in enumerate(self.counts):
             mask = self._mask(flat, col, masks[k, : m * w].view(m, w))  # type: ignore[index]
-            out.append(torch.segment_reduce(torch.sum(mask, dim=1, dtype=_F32), "sum", lengths=layout.lengths))
+            out.append(_segment_reduce(torch.sum(mask, dim=1, dtype=_F32), "sum", lengths=layout.lengths))
         return out
 
     def _chunk(self, row: int) -> tuple[_Chunk, int]:

@@ -15,14 +15,15 @@ from collections import Counter
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["OpCounter", "SYNC_OPS"]
+__all__ = ["OpCounter", "SYNC_OPS", "host_syncs"]
 
 SYNC_OPS = frozenset({"_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal"})
 _HOST_DATA = frozenset({"lift_fresh", "lift_fresh_copy", "scalar_tensor"})
 
 
 class OpCounter(TorchDispatchMode):
-    """``with OpCounter() as c: ...`` then ``c.ops`` (non-view aten ops), ``c.syncs``,
+    """``with OpCounter() as c: ...`` then ``c.ops`` (non-view aten ops), ``c.syncs`` (those the
+    caller asked for: a sync made inside another op's kernel is not seen, see ``host_syncs``),
     ``c.copies`` (host data entering or a device change), ``c.largest`` (bytes), ``c.names``,
     ``c.dtypes`` (the dtypes of the tensors ops produced: ``c.dtypes[torch.float64]`` is fp64 work)."""
 
@@ -69,3 +70,17 @@ def _device_change(args, kwargs, out) -> bool:
     if name_device := kwargs.get("device"):
         return src is not None and torch.device(name_device) != src.device
     return src is not None and dst is not None and src.device != dst.device
+
+
+def host_syncs(fn) -> int:
+    """Host syncs made while ``fn()`` runs, those inside other ops' kernels included (e.g.
+    ``segment_reduce`` checking its lengths with two ``item()`` calls unless ``unsafe=True``),
+    which a dispatch mode such as ``OpCounter`` never sees: counted from the profiler's events
+    (``_local_scalar_dense``, ``nonzero``, ``is_nonzero``, ``equal``).  The profiler's first start
+    takes about a second."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    names = {f"aten::{name}" for name in SYNC_OPS - {"item"}}  # item is _local_scalar_dense's caller
+    return sum(1 for event in prof.events() if event.name in names)
