@@ -56,3 +56,28 @@ def test_update_ratio_on_the_device_path_is_float32_and_equals_float64_truth(out
     # each side's norms of every param in one multi-tensor call, whatever the number of params
     names = counted.counters[-1].names
     assert names["_foreach_norm"] == 2 and names["linalg_vector_norm"] == 0, names
+
+
+@pytest.mark.slow
+def test_update_ratio_beside_weight_families_of_mixed_sizes_records_every_step(output_root, make_config, monkeypatch,
+                                                                              caplog):
+    """Weight tensors above ``_SMALL`` elements are reduced alone, the small ones in segment
+    batches, so a family's rows come back in a permuted order (a block of row numbers); with
+    update_ratio's device value rows in the same step, every step used to fail ("computing the
+    stats of step N failed") and was lost."""
+    from trainmon.stats import device_rows
+    from trainmon.testing.tiny_gpt import GPTConfig
+
+    monkeypatch.setenv("TRAINMON_DEVICE_PATH", "1")
+    model = make_model(cfg=GPTConfig(vocab=32, seq=8, dim=72, heads=2, layers=1))
+    sizes = [p.numel() for p in model.parameters()]
+    assert min(sizes) <= device_rows._SMALL < max(sizes)  # both routes, in one family
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    monitor = TrainerMon(make_config(wg_distribution=True, ur_distribution=True, ops=["norm", "max"]))
+    monitor.set_monitor(model, optimizer=opt)
+    truth, _ = train_with_reference(model, opt, steps=3, acc=1)
+    monitor.close()
+    assert not [r for r in caplog.records if r.levelno >= 30], [r.getMessage() for r in caplog.records]
+    run = only_run_dir(output_root) / "rank0"
+    assert_matches(read_family(run, "grad_reduced"), truth, "grad_reduced", range(3), ["norm", "max"])
+    assert_matches(read_family(run, "update_ratio"), truth, "update_ratio", range(3), ["update_ratio"], rtol=1e-5)

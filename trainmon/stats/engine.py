@@ -656,7 +656,7 @@ class StatsEngine:
     def _merge_sharded(self, pending: list[_Pending]) -> None:
         """Host (CPU) rows of sharded captures: gathered and merged now (reading CPU memory is
         free).  Device rows: see ``_start_device_merges``."""
-        host = [p for p in pending if p.group is not None and not p.is_values and p.rows and isinstance(p.rows[0], int)]
+        host = [p for p in pending if p.group is not None and not p.is_values and len(p.rows) and isinstance(p.rows[0], int)]
         for p in host:
             p.rows = list(self._host.rows(p.rows).unbind(0))
         _merge_host_sharded(host)
@@ -854,7 +854,7 @@ def _device_extras(pending: list[_Pending], seam: bool) -> dict[torch.device, li
             slots = extras.setdefault(p.scale.device, [])
             p.scale, slot = (p.scale.device, len(slots)), p.scale.float().reshape(1)
             slots.append(slot)
-        if not p.rows:
+        if not len(p.rows):  # a list, a range or (a block's) an array of row numbers
             continue
         if p.is_values and (seam or not p.rows[0].is_cpu):
             device = p.rows[0].device
