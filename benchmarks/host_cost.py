@@ -13,7 +13,9 @@ turn, one monitored, and the difference is taken per step:
 * **Python calls** on the training thread (``sys.setprofile``: Python function calls, and C
   function calls apart), exact;
 * **aten ops** (``trainmon.testing.op_counter.OpCounter``: non-view ops), exact;
-* **µs** of training-thread CPU time (``time.thread_time``), median of the paired steps;
+* **µs** of training-thread CPU time (``time.thread_time``), median of the paired steps; for
+  ``xy``, also **beyond** torch's own cost of the same hooks: a third model carrying hooks of the
+  activation collector's shape that do nothing (``_torch_hooks_only``) is stepped in turn;
 * **writer µs**: the process's other threads' CPU time (the sink's writer thread) over all the
   paired steps and the flush after them, per step: the writer formats a step while the next runs,
   so it is not measured inside one step;
@@ -44,6 +46,7 @@ ALL = {"wg_distribution": True, "mv_distribution": True, "param_distribution": T
 XY = {"xy_distribution": True, "all_xy": True}
 CONFIGS = {"wg": {"wg_distribution": True}, "all-on": ALL, "xy": XY, "all-on+xy": {**ALL, **XY}}
 ACTIVATION_FAMILIES = ("actv", "actv_grad")
+HOOKED = ("xy",)  # configs timed against torch's own hooks too (activation rows only)
 
 
 def _model(n_tensors: int, seed: int = 0):
@@ -53,6 +56,33 @@ def _model(n_tensors: int, seed: int = 0):
     torch.manual_seed(seed)
     model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(max(1, n_tensors // 2))])
     return model, torch.optim.Adam(model.parameters(), lr=1e-3)
+
+
+def _torch_hooks_only(model) -> None:
+    """The hooks an activation config asks of torch, doing nothing else: a forward pre-hook that
+    returns an alias of each tensor input and hooks its grad, a forward hook that hooks each tensor
+    output's grad (the shape of trainmon's activation hooks); what is left of a monitored step's
+    cost beyond this model's is trainmon's own."""
+
+    def grad(_g):
+        return None
+
+    def inputs(_module, args):
+        out = []
+        for a in args:
+            if a.requires_grad:
+                a = a[...]
+                a.register_hook(grad)
+            out.append(a)
+        return tuple(out)
+
+    def outputs(_module, _args, output):
+        if output.requires_grad:
+            output.register_hook(grad)
+
+    for module in model.modules():
+        module.register_forward_pre_hook(inputs)
+        module.register_forward_hook(outputs)
 
 
 def _step(model, optimizer, x) -> None:
@@ -138,8 +168,17 @@ def measure(n_tensors: int, config: str, steps: int, workdir: Path) -> dict:
         _step(base_model, base_opt, x)
         _step(model, opt, x)
 
+    hooks_model, hooks_opt = _model(n_tensors)
+    if config in HOOKED:
+        _torch_hooks_only(hooks_model)
+    for _ in range(3):
+        _step(hooks_model, hooks_opt, x)
+
     def base():
         _step(base_model, base_opt, x)
+
+    def hooks():
+        _step(hooks_model, hooks_opt, x)
 
     def mon():
         _step(model, opt, x)
@@ -149,14 +188,16 @@ def measure(n_tensors: int, config: str, steps: int, workdir: Path) -> dict:
     _flush_writer(monitor)
     gc_base = young_collections(_repeat(base, steps), collect_first=False) / steps
     gc_mon = young_collections(lambda: (_repeat(mon, steps)(), _flush_writer(monitor)), collect_first=False) / steps
-    own, base_own = [], []
+    own, base_own, beyond = [], [], []
     _flush_writer(monitor)
     t0, p0 = time.thread_time(), time.process_time()
     for _ in range(steps):
         b, _ = _timed(base)
+        h, _ = _timed(hooks) if config in HOOKED else (b, 0.0)
         m, _ = _timed(mon)
         base_own.append(b)
         own.append(m - b)
+        beyond.append(m - h)
     _flush_writer(monitor)
     writer = ((time.process_time() - p0) - (time.thread_time() - t0)) / steps
     monitor.close()
@@ -171,11 +212,17 @@ def measure(n_tensors: int, config: str, steps: int, workdir: Path) -> dict:
         "c_calls_per_row": (mon_c - base_c) / total,
         "aten_ops_per_row": ops / total,
         "us_per_row": statistics.median(own) / total * 1e6,
+        # activation configs: beyond torch's own cost of the same hooks (``_torch_hooks_only``)
+        "us_per_row_beyond_hooks": statistics.median(beyond) / total * 1e6 if config in HOOKED else None,
         "writer_us_per_row": writer / total * 1e6,
         "gc_gen0_per_step": gc_mon,
         "gc_gen0_per_step_unmonitored": gc_base,
         "unmonitored_ms_per_step": statistics.median(base_own) * 1e3,
     }
+
+
+def _optional(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def _child(n_tensors: int, steps: int) -> None:
@@ -199,7 +246,7 @@ def main() -> None:
     results = []
     print(
         f"{'path':5s} {'N':>5s} {'config':10s} {'rows w/a':>11s} {'py/row':>7s} {'C/row':>6s} {'aten/row':>8s} "
-        f"{'us/row':>7s} {'writer':>7s} {'gc0 mon/base':>12s}"
+        f"{'us/row':>7s} {'beyond':>7s} {'writer':>7s} {'gc0 mon/base':>12s}"
     )
     for path in paths:
         for n in args.n:
@@ -221,6 +268,7 @@ def main() -> None:
                     f"{path:5s} {n:5d} {r['config']:10s} {r['weight_rows']:5d}/{r['activation_rows']:<5d} "
                     f"{r['python_calls_per_row']:7.1f} {r['c_calls_per_row']:6.1f} {r['aten_ops_per_row']:8.1f} "
                     f"{r['us_per_row']:7.1f} "
+                    f"{_optional(r['us_per_row_beyond_hooks']):>7s} "
                     f"{r['writer_us_per_row']:7.2f} "
                     f"{r['gc_gen0_per_step']:6.1f}/{r['gc_gen0_per_step_unmonitored']:<5.1f}",
                     flush=True,
