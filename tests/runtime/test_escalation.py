@@ -17,6 +17,7 @@ import torch
 
 from tests._support.distributed import run_distributed
 from tests._support.runs import read_family, run_cli
+from trainmon.output import runs
 from trainmon.testing.tiny_gpt import GPTConfig, TinyGPT, synthetic_batches
 
 TINY = GPTConfig(vocab=16, seq=4, dim=8, heads=2, layers=1)
@@ -58,9 +59,9 @@ def _train(out: Path | None, config: dict | None, nan_rank: int, rank: int, tmp:
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _three_runs(rank: int, world: int, tmp: str, nan_rank: int, dynamic: bool = False) -> bool:
+def _three_runs(rank: int, world: int, tmp: str, nan_rank: int, dynamic: bool = False, fmt: str = "csv") -> bool:
     tmp_path = Path(tmp)
-    on = {"dynamic_on": True} if dynamic else {}
+    on = {"dynamic_on": True, "format": [fmt]} if dynamic else {"format": [fmt]}
     watched = _train(tmp_path / "escalating", {**ESCALATING, **on}, nan_rank, rank, tmp_path)
     _train(tmp_path / "reference", {**REFERENCE, **on}, nan_rank, rank, tmp_path)
     plain = _train(None, None, nan_rank, rank, tmp_path)
@@ -69,7 +70,7 @@ def _three_runs(rank: int, world: int, tmp: str, nan_rank: int, dynamic: bool = 
 
 
 def _rows(rank_dir: Path, family: str, steps=None) -> pd.DataFrame:
-    df = read_family(rank_dir, family)
+    df = read_family(rank_dir, family) if any(rank_dir.glob("*.csv")) else runs.read_family(rank_dir, family)
     if steps is not None:
         df = df[df["step"].isin(steps)]
     return df.sort_values(["step", *[c for c in ("micro_step",) if c in df], "name"], kind="stable"
@@ -102,16 +103,21 @@ def _check_run(tmp_path: Path, world: int, nan_rank: int) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize(("dynamic", "fmt"), [(False, "csv"), (True, "csv"), (False, "parquet")],
+                         ids=["static", "dynamic", "static-parquet"])
 def test_a_nan_escalates_for_exactly_n_steps_at_most_k_times_with_the_rows_before_it(tmp_path, monkeypatch,
-                                                                                    dynamic):
+                                                                                    dynamic, fmt):
+    """With Parquet, the flight recorder's held steps and the window's rows of one step window
+    are written by two sinks at once: two files of the window, every row in one of them."""
+    if fmt == "parquet":
+        pytest.importorskip("pyarrow")
     if dynamic:
         monkeypatch.setenv("DYNAMIC_MONITOR", "1")
     monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path))  # _train sets these per run; restored after
     monkeypatch.setenv("TRAINMON_RUN_ID", "run")
-    assert _three_runs(0, 1, str(tmp_path), 0, dynamic), "training changed"
+    assert _three_runs(0, 1, str(tmp_path), 0, dynamic, fmt), "training changed"
     _check_run(tmp_path, 1, nan_rank=0)
-    if not dynamic:
+    if not dynamic and fmt == "csv":
         _check_anomalies_command(tmp_path / "escalating" / "run")
 
 
