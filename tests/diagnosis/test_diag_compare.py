@@ -94,3 +94,40 @@ def test_tolerances(tmp_path):
     # a mean near zero that doubles is tiny against the tensor's rms (norm / sqrt(4) = 1)
     assert compare_runs(base, run("t3", 1.0, mean=2e-9)).first_divergence is None
     assert compare_runs(base, run("t4", 1 + 1e-2), atol=0.1).first_divergence is None
+
+
+def test_the_rows_kept_per_alignment_group_hold_no_memory_of_the_group():
+    """compare keeps each group's top rows and first diverged rows; those few rows used to keep
+    the whole group's index and Arrow-backed string columns alive (2.5 GB on two 100.8M-row runs)."""
+    import gc
+    import tracemalloc
+
+    pa = pytest.importorskip("pyarrow")
+    from trainmon.analysis.flow import FLOW_KEYS
+    from trainmon.diagnosis.compare import first_per_rank, largest_rows
+
+    def group(n: int) -> pd.DataFrame:
+        frame = pd.DataFrame({k: np.arange(n) for k in FLOW_KEYS})
+        frame["rank"] = np.arange(n) % 4
+        frame["rel_diff"] = np.random.default_rng(0).random(n)
+        frame["op"] = pd.array(np.where(np.arange(n) % 2, "norm", "max").astype(object), dtype="str")
+        frame["kind"] = pd.array(["grad_reduced"] * n, dtype="str")
+        return frame.sort_values("rel_diff")  # a taken index, as the judged frames have
+
+    kept = []
+    gc.collect()
+    tracemalloc.start()
+    arrow_before, (traced_before, _) = pa.total_allocated_bytes(), tracemalloc.get_traced_memory()
+    for _ in range(5):
+        frame = group(200_000)
+        kept += [largest_rows([frame], 5), first_per_rank([frame])]
+        del frame
+    gc.collect()
+    arrow_kept = pa.total_allocated_bytes() - arrow_before
+    traced_kept = tracemalloc.get_traced_memory()[0] - traced_before
+    tracemalloc.stop()
+    assert arrow_kept < 64 * 1024 and traced_kept < 1024 * 1024, (arrow_kept, traced_kept)  # a group: ~10 MB
+    assert [len(k) for k in kept] == [5, 4] * 5
+    top = np.sort(np.random.default_rng(0).random(200_000))[::-1][:5]
+    assert kept[0]["rel_diff"].tolist() == top.tolist()  # the rows themselves, values unchanged
+    assert set(kept[0]["op"]) <= {"norm", "max"} and set(kept[1]["kind"]) == {"grad_reduced"}

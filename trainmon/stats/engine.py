@@ -656,7 +656,9 @@ class StatsEngine:
     def _merge_sharded(self, pending: list[_Pending]) -> None:
         """Host (CPU) rows of sharded captures: gathered and merged now (reading CPU memory is
         free).  Device rows: see ``_start_device_merges``."""
-        host = [p for p in pending if p.group is not None and not p.is_values and len(p.rows) and isinstance(p.rows[0], int)]
+        host = [
+            p for p in pending if p.group is not None and not p.is_values and len(p.rows) and isinstance(p.rows[0], int)
+        ]
         for p in host:
             p.rows = list(self._host.rows(p.rows).unbind(0))
         _merge_host_sharded(host)
