@@ -45,7 +45,7 @@ from trainmon.analysis.flow import FLOW_KEYS, phase_of
 from trainmon.analysis.rules import json_number
 from trainmon.diagnosis.model_meta import StageDifference, diff_initial, diff_structure, meta_ranks, read_model_meta
 from trainmon.diagnosis.names import match_names
-from trainmon.diagnosis.reader import EXTRA_PREFIX, RunTable
+from trainmon.diagnosis.reader import GROUP_COLUMN, RunTable
 from trainmon.families import NOT_SCALAR, Family, Phase
 
 __all__ = [
@@ -98,7 +98,6 @@ def stage_of(family: str) -> str:
 
 
 ALIGN_KEYS = ["vpp_stage", "name", "step", "rank", "micro_step", "occurrence"]
-GROUP_COLUMN = EXTRA_PREFIX + "group"  # a hyperparams row's optimizer param group
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from trainmon.analysis.flow import PHASES, phase_of
 from trainmon.analysis.rules import Anomaly, Findings, Rules
 from trainmon.diagnosis.cluster import map_buckets
 from trainmon.diagnosis.engine import Engine, RunFiles
-from trainmon.diagnosis.reader import EXTRA_PREFIX, RunTable, numel_column
+from trainmon.diagnosis.reader import GROUP_COLUMN, RunTable, numel_column
 from trainmon.diagnosis.sql import POSITION, Family, literal, quote
 from trainmon.errors import env_int
 
@@ -46,7 +46,6 @@ __all__ = [
     "ROWS_PER_BUCKET",
     "bucket_rows",
     "sort_rows",
-    "GROUP",
     "StagedRun",
     "Span",
     "consecutive_runs",
@@ -78,10 +77,6 @@ def bucket_rows() -> int:
 
 def sort_rows() -> int:
     return SORT_ROWS if SORT_ROWS is not None else env_int("TRAINMON_ENGINE_SORT_ROWS", 10_000_000)
-
-
-# The ``extra`` column compare reads (a hyperparams row's optimizer param group).
-GROUP = EXTRA_PREFIX + "group"
 
 
 # Text columns stored as integer codes (few distinct values, many rows): the staged rows are fixed
@@ -125,7 +120,7 @@ class StagedRun:
         # The schema of the staged rows, and their view while no file holds any.
         con.execute(f"""CREATE OR REPLACE TEMP TABLE {prefix}_none (fam SMALLINT, rank INTEGER, vpp_stage BIGINT,
             name INTEGER, step BIGINT, micro_step BIGINT, occurrence BIGINT, position BIGINT, shape INTEGER,
-            dtype INTEGER, {quote(GROUP)} DOUBLE{stats})""")
+            dtype INTEGER, {quote(GROUP_COLUMN)} DOUBLE{stats})""")
         self.parts: list[list[Path]] = [[] for _ in self.families]
         # Each part's (first rank, last rank, first step, last step): a query for some ranks and
         # steps reads only the parts that hold them (``source``).
@@ -176,7 +171,7 @@ class StagedRun:
             SELECT {fam_id}::SMALLINT AS fam, rank::INTEGER AS rank, vpp_stage::BIGINT AS vpp_stage, n.code AS name,
                    step::BIGINT AS step, micro_step::BIGINT AS micro_step, occurrence::BIGINT AS occurrence,
                    ({position})::BIGINT AS position, s.code AS shape, d.code AS dtype,
-                   "group"::DOUBLE AS {quote(GROUP)}{stats_sql}
+                   "group"::DOUBLE AS {quote(GROUP_COLUMN)}{stats_sql}
             FROM o JOIN {p}_names n ON n.text = COALESCE(o.name, '') JOIN {p}_shapes s ON s.text = o.shape
                    JOIN {p}_dtypes d ON d.text = o.dtype{firsts}{" ORDER BY n.code" if self.by_name else ""}
             ) TO {literal(str(path))} {_PARQUET}""")
@@ -232,7 +227,7 @@ class StagedRun:
 
     def grouped(self, family: str) -> bool:
         """Whether some row of ``family`` has an optimizer param group (an ``extra:group`` value)."""
-        hit = self.con.execute(f"SELECT 1 FROM {self.source(family)} WHERE {quote(GROUP)} IS NOT NULL LIMIT 1")
+        hit = self.con.execute(f"SELECT 1 FROM {self.source(family)} WHERE {quote(GROUP_COLUMN)} IS NOT NULL LIMIT 1")
         return hit.fetchone() is not None
 
     def partition(self, runs: Sequence[tuple[int, int]], progress=None) -> None:

@@ -35,8 +35,8 @@ from trainmon.diagnosis.compare import (
     plan_families,
 )
 from trainmon.diagnosis.engine import Engine, RunFiles
-from trainmon.diagnosis.engine_buckets import GROUP, Span, StagedRun, consecutive_runs
-from trainmon.diagnosis.reader import numel_column
+from trainmon.diagnosis.engine_buckets import Span, StagedRun, consecutive_runs
+from trainmon.diagnosis.reader import GROUP_COLUMN, numel_column
 from trainmon.families import NOT_SCALAR
 
 __all__ = ["engine_compare"]
@@ -233,7 +233,7 @@ def _aligned(con, group: AlignGroup) -> pd.DataFrame:
     """The group's rows of both runs as read from the staged files (names as codes, base's with
     ``numel``), paired by the one alignment rule, ``compare.align``."""
     ops = ", ".join(sql.quote(op) for op in group.plan.ops)
-    grp = f"bb.{sql.quote(GROUP)}, " if group.plan.grouped else ""
+    grp = f"bb.{sql.quote(GROUP_COLUMN)}, " if group.plan.grouped else ""
     base = con.execute(f"""
         SELECT bb.step, bb.micro_step, bb.position, bb.rank, bb.occurrence, bb.vpp_stage, bb.name, {grp}
                n.numel, {", ".join(f"bb.{sql.quote(op)}" for op in group.plan.ops)}

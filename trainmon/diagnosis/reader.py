@@ -51,12 +51,14 @@ __all__ = [
     "read_stats_family",
     "load_run",
     "EXTRA_PREFIX",
+    "GROUP_COLUMN",
     "numel_column",
 ]
 
 log = logging.getLogger(__name__)
 
 EXTRA_PREFIX = "extra:"
+GROUP_COLUMN = EXTRA_PREFIX + "group"  # a hyperparams row's optimizer param group (an extra)
 
 
 class RunDirError(TrainmonError):
