@@ -176,7 +176,8 @@ def test_a_full_spill_directory_is_named_as_such_not_as_memory_or_a_damaged_file
     if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(tiny)], capture_output=True).returncode:
         pytest.skip("needs a small filesystem of its own (mount as root)")
     try:
-        env = dict(os.environ, TMPDIR=str(tiny), TRAINMON_ENGINE_MEMORY=cap)
+        # staged in files, as a run too large to hold in memory is (TRAINMON_ENGINE_MEMORY_ROWS)
+        env = dict(os.environ, TMPDIR=str(tiny), TRAINMON_ENGINE_MEMORY=cap, TRAINMON_ENGINE_MEMORY_ROWS="0")
         proc = subprocess.run([sys.executable, "-m", "trainmon", "ranks", str(run), "--json"],
                               capture_output=True, text=True, env=env, timeout=300)
     finally:

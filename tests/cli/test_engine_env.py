@@ -23,6 +23,7 @@ BAD = [
     ("TRAINMON_ENGINE_UNIT_ROWS", "0", "must be an integer >= 1 (default 250000)"),
     ("TRAINMON_ENGINE_BUCKET_ROWS", "many", "must be an integer >= 1 (default 250000)"),
     ("TRAINMON_ENGINE_SORT_ROWS", "-5", "must be an integer >= 1 (default 10000000)"),
+    ("TRAINMON_ENGINE_MEMORY_ROWS", "2M", "must be an integer >= 0 (default 2000000)"),
 ]
 
 
@@ -50,7 +51,8 @@ def test_a_bad_value_is_one_line_naming_the_variable(run, capsys, monkeypatch, c
 
 
 @pytest.mark.parametrize("name, value", [("TRAINMON_ENGINE_MEMORY", "1GB"), ("TRAINMON_ENGINE_MEMORY", "300MiB"),
-                                         ("TRAINMON_ENGINE_UNIT_ROWS", "7"), ("TRAINMON_ENGINE_BUCKET_ROWS", "1_000")])
+                                         ("TRAINMON_ENGINE_UNIT_ROWS", "7"), ("TRAINMON_ENGINE_BUCKET_ROWS", "1_000"),
+                                         ("TRAINMON_ENGINE_MEMORY_ROWS", "0")])
 def test_good_values_run(run, capsys, monkeypatch, name, value):
     monkeypatch.setenv(name, value)
     code, out, err = _cli(capsys, "ranks", run, "--engine", "duckdb")

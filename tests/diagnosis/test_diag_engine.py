@@ -247,7 +247,8 @@ def test_a_long_query_prints_no_progress_bar_on_stdout_so_json_stays_clean(tmp_p
 @pytest.mark.slow  # four staged runs of the edge run
 def test_buckets_read_from_the_staged_files_or_sorted_again_find_what_the_whole_table_finds(edge_run, monkeypatch):
     # A small run's buckets are read from its name-sorted staged files; a large one (more than
-    # DIRECT_FILES files) is written again by name first: both must give the whole table's findings.
+    # DIRECT_FILES files) is written again by name first; a run within the engine's memory_rows is
+    # staged as Arrow tables held in memory: every way must give the whole table's findings.
     import pickle
 
     from trainmon.diagnosis.engine_buckets import StagedRun, bucket_scan_all, engine_ranks, read_bucket
@@ -257,15 +258,21 @@ def test_buckets_read_from_the_staged_files_or_sorted_again_find_what_the_whole_
     rules = RULE_SETS["all"]
     want_scan, want_ranks = _everything(scan_all(table, rules)), check_ranks(table)
     assert want_scan[0] and want_ranks
-    for direct in (64, 0):
+    # memory_rows 0 and 10 (the run does not fit): files; None: the default, which the run fits
+    for direct, held in ((64, 0), (0, 10), (64, None)):
         monkeypatch.setattr(engine_buckets, "DIRECT_FILES", direct)
+        monkeypatch.setattr(engine, "MEMORY_ROWS", held)
         files = engine.run_files(edge_run)
         assert _everything(bucket_scan_all(files, rules, rows_per_bucket=300)) == want_scan
         assert engine_ranks(files, rows_per_bucket=300) == want_ranks
         with engine.Engine() as eng:
             run = StagedRun(eng, files, "r", by_name=True)
             buckets = engine_buckets._partition_by_name(run, 300, None, "test")
-            assert len(buckets) > 3 and (len(buckets[0].paths) > 1) == bool(direct)
+            assert len(buckets) > 3
+            if held is not None:
+                assert (len(buckets[0].paths) > 1) == bool(direct) and not buckets[0].tables
+            else:
+                assert buckets[0].tables and not buckets[0].paths
             # A bucket travels to a worker as plain values: pickled and back, it reads the same rows.
             for bucket in buckets:
                 frame = read_bucket(pickle.loads(pickle.dumps(bucket))).frame

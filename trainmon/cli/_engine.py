@@ -55,6 +55,7 @@ def check_settings() -> None:
 
     engine.memory_limit()
     engine.unit_rows()
+    engine.memory_rows()
     engine_buckets.bucket_rows()
     engine_buckets.sort_rows()
 

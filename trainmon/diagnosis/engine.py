@@ -36,6 +36,7 @@ __all__ = ["available", "RunFiles", "run_files", "Engine", "MEMORY_LIMIT"]
 # time; set here (tests), they win over the environment.
 MEMORY_LIMIT: str | None = None
 UNIT_ROWS: int | None = None
+MEMORY_ROWS: int | None = None  # memory_rows(): TRAINMON_ENGINE_MEMORY_ROWS
 # The folder the engine's work directories are made in (TRAINMON_ENGINE_WORKDIR, default TMPDIR:
 # ``work_root()``); set here (tests), it wins over the environment.
 WORK_ROOT: str | Path | None = None
@@ -73,6 +74,13 @@ def memory_bytes(text: str) -> int | None:
 def unit_rows() -> int:
     """Rows of one family the engine reads at a time (``TRAINMON_ENGINE_UNIT_ROWS``), checked."""
     return UNIT_ROWS if UNIT_ROWS is not None else env_int("TRAINMON_ENGINE_UNIT_ROWS", 250_000)
+
+
+def memory_rows() -> int:
+    """Staged rows an engine may keep in memory as Arrow tables: a run whose rows fit is staged
+    there, a larger one in files (``TRAINMON_ENGINE_MEMORY_ROWS``, default 2,000,000, ~60 MB a
+    million rows; 0: always files), checked."""
+    return MEMORY_ROWS if MEMORY_ROWS is not None else env_int("TRAINMON_ENGINE_MEMORY_ROWS", 2_000_000, minimum=0)
 
 
 def work_root() -> Path | None:
@@ -129,6 +137,10 @@ class RunFiles(FamilyStatsView):
             else:
                 out.append(Unit(files))
         return out
+
+    def family_rows(self, family: str) -> int:
+        """``family``'s rows in every rank's files (CSV: estimated)."""
+        return self._rows_of(self.files.get(family, []))
 
     def _rows_of(self, files: Sequence[tuple[int, FamilyFile]]) -> int:
         return sum(self.rows.get(str(f.path), 0) for _, f in files)
@@ -231,10 +243,23 @@ def _connect(threads: int | None, spill_dir: str):
 class Engine:
     """One DuckDB connection and its work directory (DuckDB's spill files, staged runs' files:
     ``workdir.WorkDir``, which also removes what killed commands left); ``with Engine() as eng:``,
-    then ``eng.con`` and ``eng.dir``."""
+    then ``eng.con`` and ``eng.dir``.  ``files_only``: stage every row in files (a cluster's
+    workers read them); else up to ``memory_rows()`` staged rows are held in memory (``hold``)."""
 
-    def __init__(self, threads: int | None = None):
+    def __init__(self, threads: int | None = None, *, files_only: bool = False):
         self.threads = threads
+        self._room = 0 if files_only else memory_rows()
+
+    def hold(self, rows: int) -> bool:
+        """Whether ``rows`` more staged rows may be kept in memory (then counted as held)."""
+        if rows > self._room:
+            return False
+        self._room -= rows
+        return True
+
+    def release(self, rows: int) -> None:
+        """``rows`` held rows were let go (``hold``)."""
+        self._room += rows
 
     def __enter__(self) -> Engine:
         self._work = WorkDir(work_root())

@@ -8,8 +8,9 @@ pandas logic unchanged (``compare`` stages runs here too, then aligns them in SQ
 1. **stage**: every family's files are read by DuckDB one unit at a time (``sql.Family``:
    CSV typed, with the bad-cell check, Parquet natively), with the ordering columns the
    in-memory reader computes (``position`` in the rank's (step, micro_step), ``occurrence`` of a
-   repeated name, both from the files' row order), and written as a Parquet file of the
-   engine's work directory (names, shapes and dtypes as integer codes);
+   repeated name, both from the files' row order), and kept as an Arrow table where the whole
+   run fits the engine's ``memory_rows`` (a run of a million rows: no file written and read
+   back), else written as a Parquet file of the engine's work directory (names, shapes and dtypes as integer codes);
 2. **partition**: buckets are runs of consecutive name codes (all families of a name in one
    bucket, so a bucket holds ``ROWS_PER_BUCKET`` rows or one name); a run staged in more than
    ``DIRECT_FILES`` files or ``SORT_ROWS`` rows is written again sorted by name, one file per run
@@ -88,11 +89,28 @@ _CODED = ("name", "shape", "dtype")
 _PARQUET = "(FORMAT parquet, COMPRESSION lz4_raw, ROW_GROUP_SIZE 16384)"
 
 
+@dataclass(frozen=True, eq=False)
+class HeldPart:
+    """Staged rows kept in memory (``Engine.memory_rows``): an Arrow table, registered with the
+    engine's connection as ``name`` so that SQL reads it like a staged file."""
+
+    name: str
+    table: object  # a pyarrow.Table
+
+
+def _rows_query(con, query: str):
+    """The rows of ``query`` as one Arrow table (DuckDB 2 names it ``to_arrow_table``, 1.x ``arrow``)."""
+    rel = con.sql(query)
+    fetch = getattr(rel, "to_arrow_table", None)
+    return fetch() if fetch is not None else rel.arrow()
+
+
 class StagedRun:
-    """The rows of one run's families (``files``), staged as Parquet files in the engine's work
-    directory: the view ``<prefix>_staged`` holds them all, ``<prefix>_f<i>`` those of family
-    ``families[i]``.  Files, not DuckDB tables: a table keeps ~0.7 MB of bookkeeping per million
-    rows in memory beyond the engine's cap (70 MB a copy at 100M rows), a file nothing.
+    """The rows of one run's families (``files``), staged unit by unit: kept as Arrow tables
+    where the whole run fits the engine's ``memory_rows`` (``held_rows``), else as Parquet files
+    in the engine's work directory; the view ``<prefix>_staged`` holds them all, ``<prefix>_f<i>`` those
+    of family ``families[i]``.  Files, not DuckDB tables: a table keeps ~0.7 MB of bookkeeping per
+    million rows in memory beyond the engine's cap (70 MB a copy at 100M rows), a file nothing.
     ``by_name``: each unit's file sorted by name code, for ``partition``."""
 
     def __init__(
@@ -106,7 +124,7 @@ class StagedRun:
         by_name: bool = False,
         duplicates=None,
     ):
-        self.con, self.files, self.prefix, self.by_name = eng.con, files, prefix, by_name
+        self.eng, self.con, self.files, self.prefix, self.by_name = eng, eng.con, files, prefix, by_name
         self.duplicates = duplicates  # a ``reader.DuplicateKeys`` the staging adds repeated keys to
         self.dir = eng.dir
         chosen = set(files.family_stats if families is None else families)
@@ -121,10 +139,16 @@ class StagedRun:
         con.execute(f"""CREATE OR REPLACE TEMP TABLE {prefix}_none (fam SMALLINT, rank INTEGER, vpp_stage BIGINT,
             name INTEGER, step BIGINT, micro_step BIGINT, occurrence BIGINT, position BIGINT, shape INTEGER,
             dtype INTEGER, {quote(GROUP_COLUMN)} DOUBLE{stats})""")
-        self.parts: list[list[Path]] = [[] for _ in self.families]
+        self.parts: list[list[Path | HeldPart]] = [[] for _ in self.families]
         # Each part's (first rank, last rank, first step, last step): a query for some ranks and
         # steps reads only the parts that hold them (``source``).
-        self.extents: dict[Path, tuple[int, int, int, int]] = {}
+        self.extents: dict[Path | HeldPart, tuple[int, int, int, int]] = {}
+        # The whole run in memory or the whole run in files: held only where all of it fits (a
+        # large run is checked from files in buckets anyway; holding a part would only add memory),
+        # and only for buckets (``by_name``: read into pandas; ``compare`` aligns in SQL, as fast
+        # from files, so holding its two runs would cost memory for nothing).
+        estimate = sum(files.family_rows(f) for f in self.families) if by_name else 0
+        self.held_rows = estimate if estimate and eng.hold(estimate) else 0
         for i, family in enumerate(self.families):
             self._stage(i, family, progress)
         self._views()
@@ -142,10 +166,14 @@ class StagedRun:
         every = [f for paths in self.parts for f in paths]
         self.con.execute(f"CREATE OR REPLACE TEMP VIEW {p}_staged AS {self._read(every)}")
 
-    def _read(self, paths: Sequence[Path]) -> str:
-        if not paths:
+    def _read(self, parts: Sequence[Path | HeldPart]) -> str:
+        if not parts:
             return f"SELECT * FROM {self.prefix}_none"
-        return "SELECT * FROM read_parquet([" + ", ".join(literal(str(f)) for f in paths) + "])"
+        files = [literal(str(f)) for f in parts if isinstance(f, Path)]
+        reads = [f"SELECT * FROM {f.name}" for f in parts if isinstance(f, HeldPart)]
+        if files:
+            reads.append("SELECT * FROM read_parquet([" + ", ".join(files) + "])")
+        return " UNION ALL ".join(reads)
 
     def _stage(self, fam_id: int, family: str, progress) -> None:
         for unit in self.files.units(family):  # position and occurrence stay within a rank's step
@@ -166,21 +194,27 @@ class StagedRun:
             f", o.{quote(s)}" if s in fam.present else f", NULL::DOUBLE AS {quote(s)}" for s in self.stat_columns
         )
         position, firsts = self._position()
-        path = self.dir / f"{p}-{fam_id}-{len(self.parts[fam_id])}.parquet"
-        self.con.execute(f"""COPY (
+        ((n, r0, r1, s0, s1),) = self.con.execute(
+            "SELECT count(*), min(rank), max(rank), min(step), max(step) FROM o"
+        ).fetchall()  # fetched to the end: DuckDB refuses ``sql`` while a result is unfinished
+        select = f"""
             SELECT {fam_id}::SMALLINT AS fam, rank::INTEGER AS rank, vpp_stage::BIGINT AS vpp_stage, n.code AS name,
                    step::BIGINT AS step, micro_step::BIGINT AS micro_step, occurrence::BIGINT AS occurrence,
                    ({position})::BIGINT AS position, s.code AS shape, d.code AS dtype,
                    "group"::DOUBLE AS {quote(GROUP_COLUMN)}{stats_sql}
             FROM o JOIN {p}_names n ON n.text = COALESCE(o.name, '') JOIN {p}_shapes s ON s.text = o.shape
-                   JOIN {p}_dtypes d ON d.text = o.dtype{firsts}{" ORDER BY n.code" if self.by_name else ""}
-            ) TO {literal(str(path))} {_PARQUET}""")
-        self.parts[fam_id].append(path)
+                   JOIN {p}_dtypes d ON d.text = o.dtype{firsts}"""
+        part: Path | HeldPart
+        if self.held_rows:  # no sort: a bucket filters a table in memory by name code
+            part = HeldPart(f"{p}_m{fam_id}_{len(self.parts[fam_id])}", _rows_query(self.con, select))
+            self.con.register(part.name, part.table)
+        else:
+            part = self.dir / f"{p}-{fam_id}-{len(self.parts[fam_id])}.parquet"
+            order = " ORDER BY n.code" if self.by_name else ""
+            self.con.execute(f"COPY ({select}{order}) TO {literal(str(part))} {_PARQUET}")
+        self.parts[fam_id].append(part)
         self.con.execute("DROP TABLE IF EXISTS firsts")
-        n, r0, r1, s0, s1 = self.con.execute(
-            "SELECT count(*), min(rank), max(rank), min(step), max(step) FROM o"
-        ).fetchone()
-        self.extents[path] = (r0, r1, s0, s1) if n else (0, -1, 0, -1)  # an empty part overlaps nothing
+        self.extents[part] = (r0, r1, s0, s1) if n else (0, -1, 0, -1)  # an empty part overlaps nothing
         if progress is not None:
             progress.update(files=len(unit), rows=n)
         self.con.execute("DROP VIEW o")
@@ -243,10 +277,15 @@ class StagedRun:
             self.sorted.append((int(first), int(last), path))
             if progress is not None:
                 progress.advance()
-        for paths in self.parts:
-            for f in paths:
-                f.unlink()
-            paths.clear()
+        for parts in self.parts:
+            for f in parts:
+                if isinstance(f, HeldPart):
+                    self.con.unregister(f.name)
+                else:
+                    f.unlink()
+            parts.clear()
+        self.eng.release(self.held_rows)
+        self.held_rows = 0
         self._views()
 
     def bucket(self, first: int, last: int) -> RunTable:
@@ -269,15 +308,16 @@ class StagedRun:
         """Name codes ``first`` to ``last`` as a :class:`Bucket`: the files that hold them (their
         run's file of ``partition``, or, unpartitioned, every staged file), the names' texts."""
         if self.sorted:
-            paths = [next(f for lo, hi, f in self.sorted if lo <= first and last <= hi)]
+            parts: list[Path | HeldPart] = [next(f for lo, hi, f in self.sorted if lo <= first and last <= hi)]
         else:
-            paths = [f for part in self.parts for f in part]
+            parts = [f for part in self.parts for f in part]
         return Bucket(
             shape or self.shape(),
-            tuple(str(f) for f in paths),
+            tuple(str(f) for f in parts if isinstance(f, Path)),
             int(first),
             int(last),
             tuple(self.texts["name"][first : last + 1]),
+            tuple(f.table for f in parts if isinstance(f, HeldPart)),
         )
 
 
@@ -298,13 +338,15 @@ class RunShape:
 @dataclass(frozen=True)
 class Bucket:
     """One bucket: name codes ``first`` to ``last``, whose staged rows lie in ``paths`` (Parquet
-    files of the engine's work directory, sorted by name code), and those names' texts."""
+    files of the engine's work directory, sorted by name code) and ``tables`` (Arrow tables held
+    in memory: only where the buckets are checked in this process), and those names' texts."""
 
     run: RunShape
     paths: tuple[str, ...]
     first: int
     last: int
     names: tuple[str, ...]  # name code first + i -> names[i]
+    tables: tuple = ()  # pyarrow.Table
 
 
 def read_bucket(bucket: Bucket) -> RunTable:
@@ -315,11 +357,18 @@ def read_bucket(bucket: Bucket) -> RunTable:
     on a cluster's worker: each file's row groups whose name codes miss the bucket are skipped
     (their min/max), and the order is one ``lexsort`` of the key columns (a pandas sort of seven
     columns took 5x as long, an ``ORDER BY`` in DuckDB 8x)."""
-    import pyarrow.parquet as pq  # type: ignore[import-untyped]  # pyarrow ships no stubs
+    import pyarrow as pa  # type: ignore[import-untyped]  # pyarrow ships no stubs
+    import pyarrow.compute as pc  # type: ignore[import-untyped]
+    import pyarrow.parquet as pq  # type: ignore[import-untyped]
 
     run = bucket.run
     where = [("name", ">=", bucket.first), ("name", "<=", bucket.last)]
-    table = pq.read_table(list(bucket.paths), filters=where)
+    tables = [pq.read_table(list(bucket.paths), filters=where)] if bucket.paths else []
+    for held in bucket.tables:
+        codes = held.column("name")
+        tables.append(held.filter(pc.and_(pc.greater_equal(codes, bucket.first), pc.less_equal(codes, bucket.last))))
+    # Parts differ in which columns DuckDB knew to hold no NULL: one schema, nullable where any is.
+    table = pa.concat_tables(tables, promote_options="permissive") if len(tables) != 1 else tables[0]
     families = list(run.families)
     frame = table.to_pandas()
     fam = frame.pop("fam").to_numpy().astype(np.int64)
@@ -416,7 +465,7 @@ def bucket_scan_all(
     anomalies: list = []
     notes: list = []
     unjudged: list[tuple[int, set[int]]] = []
-    with Engine(threads) as eng:
+    with Engine(threads, files_only=cluster is not None) as eng:
         run = StagedRun(eng, files, "a", progress=progress, by_name=True, duplicates=duplicates)
         codes: list[int] = []
         if STEPS_FAMILY in run.families:  # asked before partitioning, which replaces the staged view
@@ -468,7 +517,7 @@ def engine_ranks(
     from trainmon.diagnosis.ranks import issue_order
 
     issues = []
-    with Engine(threads) as eng:
+    with Engine(threads, files_only=cluster is not None) as eng:
         run = StagedRun(eng, files, "r", progress=progress, by_name=True, duplicates=duplicates)
         buckets = _partition_by_name(run, rows_per_bucket, progress, "ranks")
         if progress is not None:
@@ -516,7 +565,7 @@ def _partition_by_name(run: StagedRun, rows_per_bucket: int | None, progress, co
     bucket_ranges = consecutive_runs(per_name, rows_per_bucket or bucket_rows())
     rows = dict(per_name)
     sizes = [sum(rows.get(c, 0) for c in range(lo, hi + 1)) for lo, hi in bucket_ranges]
-    staged = sum(len(paths) for paths in run.parts)
+    staged = sum(isinstance(f, Path) for parts in run.parts for f in parts)  # files: each read per bucket
     if staged > DIRECT_FILES or sum(sizes) > sort_rows():
         sorts = consecutive_runs(enumerate(sizes), sort_rows())
         if progress is not None:

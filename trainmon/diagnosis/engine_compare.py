@@ -59,7 +59,7 @@ def engine_compare(
     ``reader.DuplicateKeys`` of base and of target, to add each run's repeated keys to;
     ``cluster``: the Dask scheduler the groups are aligned and judged on (``cluster.map_buckets``)."""
     dup_b, dup_t = duplicates if duplicates is not None else (None, None)
-    with Engine(threads) as eng:
+    with Engine(threads, files_only=cluster is not None) as eng:
         con = eng.con
         b, t = (
             StagedRun(
