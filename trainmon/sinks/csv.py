@@ -177,15 +177,24 @@ def _unlink_quietly(path: Path) -> None:
         pass
 
 
+# On a file system without hard links (some FUSE mounts, vfat) publishing is a check and a
+# rename, which the sinks of this process take turns at: a rename would replace the file another
+# sink just made, and with it that sink's rows.
+_RENAME_LOCK = threading.Lock()
+
+
 def _publish(tmp: Path, path: Path) -> None:
-    """Give the finished ``tmp`` its real name, never replacing a file that appeared meanwhile;
-    on a file system without hard links, a rename."""
+    """Give the finished ``tmp`` its real name, never replacing a file that appeared meanwhile
+    (``FileExistsError``); on a file system without hard links, a rename under ``_RENAME_LOCK``."""
     try:
         os.link(tmp, path)
     except FileExistsError:
         raise
     except OSError:
-        os.replace(tmp, path)
+        with _RENAME_LOCK:
+            if os.path.lexists(path):
+                raise FileExistsError(f"{path} was made by another sink of this process") from None
+            os.replace(tmp, path)
         return
     os.unlink(tmp)
 
