@@ -12,9 +12,10 @@ What it checks, each printed as PASS/FAIL with its figure (exit status 1 on any 
    mean |x|, the most a float32 sum can promise);
 4. peak memory added by the monitor (``max_memory_allocated`` delta; the documented update-ratio
    snapshot is off here);
-5. step time monitored / unmonitored (medians), on a host-bound shape (width 1024, 4x512 tokens:
-   reported, it measures the monitor's Python) and a GPU-bound one (width 4096, 4x2048 tokens, as
-   a real large-model step is: checked, <= 1.10x);
+5. step time monitored / unmonitored (medians), every kind on (activations included), on a
+   host-bound shape (width 1024, 4x512 tokens: it measures the monitor's Python; checked, <= 1.3x,
+   issue #31's target, 3.7-4.5x before the host-cost redesign) and a GPU-bound one (width 4096,
+   4x2048 tokens, as a real large-model step is: checked, <= 1.07x, issue #31's target);
 6. a ZeRO-3-like two-stream read: a grad copied into a buffer on a side stream, read after
    ``wait_stream`` (the DeepSpeed wrapper's handshake), equals the grad;
 7. when ``triton`` is importable: the Triton kernel (``stats.device_triton``) against float64 and
@@ -122,7 +123,7 @@ def kernels_per_micro_batch(model, tokens: tuple[int, int]) -> int:
 
 def check_training(root: Path, shape: Shape, label: str = "", ratio_limit: float | None = None) -> None:
     """Checks 1, 2, 4, 5 on ``shape`` (SMALL or LARGE); the step time ratio is a check only with a
-    ``ratio_limit`` (on the host-bound shape it is reported: it measures Python, not the GPU)."""
+    ``ratio_limit`` (issue #31's: 1.3x host-bound, 1.07x GPU-bound)."""
     gc.collect()
     torch.cuda.empty_cache()
     width, tokens = shape
@@ -353,7 +354,7 @@ def main() -> int:
         guarded(check_triton_bandwidth)
     with tempfile.TemporaryDirectory() as tmp:
         for shape, kind in ((SMALL, "host-bound"), (LARGE, "GPU-bound")):
-            limit = 1.10 if shape is LARGE else None
+            limit = 1.07 if shape is LARGE else 1.3  # issue #31's targets
             guarded(check_training, Path(tmp), shape, f" ({kind}{', Triton kernel' if triton else ''})", limit)
             if triton:  # the same without the kernel: which of the two is faster here
                 os.environ["TRAINMON_TRITON"] = "0"
