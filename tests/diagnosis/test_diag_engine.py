@@ -285,3 +285,36 @@ def test_buckets_read_from_the_staged_files_or_sorted_again_find_what_the_whole_
             columns = list(dict.fromkeys([*keys, "vpp_stage", "phase", "shape", "dtype", "numel", *stats]))
             whole = table.frame.sort_values(keys, ignore_index=True)[columns]
             pd.testing.assert_frame_equal(got.sort_values(keys, ignore_index=True)[columns], whole, check_dtype=False)
+
+
+@pytest.mark.parametrize("fits", [False, True])
+def test_a_run_whose_csv_rows_were_underestimated_is_held_only_while_it_fits(tmp_path, monkeypatch, fits):
+    # A CSV file's rows are estimated from its first row's length, so a long first row (a long
+    # tensor name first) makes the estimate low.  Held in memory, such a run must still stay within
+    # TRAINMON_ENGINE_MEMORY_ROWS: past it, what is held goes to files and the rest follows.
+    from trainmon.diagnosis.engine_buckets import HeldPart, StagedRun, bucket_scan_all, engine_ranks
+    from trainmon.diagnosis.ranks import check_ranks
+    from trainmon.testing.synthetic_run import SyntheticRun
+
+    run = SyntheticRun(ranks=2, steps=12, params=20, steps_per_file=6).write(tmp_path / "run", "csv")
+    long_name = "layers.0.weight" + "_long" * 60  # param 0 is the first row of every file
+    for f in run.glob("rank*/*.csv"):
+        f.write_text(f.read_text().replace("layers.0.weight,", f"{long_name},"))
+    table = load_run(run)
+    files = engine.run_files(run)
+    estimate, actual = sum(files.family_rows(f) for f in files.family_stats), len(table.frame)
+    assert estimate < actual / 2, (estimate, actual)
+    monkeypatch.setattr(engine, "MEMORY_ROWS", actual if fits else (estimate + actual) // 2)
+    with engine.Engine() as eng:
+        staged = StagedRun(eng, files, "r", by_name=True)
+        parts = [p for family in staged.parts for p in family]
+        if fits:  # held whole, its reservation grown to the rows it holds
+            assert staged.held_rows == actual and all(isinstance(p, HeldPart) for p in parts)
+        else:  # spilled: every part a file, nothing left held
+            assert staged.held_rows == 0 and all(isinstance(p, Path) and p.is_file() for p in parts)
+        assert eng.con.execute("SELECT count(*) FROM r_staged").fetchone()[0] == actual
+    rules = RULE_SETS["all"]
+    want_scan, want_ranks = _everything(scan_all(table, rules)), check_ranks(table)
+    assert want_scan[0] and want_ranks  # the planted NaN (and spike) are found
+    assert _everything(bucket_scan_all(files, rules)) == want_scan
+    assert engine_ranks(files) == want_ranks

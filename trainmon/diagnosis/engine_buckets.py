@@ -149,6 +149,7 @@ class StagedRun:
         # from files, so holding its two runs would cost memory for nothing).
         estimate = sum(files.family_rows(f) for f in self.families) if by_name else 0
         self.held_rows = estimate if estimate and eng.hold(estimate) else 0
+        self._held_seen = 0  # rows staged so far: a low estimate is corrected as the units come
         for i, family in enumerate(self.families):
             self._stage(i, family, progress)
         self._views()
@@ -204,6 +205,11 @@ class StagedRun:
                    "group"::DOUBLE AS {quote(GROUP_COLUMN)}{stats_sql}
             FROM o JOIN {p}_names n ON n.text = COALESCE(o.name, '') JOIN {p}_shapes s ON s.text = o.shape
                    JOIN {p}_dtypes d ON d.text = o.dtype{firsts}"""
+        self._held_seen += n
+        if self.held_rows and self._held_seen > self.held_rows and not self.eng.hold(self._held_seen - self.held_rows):
+            self._spill()  # the estimate was low (CSV rows of unequal length) and memory_rows is reached
+        elif self.held_rows:
+            self.held_rows = max(self.held_rows, self._held_seen)
         part: Path | HeldPart
         if self.held_rows:  # no sort: a bucket filters a table in memory by name code
             part = HeldPart(f"{p}_m{fam_id}_{len(self.parts[fam_id])}", _rows_query(self.con, select))
@@ -220,6 +226,21 @@ class StagedRun:
         self.con.execute("DROP VIEW o")
         self.con.execute("DROP TABLE IF EXISTS o1")
         self.con.execute("DROP TABLE o0")
+
+    def _spill(self) -> None:
+        """Write the parts held so far to files, as they would have been staged, and stage the
+        rest of the run in files too."""
+        order = " ORDER BY name" if self.by_name else ""
+        for fam_id, parts in enumerate(self.parts):
+            for k, part in enumerate(parts):
+                if isinstance(part, HeldPart):
+                    path = self.dir / f"{self.prefix}-{fam_id}-{k}.parquet"
+                    self.con.execute(f"COPY (SELECT * FROM {part.name}{order}) TO {literal(str(path))} {_PARQUET}")
+                    self.con.unregister(part.name)
+                    parts[k] = path
+                    self.extents[path] = self.extents.pop(part)
+        self.eng.release(self.held_rows)
+        self.held_rows = 0
 
     def _position(self) -> tuple[str, str]:
         """SQL of each row's ``position`` in its (rank, step, micro_step), and the join it needs.
