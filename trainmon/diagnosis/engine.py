@@ -78,8 +78,8 @@ def unit_rows() -> int:
 
 def memory_rows() -> int:
     """Staged rows an engine may keep in memory as Arrow tables: a run whose rows fit is staged
-    there, a larger one in files (``TRAINMON_ENGINE_MEMORY_ROWS``, default 2,000,000, ~60 MB a
-    million rows; 0: always files), checked."""
+    there, a larger one in files (``TRAINMON_ENGINE_MEMORY_ROWS``, default 2,000,000; ~120 bytes a
+    row with six stats; 0: always files), checked."""
     return MEMORY_ROWS if MEMORY_ROWS is not None else env_int("TRAINMON_ENGINE_MEMORY_ROWS", 2_000_000, minimum=0)
 
 

@@ -8,9 +8,10 @@ pandas logic unchanged (``compare`` stages runs here too, then aligns them in SQ
 1. **stage**: every family's files are read by DuckDB one unit at a time (``sql.Family``:
    CSV typed, with the bad-cell check, Parquet natively), with the ordering columns the
    in-memory reader computes (``position`` in the rank's (step, micro_step), ``occurrence`` of a
-   repeated name, both from the files' row order), and kept as an Arrow table where the whole
-   run fits the engine's ``memory_rows`` (a run of a million rows: no file written and read
-   back), else written as a Parquet file of the engine's work directory (names, shapes and dtypes as integer codes);
+   repeated name, both from the files' row order), names, shapes and dtypes as integer codes,
+   and kept as an Arrow table where the whole run fits the engine's ``memory_rows`` (a run of a
+   million rows: no file written and read back), else written as a Parquet file of the engine's
+   work directory;
 2. **partition**: buckets are runs of consecutive name codes (all families of a name in one
    bucket, so a bucket holds ``ROWS_PER_BUCKET`` rows or one name); a run staged in more than
    ``DIRECT_FILES`` files or ``SORT_ROWS`` rows is written again sorted by name, one file per run
@@ -108,10 +109,10 @@ def _rows_query(con, query: str):
 class StagedRun:
     """The rows of one run's families (``files``), staged unit by unit: kept as Arrow tables
     where the whole run fits the engine's ``memory_rows`` (``held_rows``), else as Parquet files
-    in the engine's work directory; the view ``<prefix>_staged`` holds them all, ``<prefix>_f<i>`` those
-    of family ``families[i]``.  Files, not DuckDB tables: a table keeps ~0.7 MB of bookkeeping per
-    million rows in memory beyond the engine's cap (70 MB a copy at 100M rows), a file nothing.
-    ``by_name``: each unit's file sorted by name code, for ``partition``."""
+    in the engine's work directory; the view ``<prefix>_staged`` holds them all,
+    ``<prefix>_f<i>`` those of family ``families[i]``.  Files, not DuckDB tables: a table keeps
+    ~0.7 MB of bookkeeping per million rows in memory beyond the engine's cap (70 MB a copy at
+    100M rows), a file nothing.  ``by_name``: each unit's file sorted by name code, for ``partition``."""
 
     def __init__(
         self,
