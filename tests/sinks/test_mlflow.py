@@ -162,10 +162,13 @@ def test_every_logged_value_equals_the_csv_row(server, tmp_path):
     from mlflow import MlflowClient
 
     from trainmon.sinks.mlflow import MlflowSettings
+    from trainmon.sinks.mlflow_store import ChildStore
 
     rank_dir = tmp_path / "run-ml1" / "rank0"
     sink = write_steps(rank_dir, range(4), MlflowSettings(tracking_uri=server.uri, experiment="trainmon-tests"))
     assert sink.failed is None and sink.own_run
+    # the client's per-metric Python (requests built and serialised) runs in a process of its own
+    assert isinstance(sink.store, ChildStore) and sink.store.pid != os.getpid()
     client = MlflowClient(server.uri)
     run = client.get_run(sink.mlflow_run_id)
     assert run.info.run_name == "run-ml1" and run.data.tags["trainmon.run_id"] == "run-ml1"
@@ -262,18 +265,6 @@ def test_keys_that_one_spelling_would_merge_stay_apart():
 # -- a local store: MLflow's database work in a child process -------------------------------------
 
 
-def test_only_a_tracking_server_keeps_the_client_in_this_process():
-    from trainmon.sinks.mlflow_store import runs_in_process
-
-    assert (
-        runs_in_process("http://127.0.0.1:5000")
-        and runs_in_process("https://x/y")
-        and runs_in_process("databricks://p")
-    )
-    for local in ("sqlite:///tmp/m.db", "file:///tmp/mlruns", "/tmp/mlruns", "mlruns", "postgresql://u@h/db"):
-        assert not runs_in_process(local), local
-
-
 @pytest.mark.slow
 def test_a_sqlite_store_is_written_from_a_child_process_with_the_csv_values(tmp_path):
     """``sqlite:///`` store: the database work runs in another process (its SQLAlchemy time never
@@ -319,3 +310,96 @@ def test_a_killed_store_process_is_one_warning_and_the_csv_keeps_every_step(tmp_
     mine = [w for w in warned if "MLflow" in w]
     assert len(mine) == 1 and "off for the rest of this run" in mine[0], warned
     assert sorted(read_family(rank_dir, "grad_reduced")["step"].unique()) == list(range(5))
+
+
+def _stored(client, run_id: str, keys) -> tuple[dict, dict]:
+    """What MLflow's client reads back: each key's history and the run's latest values."""
+    history = {
+        k: sorted((m.step, m.timestamp, repr(m.value)) for m in client.get_metric_history(run_id, k)) for k in keys
+    }
+    return history, {k: repr(v) for k, v in client.get_run(run_id).data.metrics.items()}
+
+
+@pytest.mark.slow
+def test_the_sqlite_bulk_writer_stores_what_mlflows_own_log_batch_stores(tmp_path):
+    """The same steps through ``SqliteMetricWriter`` and through ``MlflowClient.log_batch`` (the
+    truth) read back the same: every value (NaN, +-inf, -0.0, tiny), the latest value per key with
+    steps out of order and a key the user logged at a later step first, a step over MLflow's 1,000
+    metrics per request; a repeated row and a deleted run go to MLflow's own path and its rules."""
+    pytest.importorskip("mlflow")
+    from mlflow import MlflowClient
+
+    from trainmon.sinks.mlflow_store import InProcessStore, SqliteMetricWriter
+
+    keys = [f"grad_reduced/norm/layers.{i}.weight" for i in range(1200)]
+    steps = [
+        [(k, SPECIAL[(i + s) % len(SPECIAL)] * (s + 1), 1_700_000_000_000 + s, s) for i, k in enumerate(keys)]
+        for s in (0, 3, 1, 2)  # step 1 after step 3: the latest value stays step 3's
+    ]
+    read = []
+    for bulk in (True, False):
+        uri = f"sqlite:///{tmp_path / f'bulk{bulk}.db'}"
+        store = InProcessStore(uri)
+        assert isinstance(store.bulk, SqliteMetricWriter)
+        if not bulk:
+            store.bulk = None
+        client = MlflowClient(uri)
+        run_id = store.create_run(store.experiment_id("e"), "r", {})
+        client.log_metric(run_id, keys[7], 5.0, timestamp=1_700_000_000_099, step=99)  # the user's own later value
+        for rows in steps:
+            store.log_batch(run_id, rows)
+        store.log_batch(run_id, steps[1][:10])  # the same rows again: MLflow skips them
+        read.append(_stored(client, run_id, keys))
+    assert read[0] == read[1]
+    history, latest = read[0]
+    assert latest[keys[7]] == "5.0" and len(history[keys[0]]) == 4
+    assert latest[keys[4]] == repr(SPECIAL[(4 + 3) % len(SPECIAL)] * 4)  # step 3's, not step 2's
+
+    store = InProcessStore(f"sqlite:///{tmp_path / 'deleted.db'}")
+    run_id = store.create_run(store.experiment_id("e"), "r", {})
+    MlflowClient(f"sqlite:///{tmp_path / 'deleted.db'}").delete_run(run_id)
+    assert store.bulk is not None and store.bulk.write(run_id, steps[0]) is False  # nothing stored
+    with pytest.raises(Exception, match="must be in the 'active' state"):
+        store.log_batch(run_id, steps[0])  # MLflow's own refusal
+
+
+def _commits(db: Path) -> int:
+    """SQLite's file change counter (header bytes 24-27): one more per committed write transaction."""
+    return int.from_bytes(db.read_bytes()[24:28], "big")
+
+
+@pytest.mark.slow
+def test_steps_within_send_every_s_are_one_sqlite_transaction_and_none_waits_longer(tmp_path):
+    """Six steps handed over at once: six commits with ``send_every_s: 0``, one with a long
+    ``send_every_s`` (the rest of the run's commits are the same), every value equal to the CSV's
+    either way; and a last step with no step after it is sent once ``send_every_s`` has passed,
+    without waiting for close."""
+    pytest.importorskip("mlflow")
+    from mlflow import MlflowClient
+
+    from trainmon.sinks.mlflow import MlflowSettings
+
+    commits = {}
+    for every in (0, 3600):
+        db = tmp_path / f"every{every}.db"
+        rank_dir = tmp_path / f"run-every{every}" / "rank0"
+        sink = write_steps(rank_dir, range(6), MlflowSettings(tracking_uri=f"sqlite:///{db}", send_every_s=every))
+        assert sink.failed is None
+        expected = csv_metrics(rank_dir, ("grad_reduced", "actv"), OPS)
+        assert_logged(MlflowClient(f"sqlite:///{db}"), sink.mlflow_run_id, expected)
+        commits[every] = _commits(db)
+    assert commits[0] - commits[3600] == 5
+
+    from trainmon.sinks.mlflow import MlflowSink
+
+    db = tmp_path / "timer.db"
+    options = SinkOptions(rank_dir=tmp_path / "run-timer" / "rank0")
+    tracker = MlflowSink(options, MlflowSettings(tracking_uri=f"sqlite:///{db}", send_every_s=0.3))
+    sink = create_sink("csv", options, extra_sinks=[tracker])
+    sink.write(step_rows(0), 0)
+    sink.flush()
+    assert tracker.wait_idle(60)  # sent by the timer: close has not been called
+    client = MlflowClient(f"sqlite:///{db}")
+    history = client.get_metric_history(tracker.mlflow_run_id, "grad_reduced/norm/layers.0.weight")
+    assert [m.step for m in history] == [0]
+    sink.close()

@@ -255,6 +255,7 @@ class MetricSink(Sink):
     what: ClassVar[str] = "tracker"
     package: ClassVar[str] = ""  # the import name; its absence is one warning
     settings_schema: ClassVar[type[MetricSettings]] = MetricSettings
+    hold_s: float = 0.0  # how long a step may wait to be sent with the next ones (0: at once)
 
     def __init__(self, options: SinkOptions, settings: MetricSettings | None = None):
         super().__init__(options)
@@ -354,26 +355,43 @@ class MetricSink(Sink):
             return self._queue.all_tasks_done.wait_for(lambda: not self._queue.unfinished_tasks, timeout)
 
     def _work(self) -> None:
+        held: list = []  # steps taken from the queue, sent together once hold_s has passed
+        send_at = 0.0
         while True:
-            item = self._queue.get()
             try:
-                if item is _STOP:
-                    if self._opened:
-                        self._guard("finishing its run", self._end)
-                    return
-                self._handle(item)
-            finally:
+                wait = max(0.0, send_at - time.monotonic()) if held else None
+                item = self._queue.get(timeout=wait)
+            except queue.Empty:  # held long enough: send them
+                self._send(held)
+                continue
+            if item is _STOP:
+                self._send(held)
+                if self._opened:
+                    self._guard("finishing its run", self._end)
                 self._queue.task_done()
-
-    def _handle(self, item: tuple[int, float, dict[str, float]]) -> None:
-        if self._off:
-            return
-        if not self._opened:
-            self._opened = True
-            if not self._guard("starting", self._open):
                 return
-            atexit.register(self.close)  # after the tracker's own exit hooks: runs before them
-        self._guard(f"logging step {item[0]}", self._log, *item)
+            if not held:
+                send_at = time.monotonic() + self.hold_s
+            held.append(item)
+            if time.monotonic() >= send_at or len(held) >= QUEUE_STEPS:
+                self._send(held)
+
+    def _send(self, held: list) -> None:
+        """Sends the held steps (in one go where the tracker takes several), then marks them done
+        (``wait_idle``)."""
+        try:
+            if held and not self._off:
+                if not self._opened:
+                    self._opened = True
+                    if not self._guard("starting", self._open):
+                        return
+                    atexit.register(self.close)  # after the tracker's own exit hooks: runs before them
+                steps = f"step {held[0][0]}" if len(held) == 1 else f"steps {held[0][0]}-{held[-1][0]}"
+                self._guard(f"logging {steps}", self._log_steps, held)
+        finally:
+            for _ in held:
+                self._queue.task_done()
+            held.clear()
 
     def _guard(self, doing: str, fn: Callable[..., None], *args: object) -> bool:
         try:
@@ -404,6 +422,11 @@ class MetricSink(Sink):
 
     def _log(self, step: int, wall_time: float, metrics: dict[str, float]) -> None:
         raise NotImplementedError
+
+    def _log_steps(self, steps: list[tuple[int, float, dict[str, float]]]) -> None:
+        """Several steps at once (``hold_s`` > 0); one ``_log`` each unless the tracker does better."""
+        for step in steps:
+            self._log(*step)
 
     def _end(self) -> None:
         pass

@@ -10,10 +10,13 @@ MLflow specifics:
   ``experiment`` (else ``MLFLOW_EXPERIMENT_NAME`` / ``MLFLOW_EXPERIMENT_ID``, else MLflow's
   default experiment), named after trainmon's run id (``<run id>-rank<R>`` with ``all_ranks``) and
   tagged ``trainmon.run_id`` / ``trainmon.rank``.  Only a run this sink started is ended at close.
-* **Writes.** ``MlflowClient.log_batch`` per step, in chunks of 1,000 metrics (MLflow's limit per
-  request), each metric with the training step and the step's recorded wall time (ms).  With a
-  local store (SQLite file, folder, a database URI) the client runs in a child process
-  (:mod:`trainmon.sinks.mlflow_store`): its database work would otherwise hold this process's GIL.
+* **Writes.** ``MlflowClient.log_batch`` in chunks of 1,000 metrics (MLflow's limit per request),
+  each metric with the training step and the step's recorded wall time (ms); the steps collected
+  within ``send_every_s`` (1 s) go together, so a SQLite store commits (and syncs its file) once a
+  second, not once a step.  MLflow's client runs in a child process
+  (:mod:`trainmon.sinks.mlflow_store`): its per-metric Python (a local store's database work, a
+  tracking server's requests) would otherwise hold this process's GIL; a SQLite store gets each
+  send in one bulk transaction there.
 * **Keys.** Characters MLflow rejects become ``_`` (:func:`~trainmon.sinks.metrics.mlflow_key`).
 * **Values.** float64 as they are; NaN reads back as NaN; MLflow's SQL stores keep +-inf as
   +-1.7976931348623157e308 (the largest float64).
@@ -33,25 +36,28 @@ from trainmon.sinks.base import SinkOptions, register_sink
 if importlib.util.find_spec("mlflow") is None:  # "format": ["mlflow"] without it: a config error at attach
     raise ImportError("No module named 'mlflow'")
 from trainmon.sinks.metrics import MetricSettings, MetricSink, mlflow_key
-from trainmon.sinks.mlflow_store import ChildStore, InProcessStore, open_store
+from trainmon.sinks.mlflow_store import ChildStore, open_store
 
-__all__ = ["MlflowSink", "MlflowSettings", "BATCH"]
-
-BATCH = 1000  # MLflow's MAX_METRICS_PER_BATCH
+__all__ = ["MlflowSink", "MlflowSettings"]
 
 
 @dataclass(frozen=True)
 class MlflowSettings(MetricSettings):
     """The ``"mlflow"`` config block: ``tracking_uri`` and ``experiment`` (a name, made if missing)
-    apply to a run the sink starts; None leaves them to MLflow's environment variables."""
+    apply to a run the sink starts; None leaves them to MLflow's environment variables.
+    ``send_every_s``: how long a step may wait to be sent with the next ones (0: each at once)."""
 
     block: ClassVar[str] = "mlflow"
 
     tracking_uri: str | None = None
     experiment: str | None = None
+    send_every_s: float = 1.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        value = self.send_every_s
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 3600:
+            raise ValueError(f"mlflow.send_every_s: {value!r} is not a number of seconds from 0 to 3600")
         for key in ("tracking_uri", "experiment"):
             value = getattr(self, key)
             if value is not None and not (isinstance(value, str) and value):
@@ -70,9 +76,11 @@ class MlflowSink(MetricSink):
         super().__init__(options, settings)
         # MLflow's active run is per thread: the one that attaches the monitor is the training thread.
         self._owner_thread = threading.get_ident()
-        self.store: InProcessStore | ChildStore | None = None
+        self.store: ChildStore | None = None
         self.mlflow_run_id: str | None = None
         self.own_run = False
+        s = self.settings
+        self.hold_s = float(s.send_every_s) if isinstance(s, MlflowSettings) else 1.0
 
     def _rewrite_key(self):
         return mlflow_key
@@ -108,11 +116,16 @@ class MlflowSink(MetricSink):
         return os.environ.get("MLFLOW_RUN_ID") or None
 
     def _log(self, step: int, wall_time: float, metrics: dict[str, float]) -> None:
+        self._log_steps([(step, wall_time, metrics)])
+
+    def _log_steps(self, steps: list[tuple[int, float, dict[str, float]]]) -> None:
+        """The steps held for ``send_every_s`` in one store call: one transaction into SQLite."""
         assert self.store is not None and self.mlflow_run_id is not None
-        ms = int(wall_time * 1000)
-        batch = [(key, value, ms, step) for key, value in metrics.items()]
-        for i in range(0, len(batch), BATCH):
-            self.store.log_batch(self.mlflow_run_id, batch[i : i + BATCH])
+        rows = []
+        for step, wall_time, metrics in steps:
+            ms = int(wall_time * 1000)
+            rows += [(key, value, ms, step) for key, value in metrics.items()]
+        self.store.log_batch(self.mlflow_run_id, rows)
 
     def _end(self) -> None:
         if self.store is None:

@@ -1,13 +1,21 @@
-"""Where the MLflow sink's calls run: in this process for a tracking server, in a child process for
-a store that lives in this process otherwise.
+"""Where the MLflow sink's calls run: in a child process, for every tracking URI.
 
-With a local store (``sqlite:///...``, a folder, ``postgresql://...``) MLflow's client does the
-database work itself: SQLAlchemy, ~90 µs of Python per metric, 0.15 s a step for 1,600 metrics,
-all holding the GIL the training thread needs.  That work goes to a child process
-(``child_calls.ChildObject``, which loads this one file there: it imports only the standard library
-at the top): this process only pickles ``(key, value, ms, step)`` tuples and waits with the GIL
-released.  A tracking server (``http(s)://``, Databricks) already does the
-database work in its own process: the client stays here.
+MLflow's client spends Python per metric holding the GIL the training thread needs: with a local
+store (``sqlite:///...``, a folder, ``postgresql://...``) it does the database work itself
+(SQLAlchemy, ~90 µs a metric: 0.15 s a step for 1,600 metrics); with a tracking server
+(``http(s)://``, Databricks) it builds and serialises each request (30-48 ms a step for 1,590
+metrics, measured).  ``ChildStore`` builds an ``InProcessStore`` in a child process
+(``child_calls.ChildObject``, which loads this one file there: it imports only the standard
+library at the top): this process only pickles ``(key, value, ms, step)`` tuples (0.3-0.5 ms a
+step) and waits with the GIL released.  The child gets this process's environment (credentials,
+``MLFLOW_*``) and the tracking URI resolved here.
+
+Into a SQLite store the metrics go in one SQL transaction per call (``SqliteMetricWriter``):
+MLflow's own ``log_batch`` builds an ORM object per metric and per latest value, ~0.1 ms of CPU
+a metric (a 2-core machine's second core, fully, for 1,600 metrics a step); two bulk statements
+against MLflow's own table definitions write the same rows in a sixth of that.  Any other store,
+and rows MLflow's rules would treat specially (a row already stored, a run not active), take
+MLflow's ``log_batch``.
 
 Both stores answer the same four calls; a failure in the child arrives as a
 ``child_calls.ChildError`` (the sink's one warning), and a child that died as an
@@ -16,18 +24,14 @@ Both stores answer the same four calls; a failure in the child arrives as a
 
 from __future__ import annotations
 
+import math
 import os
 
-__all__ = ["InProcessStore", "ChildStore", "open_store", "runs_in_process"]
+__all__ = ["InProcessStore", "ChildStore", "SqliteMetricWriter", "open_store"]
 
 METRIC_ROW = tuple[str, float, int, int]  # key, value, timestamp (ms), step
-_IN_PROCESS_SCHEMES = ("http", "https", "databricks", "databricks-uc", "uc")
-
-
-def runs_in_process(tracking_uri: str) -> bool:
-    """True for a tracking server (its database work is in the server's process)."""
-    scheme = tracking_uri.split(":", 1)[0].lower() if "://" in tracking_uri else ""
-    return scheme in _IN_PROCESS_SCHEMES
+BATCH = 1000  # MLflow's MAX_METRICS_PER_BATCH: the most metrics one log_batch takes
+FLOAT64_MAX = 1.7976931348623157e308  # what MLflow's SQL store keeps for +-inf
 
 
 class InProcessStore:
@@ -38,6 +42,7 @@ class InProcessStore:
 
         self.client = MlflowClient(tracking_uri=tracking_uri)
         self.pid = os.getpid()
+        self.bulk = SqliteMetricWriter.of(self.client)
 
     def experiment_id(self, name: str | None) -> str:
         name = name or os.environ.get("MLFLOW_EXPERIMENT_NAME")
@@ -50,15 +55,95 @@ class InProcessStore:
         return self.client.create_run(experiment_id, run_name=run_name, tags=tags).info.run_id
 
     def log_batch(self, run_id: str, rows: list[METRIC_ROW]) -> None:
+        """Stores ``rows`` (any number): in one transaction into SQLite, else in MLflow's chunks."""
+        if self.bulk is not None and self.bulk.write(run_id, rows):
+            return
         from mlflow.entities import Metric
 
-        self.client.log_batch(run_id, metrics=[Metric(key, value, ms, step) for key, value, ms, step in rows])
+        metrics = [Metric(key, value, ms, step) for key, value, ms, step in rows]
+        for i in range(0, len(metrics), BATCH):
+            self.client.log_batch(run_id, metrics=metrics[i : i + BATCH])
 
     def set_terminated(self, run_id: str) -> None:
         self.client.set_terminated(run_id)
 
     def close(self) -> None:
         pass
+
+
+class SqliteMetricWriter:
+    """Metrics into an MLflow SQLite store as MLflow's ``log_batch`` stores them, in bulk.
+
+    The rows MLflow would write: one ``metrics`` row per metric (NaN kept as value 0 with
+    ``is_nan``, +-inf as +-``FLOAT64_MAX``), and per key the ``latest_metrics`` row replaced only
+    by a newer ``(step, timestamp, value)``.  The tables are MLflow's own definitions (its ORM
+    models' ``__table__``), so a schema change in MLflow changes these statements with it.
+    """
+
+    def __init__(self, engine, metrics_table, latest_table, runs_table):
+        self.engine, self.metrics, self.latest, self.runs = engine, metrics_table, latest_table, runs_table
+
+    @classmethod
+    def of(cls, client) -> SqliteMetricWriter | None:
+        """The writer for ``client``'s store, or None where it is not a SQLite database."""
+        try:
+            from mlflow.store.tracking.dbmodels.models import SqlLatestMetric, SqlMetric, SqlRun
+            from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+            store = client._tracking_client.store  # MLflow's store for the URI (a private attribute)
+            if not isinstance(store, SqlAlchemyStore) or store.engine.dialect.name != "sqlite":
+                return None
+            return cls(store.engine, SqlMetric.__table__, SqlLatestMetric.__table__, SqlRun.__table__)
+        except Exception:  # an MLflow without these names: its own log_batch
+            return None
+
+    def write(self, run_id: str, rows: list[METRIC_ROW]) -> bool:
+        """Stores ``rows``; False (nothing stored) where the run is not an active one or a row is
+        already in the table: MLflow's own ``log_batch`` then refuses the run, or skips the
+        duplicates, as it always does."""
+        from sqlalchemy import insert, select, tuple_
+        from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+        from sqlalchemy.exc import IntegrityError
+
+        if not rows:
+            return True
+        records = [_metric_record(run_id, *row) for row in rows]
+        newest: dict[str, dict] = {}  # per key, the row MLflow keeps as its latest value
+
+        def order(r: dict) -> tuple:
+            return r["step"], r["timestamp"], r["value"]
+
+        for r in records:
+            seen = newest.get(r["key"])
+            if seen is None or order(r) > order(seen):
+                newest[r["key"]] = r
+        latest = sqlite_insert(self.latest)
+        new, old = latest.excluded, self.latest.c
+        latest = latest.on_conflict_do_update(
+            index_elements=[old.key, old.run_uuid],
+            set_={"value": new.value, "timestamp": new.timestamp, "step": new.step, "is_nan": new.is_nan},
+            where=tuple_(new.step, new.timestamp, new.value) > tuple_(old.step, old.timestamp, old.value),
+        )
+        try:
+            with self.engine.begin() as conn:  # one transaction: all rows or none
+                stage = conn.execute(select(self.runs.c.lifecycle_stage).where(self.runs.c.run_uuid == run_id))
+                if stage.scalar() != "active":
+                    return False
+                conn.execute(insert(self.metrics), records)
+                conn.execute(latest, list(newest.values()))
+        except IntegrityError:
+            return False
+        return True
+
+
+def _metric_record(run_id: str, key: str, value: float, ms: int, step: int) -> dict:
+    """One ``metrics`` row, its value kept as MLflow's SQL store keeps it."""
+    is_nan = value != value
+    if is_nan:
+        value = 0.0
+    elif value in (math.inf, -math.inf):
+        value = math.copysign(FLOAT64_MAX, value)
+    return {"key": key, "value": value, "timestamp": ms, "step": step, "is_nan": is_nan, "run_uuid": run_id}
 
 
 class ChildStore:
@@ -86,9 +171,9 @@ class ChildStore:
         self._child.close(timeout)
 
 
-def open_store(tracking_uri: str | None) -> InProcessStore | ChildStore:
-    """The store for ``tracking_uri`` (None: MLflow's own default, resolved here)."""
+def open_store(tracking_uri: str | None) -> ChildStore:
+    """The store for ``tracking_uri`` (None: MLflow's own default, resolved here, where
+    ``mlflow.set_tracking_uri`` may have set it), in a child process."""
     import mlflow
 
-    uri = tracking_uri or mlflow.get_tracking_uri()
-    return InProcessStore(uri) if runs_in_process(uri) else ChildStore(uri)
+    return ChildStore(tracking_uri or mlflow.get_tracking_uri())
