@@ -145,6 +145,56 @@ def test_lightning_forward_off_by_default_and_a_family_list_selects_every_stat(
     assert row["trainmon/grad_reduced/max"] == step_rows["max"].max()
 
 
+def test_lightning_mlflow_logger_run_gets_trainmons_mlflow_output(output_root, make_config, tmp_path, caplog):
+    """``"format": ["csv", "mlflow"]`` with Lightning's ``MLFlowLogger`` (which makes its run with
+    ``MlflowClient``, so MLflow has no active run): trainmon logs into that run, no run of its own,
+    every value equal to the CSV's, Lightning's own metric beside them."""
+    L = pytest.importorskip("lightning")
+    pytest.importorskip("mlflow")
+    from lightning.pytorch.loggers import MLFlowLogger
+    from mlflow import MlflowClient
+
+    from trainmon.integrations.lightning import TrainerMonCallback
+    from trainmon.sinks import mlflow as mlflow_sink
+    from trainmon.testing.tiny_gpt import GPTConfig, TinyGPT, synthetic_batches
+
+    small = GPTConfig(vocab=32, seq=8, dim=16, heads=2, layers=1)
+
+    class Lit(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = TinyGPT(small)
+
+        def training_step(self, batch, batch_idx):
+            loss = self.net.loss(batch)
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    logger = MLFlowLogger(experiment_name="lit", tracking_uri=uri)
+    config = make_config(format=["csv", "mlflow"], wg_distribution=True, ops=["norm"])
+    trainer = L.Trainer(
+        accelerator="cpu", max_epochs=1, logger=logger, log_every_n_steps=1, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[TrainerMonCallback(config)],
+    )  # fmt: skip
+    with caplog.at_level(logging.WARNING):
+        trainer.fit(Lit(), torch.utils.data.DataLoader(list(synthetic_batches(small, 4, 3, seed=1)), batch_size=None))
+    assert not no_trainmon_warning(caplog)
+    assert not mlflow_sink._TRAINER_RUNS  # forgotten at the end of training
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([logger.experiment_id])
+    assert run.info.run_id == logger.run_id and "train_loss" in run.data.metrics
+    grads = csv_rows(output_root, "grad_reduced")
+    assert len(grads) == 3 * grads["name"].nunique()
+    for name, rows in grads.groupby("name"):
+        got = {m.step: m.value for m in client.get_metric_history(run.info.run_id, f"grad_reduced/norm/{name}")}
+        assert got == dict(zip(rows["step"].astype(int), rows["norm"].astype(float))), name
+
+
 # ----------------------------------------------------------------------------- HF Trainer
 
 

@@ -403,3 +403,34 @@ def test_steps_within_send_every_s_are_one_sqlite_transaction_and_none_waits_lon
     history = client.get_metric_history(tracker.mlflow_run_id, "grad_reduced/norm/layers.0.weight")
     assert [m.step for m in history] == [0]
     sink.close()
+
+
+@pytest.mark.slow
+def test_a_users_run_found_at_the_first_step_gets_the_held_steps_after_it_ended(tmp_path, monkeypatch):
+    """The HF Trainer's MLflow callback ends its run at ``on_train_end``, before trainmon's
+    ``close`` sends the last held steps: the run is looked up when the first step arrives, so
+    every step goes into the user's run and no run of trainmon's own is made."""
+    import mlflow
+    from mlflow import MlflowClient
+
+    from trainmon.sinks.mlflow import MlflowSettings, MlflowSink
+
+    uri = f"sqlite:///{tmp_path / 'user.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    mlflow.set_tracking_uri(uri)
+    rank_dir = tmp_path / "run-ml5" / "rank0"
+    options = SinkOptions(rank_dir=rank_dir)
+    tracker = MlflowSink(options, MlflowSettings(send_every_s=3600))
+    sink = create_sink("csv", options, extra_sinks=[tracker])
+    with mlflow.start_run(run_name="trainer-run") as user:
+        for step in range(3):
+            sink.write(step_rows(step), step)
+        sink.flush()
+        deadline = time.monotonic() + 60
+        while tracker.mlflow_run_id is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+    sink.close()  # after the user's run ended
+    assert tracker.failed is None and tracker.mlflow_run_id == user.info.run_id and not tracker.own_run
+    client = MlflowClient(uri)
+    assert len(client.search_runs([user.info.experiment_id])) == 1
+    assert_logged(client, user.info.run_id, csv_metrics(rank_dir, ("grad_reduced", "actv"), OPS))

@@ -52,6 +52,22 @@ __all__ = ["TrainerMonCallback"]
 log = logging.getLogger(__name__)
 
 
+def _announce_mlflow_run(trainer: Any) -> bool:
+    """``"format": ["mlflow"]`` logs into the run of the Trainer's ``MLFlowLogger``: Lightning makes
+    it with ``MlflowClient.create_run``, so it is not MLflow's active run.  True if one was found
+    (on global rank 0: the logger has no run elsewhere)."""
+    for logger in trainer.loggers:
+        if type(logger).__name__ != "MLFlowLogger":  # lightning's and pytorch_lightning's alike
+            continue
+        run_id = logger.run_id  # made here if Lightning has not yet
+        if run_id:
+            from trainmon.sinks.mlflow import use_trainer_run
+
+            use_trainer_run(run_id, logger.experiment.tracking_uri)
+            return True
+    return False
+
+
 class TrainerMonCallback(Callback):
     """Monitors a Lightning ``Trainer.fit`` with the config at ``config_path``.
 
@@ -83,6 +99,7 @@ class TrainerMonCallback(Callback):
         self.summary = SummaryBoard(spec) if spec is not None else None
         self.monitor.summary = self.summary
         self._logger_failed = False
+        self._mlflow_run = False  # a run of the Trainer's MLFlowLogger announced to the MLflow output
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         optimizers = list(trainer.optimizers)
@@ -104,6 +121,7 @@ class TrainerMonCallback(Callback):
                 self.optimizer_index,
                 type(optimizers[self.optimizer_index]).__name__,
             )
+        self._mlflow_run = _announce_mlflow_run(trainer) if "mlflow" in self.monitor.config.format else False
         start = int(trainer.global_step)
         self.monitor.set_monitor(
             pl_module,
@@ -157,8 +175,17 @@ class TrainerMonCallback(Callback):
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self.monitor.close()  # the writer thread finishes: every summary is made
+        self._forget_mlflow_run()
         if self.summary is not None:
             self._forward(trainer)  # before Lightning finalizes its loggers (teardown)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         self.monitor.close()  # keep what was recorded up to the failure
+        self._forget_mlflow_run()
+
+    def _forget_mlflow_run(self) -> None:
+        if self._mlflow_run:
+            from trainmon.sinks.mlflow import use_trainer_run
+
+            use_trainer_run(None)
+            self._mlflow_run = False

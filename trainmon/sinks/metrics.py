@@ -370,6 +370,10 @@ class MetricSink(Sink):
                     self._guard("finishing its run", self._end)
                 self._queue.task_done()
                 return
+            if not self._opened and not self._off:  # at the first step: a trainer's run is still active
+                self._opened = True
+                if self._guard("starting", self._open):
+                    atexit.register(self.close)  # after the tracker's own exit hooks: runs before them
             if not held:
                 send_at = time.monotonic() + self.hold_s
             held.append(item)
@@ -381,11 +385,6 @@ class MetricSink(Sink):
         (``wait_idle``)."""
         try:
             if held and not self._off:
-                if not self._opened:
-                    self._opened = True
-                    if not self._guard("starting", self._open):
-                        return
-                    atexit.register(self.close)  # after the tracker's own exit hooks: runs before them
                 steps = f"step {held[0][0]}" if len(held) == 1 else f"steps {held[0][0]}-{held[-1][0]}"
                 self._guard(f"logging {steps}", self._log_steps, held)
         finally:

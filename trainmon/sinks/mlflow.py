@@ -4,8 +4,9 @@ Keys, selection, ranks and failure handling: :mod:`trainmon.sinks.metrics` (docs
 MLflow specifics:
 
 * **Which run.** The user's active run when there is one at the first collected step
-  (``mlflow.start_run`` on the thread that attached the monitor, e.g. by the HF/Lightning
-  integration, or ``MLFLOW_RUN_ID``); else a run of this sink's own under the tracking URI
+  (``mlflow.start_run`` on the thread that attached the monitor, e.g. by the HF Trainer's MLflow
+  callback; the run of Lightning's ``MLFlowLogger``, announced by trainmon's Lightning callback
+  with ``use_trainer_run``; or ``MLFLOW_RUN_ID``); else a run of this sink's own under the tracking URI
   (``"mlflow": {"tracking_uri": ...}``, else ``MLFLOW_TRACKING_URI``, else MLflow's default), in
   ``experiment`` (else ``MLFLOW_EXPERIMENT_NAME`` / ``MLFLOW_EXPERIMENT_ID``, else MLflow's
   default experiment), named after trainmon's run id (``<run id>-rank<R>`` with ``all_ranks``) and
@@ -38,7 +39,21 @@ if importlib.util.find_spec("mlflow") is None:  # "format": ["mlflow"] without i
 from trainmon.sinks.metrics import MetricSettings, MetricSink, mlflow_key
 from trainmon.sinks.mlflow_store import ChildStore, open_store
 
-__all__ = ["MlflowSink", "MlflowSettings"]
+__all__ = ["MlflowSink", "MlflowSettings", "use_trainer_run"]
+
+# thread id -> (run id, tracking URI) of a run a trainer's own MLflow logger made with
+# ``MlflowClient.create_run`` (Lightning's ``MLFlowLogger``): not an active run, so it is announced
+_TRAINER_RUNS: dict[int, tuple[str, str | None]] = {}
+
+
+def use_trainer_run(run_id: str | None, tracking_uri: str | None = None) -> None:
+    """Makes the run ``run_id`` (under ``tracking_uri``) the user's run for a monitor attached on
+    this thread, as ``mlflow.start_run`` would; ``None`` forgets it.  For trainer integrations whose
+    MLflow logger does not start an active run."""
+    if run_id is None:
+        _TRAINER_RUNS.pop(threading.get_ident(), None)
+    else:
+        _TRAINER_RUNS[threading.get_ident()] = (run_id, tracking_uri)
 
 
 @dataclass(frozen=True)
@@ -88,8 +103,8 @@ class MlflowSink(MetricSink):
     def _open(self) -> None:
         s = self.settings
         assert isinstance(s, MlflowSettings)
-        active = self._active_run_id()
-        self.store = open_store(None if active else s.tracking_uri)
+        active, active_uri = self._active_run()
+        self.store = open_store(active_uri if active else s.tracking_uri)
         if active:
             self.mlflow_run_id = active
             return
@@ -100,9 +115,11 @@ class MlflowSink(MetricSink):
         )
         self.own_run = True
 
-    def _active_run_id(self) -> str | None:
-        """The run ``mlflow.start_run`` made active on the thread that attached the monitor (MLflow
-        keeps one stack per thread; this runs on the sink's worker), else ``MLFLOW_RUN_ID``."""
+    def _active_run(self) -> tuple[str | None, str | None]:
+        """(run id, its tracking URI or None for MLflow's current one) of the user's run: the one
+        ``mlflow.start_run`` made active on the thread that attached the monitor (MLflow keeps one
+        stack per thread; this runs on the sink's worker), else one a trainer integration
+        announced there (``use_trainer_run``), else ``MLFLOW_RUN_ID``."""
         try:
             from mlflow.tracking import fluent
 
@@ -112,8 +129,10 @@ class MlflowSink(MetricSink):
         except Exception:  # a private detail of MLflow: without it, only the environment tells
             stack = None
         if stack:
-            return stack[-1].info.run_id
-        return os.environ.get("MLFLOW_RUN_ID") or None
+            return stack[-1].info.run_id, None
+        if self._owner_thread in _TRAINER_RUNS:
+            return _TRAINER_RUNS[self._owner_thread]
+        return os.environ.get("MLFLOW_RUN_ID") or None, None
 
     def _log(self, step: int, wall_time: float, metrics: dict[str, float]) -> None:
         self._log_steps([(step, wall_time, metrics)])
