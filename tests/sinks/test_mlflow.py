@@ -349,6 +349,7 @@ def test_the_sqlite_bulk_writer_stores_what_mlflows_own_log_batch_stores(tmp_pat
         for rows in steps:
             store.log_batch(run_id, rows)
         store.log_batch(run_id, steps[1][:10])  # the same rows again: MLflow skips them
+        assert store.bulk is None  # MLflow's own path from the first row it had to judge
         read.append(_stored(client, run_id, keys))
     assert read[0] == read[1]
     history, latest = read[0]

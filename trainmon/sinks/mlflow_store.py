@@ -14,8 +14,8 @@ Into a SQLite store the metrics go in one SQL transaction per call (``SqliteMetr
 MLflow's own ``log_batch`` builds an ORM object per metric and per latest value, ~0.1 ms of CPU
 a metric (a 2-core machine's second core, fully, for 1,600 metrics a step); two bulk statements
 against MLflow's own table definitions write the same rows in a sixth of that.  Any other store,
-and rows MLflow's rules would treat specially (a row already stored, a run not active), take
-MLflow's ``log_batch``.
+and rows MLflow's rules would treat specially (a row already stored, a run not active, a table
+MLflow changed), take MLflow's ``log_batch``: from then on, for the rest of the run.
 
 Both stores answer the same four calls; a failure in the child arrives as a
 ``child_calls.ChildError`` (the sink's one warning), and a child that died as an
@@ -56,8 +56,10 @@ class InProcessStore:
 
     def log_batch(self, run_id: str, rows: list[METRIC_ROW]) -> None:
         """Stores ``rows`` (any number): in one transaction into SQLite, else in MLflow's chunks."""
-        if self.bulk is not None and self.bulk.write(run_id, rows):
-            return
+        if self.bulk is not None:
+            if self.bulk.write(run_id, rows):
+                return
+            self.bulk = None  # something MLflow's own rules handle: its log_batch from now on
         from mlflow.entities import Metric
 
         metrics = [Metric(key, value, ms, step) for key, value, ms, step in rows]
