@@ -54,14 +54,15 @@ def no_trainmon_warning(caplog) -> list[str]:
 # ----------------------------------------------------------------------------- Lightning
 
 
-def test_lightning_csv_logger_holds_the_summary_of_every_recorded_step(output_root, make_config, tmp_path, caplog):
-    L = pytest.importorskip("lightning")
-    from lightning.pytorch.loggers import CSVLogger
+SMALL_GPT = dict(vocab=32, seq=8, dim=16, heads=2, layers=1)
 
-    from trainmon.integrations.lightning import TrainerMonCallback
+
+def lit_module(L):
+    """A LightningModule training a one-layer TinyGPT with AdamW, logging its loss as the
+    Trainer's own metric ``train_loss``; ``Lit.data(batch, count)``: ``count`` batches of ``batch``."""
     from trainmon.testing.tiny_gpt import GPTConfig, TinyGPT, synthetic_batches
 
-    small = GPTConfig(vocab=32, seq=8, dim=16, heads=2, layers=1)
+    small = GPTConfig(**SMALL_GPT)
 
     class Lit(L.LightningModule):
         def __init__(self):
@@ -71,11 +72,25 @@ def test_lightning_csv_logger_holds_the_summary_of_every_recorded_step(output_ro
 
         def training_step(self, batch, batch_idx):
             loss = self.net.loss(batch)
-            self.log("train_loss", loss)  # the Trainer's own metric, in the same file
+            self.log("train_loss", loss)  # the Trainer's own metric, beside trainmon's
             return loss
 
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+        @staticmethod
+        def data(batch: int, count: int):
+            return torch.utils.data.DataLoader(list(synthetic_batches(small, batch, count, seed=1)), batch_size=None)
+
+    return Lit
+
+
+def test_lightning_csv_logger_holds_the_summary_of_every_recorded_step(output_root, make_config, tmp_path, caplog):
+    L = pytest.importorskip("lightning")
+    from lightning.pytorch.loggers import CSVLogger
+
+    from trainmon.integrations.lightning import TrainerMonCallback
+    Lit = lit_module(L)
 
     logger = CSVLogger(str(tmp_path / "lightning_logs"), name="run")
     trainer = L.Trainer(
@@ -83,9 +98,8 @@ def test_lightning_csv_logger_holds_the_summary_of_every_recorded_step(output_ro
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[TrainerMonCallback(make_config(**CFG), forward_to_loggers=True)],
     )  # fmt: skip
-    data = list(synthetic_batches(small, 4, 8, seed=1))
     with caplog.at_level(logging.WARNING):
-        trainer.fit(Lit(), torch.utils.data.DataLoader(data, batch_size=None))
+        trainer.fit(Lit(), Lit.data(4, 8))
     assert trainer.global_step == 4
     assert not no_trainmon_warning(caplog)
 
@@ -105,23 +119,7 @@ def test_lightning_forward_off_by_default_and_a_family_list_selects_every_stat(
     from lightning.pytorch.loggers import CSVLogger
 
     from trainmon.integrations.lightning import TrainerMonCallback
-    from trainmon.testing.tiny_gpt import GPTConfig, TinyGPT, synthetic_batches
-
-    small = GPTConfig(vocab=32, seq=8, dim=16, heads=2, layers=1)
-
-    class Lit(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            torch.manual_seed(0)
-            self.net = TinyGPT(small)
-
-        def training_step(self, batch, batch_idx):
-            loss = self.net.loss(batch)
-            self.log("train_loss", loss)
-            return loss
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+    Lit = lit_module(L)
 
     def fit(root: Path, **kwargs) -> pd.DataFrame:
         monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(root / "monitor_output"))
@@ -131,7 +129,7 @@ def test_lightning_forward_off_by_default_and_a_family_list_selects_every_stat(
             enable_progress_bar=False, enable_model_summary=False,
             callbacks=[TrainerMonCallback(make_config(**CFG), **kwargs)],
         )  # fmt: skip
-        trainer.fit(Lit(), torch.utils.data.DataLoader(list(synthetic_batches(small, 4, 2, seed=1)), batch_size=None))
+        trainer.fit(Lit(), Lit.data(4, 2))
         return pd.read_csv(Path(logger.log_dir) / "metrics.csv")
 
     assert not [c for c in fit(tmp_path / "off").columns if c.startswith("trainmon/")]
@@ -156,23 +154,7 @@ def test_lightning_mlflow_logger_run_gets_trainmons_mlflow_output(output_root, m
 
     from trainmon.integrations.lightning import TrainerMonCallback
     from trainmon.sinks import mlflow as mlflow_sink
-    from trainmon.testing.tiny_gpt import GPTConfig, TinyGPT, synthetic_batches
-
-    small = GPTConfig(vocab=32, seq=8, dim=16, heads=2, layers=1)
-
-    class Lit(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            torch.manual_seed(0)
-            self.net = TinyGPT(small)
-
-        def training_step(self, batch, batch_idx):
-            loss = self.net.loss(batch)
-            self.log("train_loss", loss)
-            return loss
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+    Lit = lit_module(L)
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     logger = MLFlowLogger(experiment_name="lit", tracking_uri=uri)
@@ -182,7 +164,7 @@ def test_lightning_mlflow_logger_run_gets_trainmons_mlflow_output(output_root, m
         enable_progress_bar=False, enable_model_summary=False, callbacks=[TrainerMonCallback(config)],
     )  # fmt: skip
     with caplog.at_level(logging.WARNING):
-        trainer.fit(Lit(), torch.utils.data.DataLoader(list(synthetic_batches(small, 4, 3, seed=1)), batch_size=None))
+        trainer.fit(Lit(), Lit.data(4, 3))
     assert not no_trainmon_warning(caplog)
     assert not mlflow_sink._TRAINER_RUNS  # forgotten at the end of training
     client = MlflowClient(uri)
