@@ -411,7 +411,7 @@ def test_a_users_run_found_at_the_first_step_gets_the_held_steps_after_it_ended(
     """The HF Trainer's MLflow callback ends its run at ``on_train_end``, before trainmon's
     ``close`` sends the last held steps: the run is looked up when the first step arrives, so
     every step goes into the user's run and no run of trainmon's own is made."""
-    import mlflow
+    mlflow = pytest.importorskip("mlflow")
     from mlflow import MlflowClient
 
     from trainmon.sinks.mlflow import MlflowSettings, MlflowSink
