@@ -59,11 +59,15 @@ def _announce_mlflow_run(trainer: Any) -> bool:
     for logger in trainer.loggers:
         if type(logger).__name__ != "MLFlowLogger":  # lightning's and pytorch_lightning's alike
             continue
-        run_id = logger.run_id  # made here if Lightning has not yet
+        try:
+            run_id = logger.run_id  # made here if Lightning has not yet
+            uri = logger.experiment.tracking_uri
+        except Exception:  # the logger's own failure (an unreachable server) is Lightning's to report
+            return False
         if run_id:
             from trainmon.sinks.mlflow import use_trainer_run
 
-            use_trainer_run(run_id, logger.experiment.tracking_uri)
+            use_trainer_run(run_id, uri)
             return True
     return False
 
