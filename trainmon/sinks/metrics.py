@@ -249,8 +249,9 @@ class MetricSink(Sink):
     """A sink that hands each step's metrics to a tracker on a worker thread of its own.
 
     Subclasses name the tracker (``what``, ``package``) and implement, all on the worker thread:
-    ``_open`` (find the user's active run or start one), ``_log(step, wall_time, metrics)`` and
-    ``_end`` (finish a run this sink started; never the user's)."""
+    ``_open`` (find the user's active run or start one), ``_log(step, wall_time, metrics)`` (or
+    ``_log_steps`` for the steps held together for ``hold_s``) and ``_end`` (finish a run this sink
+    started; never the user's)."""
 
     what: ClassVar[str] = "tracker"
     package: ClassVar[str] = ""  # the import name; its absence is one warning

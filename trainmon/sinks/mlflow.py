@@ -134,9 +134,6 @@ class MlflowSink(MetricSink):
             return _TRAINER_RUNS[self._owner_thread]
         return os.environ.get("MLFLOW_RUN_ID") or None, None
 
-    def _log(self, step: int, wall_time: float, metrics: dict[str, float]) -> None:
-        self._log_steps([(step, wall_time, metrics)])
-
     def _log_steps(self, steps: list[tuple[int, float, dict[str, float]]]) -> None:
         """The steps held for ``send_every_s`` in one store call: one transaction into SQLite."""
         assert self.store is not None and self.mlflow_run_id is not None

@@ -83,7 +83,19 @@ class SqliteMetricWriter:
     """
 
     def __init__(self, engine, metrics_table, latest_table, runs_table):
-        self.engine, self.metrics, self.latest, self.runs = engine, metrics_table, latest_table, runs_table
+        from sqlalchemy import bindparam, insert, select, tuple_
+        from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+
+        self.engine = engine  # the statements are built once: each send only binds its rows
+        self.stage = select(runs_table.c.lifecycle_stage).where(runs_table.c.run_uuid == bindparam("run_uuid"))
+        self.insert = insert(metrics_table)
+        latest = sqlite_insert(latest_table)
+        new, old = latest.excluded, latest_table.c
+        self.upsert = latest.on_conflict_do_update(
+            index_elements=[old.key, old.run_uuid],
+            set_={"value": new.value, "timestamp": new.timestamp, "step": new.step, "is_nan": new.is_nan},
+            where=tuple_(new.step, new.timestamp, new.value) > tuple_(old.step, old.timestamp, old.value),
+        )
 
     @classmethod
     def of(cls, client) -> SqliteMetricWriter | None:
@@ -103,8 +115,6 @@ class SqliteMetricWriter:
         """Stores ``rows``; False (nothing stored) where the run is not an active one or a row is
         already in the table: MLflow's own ``log_batch`` then refuses the run, or skips the
         duplicates, as it always does."""
-        from sqlalchemy import insert, select, tuple_
-        from sqlalchemy.dialects.sqlite import insert as sqlite_insert
         from sqlalchemy.exc import IntegrityError
 
         if not rows:
@@ -119,20 +129,12 @@ class SqliteMetricWriter:
             seen = newest.get(r["key"])
             if seen is None or order(r) > order(seen):
                 newest[r["key"]] = r
-        latest = sqlite_insert(self.latest)
-        new, old = latest.excluded, self.latest.c
-        latest = latest.on_conflict_do_update(
-            index_elements=[old.key, old.run_uuid],
-            set_={"value": new.value, "timestamp": new.timestamp, "step": new.step, "is_nan": new.is_nan},
-            where=tuple_(new.step, new.timestamp, new.value) > tuple_(old.step, old.timestamp, old.value),
-        )
         try:
             with self.engine.begin() as conn:  # one transaction: all rows or none
-                stage = conn.execute(select(self.runs.c.lifecycle_stage).where(self.runs.c.run_uuid == run_id))
-                if stage.scalar() != "active":
+                if conn.execute(self.stage, {"run_uuid": run_id}).scalar() != "active":
                     return False
-                conn.execute(insert(self.metrics), records)
-                conn.execute(latest, list(newest.values()))
+                conn.execute(self.insert, records)
+                conn.execute(self.upsert, list(newest.values()))
         except IntegrityError:
             return False
         return True
