@@ -46,11 +46,21 @@ TWO_LINES = """if os.environ.get("TM_CFG"):
     monitor = TrainerMon(os.environ["TM_CFG"])
     monitor.set_monitor(model, grad_acc_steps=gradient_accumulation_steps, optimizer=optimizer)
 """
-CPU_RECIPE = (
-    "config/train_shakespeare_char.py --device=cpu --compile=False --eval_iters=2 --eval_interval=1000000 "
-    "--log_interval=1 --block_size=64 --batch_size=12 --n_layer=4 --n_head=4 --n_embd=128 "
-    "--lr_decay_iters=2000 --dropout=0.0"
-).split()
+CPU_RECIPE = [  # nanoGPT README's "on a MacBook / CPU" command, a short eval and a log every iteration
+    "config/train_shakespeare_char.py",
+    "--device=cpu",
+    "--compile=False",
+    "--eval_iters=2",
+    "--eval_interval=1000000",
+    "--log_interval=1",
+    "--block_size=64",
+    "--batch_size=12",
+    "--n_layer=4",
+    "--n_head=4",
+    "--n_embd=128",
+    "--lr_decay_iters=2000",
+    "--dropout=0.0",
+]
 ITER = re.compile(r"^iter (\d+): .*time ([0-9.]+)ms")
 
 

@@ -103,3 +103,50 @@ def test_tuple_outputs_cost_no_python_frame_per_tensor(tmp_path, monkeypatch, ma
     assert rows == n * 8  # input + 3 outputs, and their grads
     assert set(actv[actv.step == last].name) >= {"fans.0.output.0", "fans.0.output.1", "fans.0.output.2"}
     assert added / rows <= ACTIVATION_FRAMES_PER_ROW, (added, rows)
+
+
+# Python frames of one batch flush beyond its rows' own (29 before the flush's common case was
+# made lean: a pending entry per flush, three dict/list passes more, a frame per kernel array).
+FRAMES_PER_FLUSH = 16
+
+
+def test_a_batch_flush_costs_a_bounded_number_of_python_frames(tmp_path, monkeypatch):
+    """Medium activations (nanoGPT's 0.4-1.5 MB) fill the 2 MiB batch every two or three rows, so
+    a flush's fixed cost counts per row there.  Batches of two tensors force a flush every two
+    rows of the chain; the frames they add over the default batches, per flush, stay bounded."""
+    from tests._support.host_budget import chain, train_step
+    from trainmon.collectors.activations import ActivationCollector
+
+    seam(monkeypatch, False)
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"ops": OPS, "step_count_per_record": 1000, **XY}))
+    x = torch.randn(8, 4)
+
+    def cost(max_tensors: int) -> tuple[int, int]:
+        """(frames of a monitored step, flushes of a non-empty batch in it)"""
+        monkeypatch.setenv("TRAINMON_ACTV_BATCH_TENSORS", str(max_tensors))
+        monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / f"out{max_tensors}"))
+        model, opt = chain(64)
+        monitor = TrainerMon(str(cfg)).set_monitor(model, optimizer=opt)
+        try:
+            for _ in range(3):
+                train_step(model, opt, x)
+            flushes = []
+            original = ActivationCollector._flush
+
+            def counted(self) -> None:
+                flushes.append(len(self._batch))
+                original(self)
+
+            monkeypatch.setattr(ActivationCollector, "_flush", counted)
+            train_step(model, opt, x)
+            monkeypatch.setattr(ActivationCollector, "_flush", original)
+            return frames(lambda: train_step(model, opt, x)), sum(1 for n in flushes if n)
+        finally:
+            monitor.close()
+
+    default_frames, default_flushes = cost(256)
+    small_frames, small_flushes = cost(2)
+    assert small_flushes >= 60 and default_flushes <= 4, (small_flushes, default_flushes)
+    per_flush = (small_frames - default_frames) / (small_flushes - default_flushes)
+    assert per_flush <= FRAMES_PER_FLUSH, (per_flush, small_flushes, default_flushes)

@@ -213,7 +213,7 @@ def _engine_rows(tensors, monkeypatch, fused: str, eps: float):
     engine = StatsEngine(OPS, eps)
     engine.capture("w", [Tracked(f"t{i}", t) for i, t in enumerate(tensors)])
     for i, t in enumerate(tensors):  # the per-hook path of activations (StatsEngine.partial)
-        engine.capture_one("a", 0, f"a{i}", t, engine.partial(t), None)
+        engine.capture_tensors("a", 0, [f"a{i}"], [t], [engine.partial(t)])
     return engine.stats_paths, [r.stats for r in engine.finish_step(0)]
 
 

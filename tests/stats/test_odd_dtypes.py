@@ -48,7 +48,7 @@ def _stats(tensors, ops, via="capture"):
         engine.capture_tensors("x", 0, names, tensors, engine.partials(tensors), micro_step=0)
     else:
         for n, t in zip(names, tensors):
-            engine.capture_one("x", 0, n, t, engine.partial(t), 0)
+            engine.capture_tensors("x", 0, [n], [t], [engine.partial(t)], micro_step=0)
     return {r.name: r.stats for r in engine.finish_step(0)}
 
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import operator
 import os
 import platform
 import shutil
@@ -56,6 +57,18 @@ ENV = "TRAINMON_FUSED_CPU"
 _OFF = ("0", "false", "no", "off")
 FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+class _KindOf(dict):
+    """dtype -> the kernel's kind; -1 (refused) for any other dtype."""
+
+    def __missing__(self, _dtype: torch.dtype) -> int:
+        return -1
+
+
+_KIND_OF = _KindOf(_KIND)
+_IS_CONTIGUOUS, _DATA_PTR, _NUMEL = torch.Tensor.is_contiguous, torch.Tensor.data_ptr, torch.Tensor.numel
+_DTYPE = operator.attrgetter("dtype")
 # The kernel's values, in ``partials._DEVICE_ORDER``: ``cols`` index this tuple.
 COLUMNS = ("count", "sum", "sumsq", "min", "max", "nans", "infs", "zeros", "m2")
 
@@ -254,13 +267,14 @@ def fill_rows(
     colmap = _COLMAPS.get(cols)  # type: ignore[call-overload]
     if colmap is None:
         colmap = _COLMAPS[tuple(cols)] = (ctypes.c_int64 * len(cols))(*cols)
-    if not all([t.is_contiguous() for t in tensors]):
+    if not all(map(_IS_CONTIGUOUS, tensors)):
         # detach: a copy of an activation must not record autograd history
         tensors = [t if t.is_contiguous() else t.detach().contiguous() for t in tensors]
-    # Kept alive until the call returns (the copies above, too, through ``tensors``).
-    ptrs = array("q", [t.data_ptr() for t in tensors])
-    numels = array("q", [t.numel() for t in tensors])
-    kinds = array("i", [_KIND.get(t.dtype, -1) for t in tensors])
+    # Kept alive until the call returns (the copies above, too, through ``tensors``).  ``map``
+    # over C methods: no Python frame, whatever the number of tensors.
+    ptrs = array("q", map(_DATA_PTR, tensors))
+    numels = array("q", map(_NUMEL, tensors))
+    kinds = array("i", map(_KIND_OF.__getitem__, map(_DTYPE, tensors)))
     width = len(cols)
     bad = _state["fn"](  # type: ignore[operator]
         ptrs.buffer_info()[0],

@@ -249,7 +249,7 @@ class StatsEngine:
         """Partials rows of ``tensors`` as they are now, as opaque row handles for
         ``capture_rows``.  Never reads a device value on the host (``no_sync`` is kept for
         callers; every path is sync-free now).  A tensor passed twice is reduced once."""
-        if not self.seam and all([t.is_cpu for t in tensors]):  # a list: no frame per tensor
+        if not self.seam and all(map(_IS_CPU, tensors)):  # a C loop: no frame per tensor
             fused = self._fused()
             if "cpu" not in self.stats_paths:
                 self.stats_paths["cpu"] = "cpu-fused" if fused is not None else "cpu-eager"
@@ -395,7 +395,7 @@ class StatsEngine:
             rows = self.partials(tensors)
         finally:
             torch._C._set_grad_enabled(grad_was)
-        if not isinstance(rows, range) and any([type(r) is Skipped for r in rows]):
+        if not isinstance(rows, range) and Skipped in map(type, rows):  # a C loop, no frame
             kept = [k for k, r in enumerate(rows) if not _skipped(family, items[k][0], r)]
             items, rows = [items[k] for k in kept], [rows[k] for k in kept]
             if not items:
@@ -504,39 +504,23 @@ class StatsEngine:
         shape: tuple[int, ...] | None = None,
     ) -> None:
         """``capture_rows`` without ``Tracked`` objects, for hooks (activations)."""
-        if not isinstance(rows, range) and any([type(r) is Skipped for r in rows]):
+        if not isinstance(rows, range) and Skipped in map(type, rows):  # a C loop, no frame
             kept = [k for k, r in enumerate(rows) if not _skipped(family, names[k], r)]
             if not kept:
                 return
             names, tensors, rows = [names[k] for k in kept], [tensors[k] for k in kept], [rows[k] for k in kept]
-        self._pending.append(
-            _Pending(
-                family,
-                self._hook_items.of(vpp_stage, names, tensors, shape),
-                list(rows),
-                self.columns,
-                micro_step,
-                extendable=True,
-            )
-        )
-
-    def capture_one(
-        self, family: str, vpp_stage: int, name: str, t: torch.Tensor, row: Any, micro_step: int | None
-    ) -> None:
-        """``capture_tensors`` of one tensor.  Consecutive hook rows of one layout share one
-        pending entry (``_build_blocks`` would merge them into one block anyway)."""
-        if isinstance(row, Skipped):
-            warn_skipped(name, family, row)
-            return
-        item = self._hook_items.of(vpp_stage, (name,), (t,), None)[0]
+        items = self._hook_items.of(vpp_stage, names, tensors, shape)
         pending = self._pending
         if pending:
+            # Consecutive hook captures of one family and micro-batch share one pending entry
+            # (``_build_blocks`` would merge them into one block anyway): a forward's flushes
+            # are one entry for the writer to read, not one per flush.
             last = pending[-1]
             if last.extendable and last.family == family and last.micro_step == micro_step:
-                last.items.append(item)
-                last.rows.append(row)
+                last.items.extend(items)
+                last.rows.extend(rows)
                 return
-        pending.append(_Pending(family, [item], [row], self.columns, micro_step, extendable=True))
+        pending.append(_Pending(family, items, list(rows), self.columns, micro_step, extendable=True))
 
     def capture_values(
         self,

@@ -28,6 +28,7 @@ Accuracy notes (why the code looks like this):
 from __future__ import annotations
 
 import math
+import operator
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import cast
@@ -99,6 +100,7 @@ def compute_partials(
 
 
 _FUSED_DTYPES = frozenset(_fused_cpu.FUSED_DTYPES)
+_DTYPE = operator.attrgetter("dtype")
 _FUSED_INDEX = {c: i for i, c in enumerate(_fused_cpu.COLUMNS)}
 _FUSED_MAPS: dict[tuple[str, ...], tuple[int, ...] | None] = {}
 
@@ -122,7 +124,7 @@ def write_cpu_rows(
     model, hence no per-row tensors and few Python frames."""
     with host.lock:
         start = host.reserve(len(tensors))
-        if fused is not None and all([t.dtype in _FUSED_DTYPES for t in tensors]):  # a list: one frame
+        if fused is not None and _FUSED_DTYPES.issuperset(map(_DTYPE, tensors)):  # a C loop, no frame
             try:
                 _fused_cpu.fill_rows(tensors, host.tensor, start, fused, eps)
                 return range(start, start + len(tensors))
