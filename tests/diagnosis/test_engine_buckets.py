@@ -135,7 +135,9 @@ def test_the_sql_alignment_equals_the_in_memory_compare_with_nan_other_ranks_and
     assert engine_compare(engine.run_files(base), engine.run_files(target), **options).to_json() == want
 
 
-def test_ranks_and_compare_commands_print_the_same_json_on_both_engines(capsys):
+@pytest.mark.slow  # four whole commands: 3.4 s, over the fast tier's limit
+def test_the_deprecated_engine_flag_changes_nothing_ranks_and_compare_print(capsys):
+    """``--engine`` is a no-op kept for a release: either choice prints the same JSON."""
     for argv in (["ranks", str(named_run("corrupt"))], ["compare", str(named_run("base")), str(named_run("lr"))]):
         docs = []
         for choice in ("duckdb", "memory"):
