@@ -55,6 +55,7 @@ def test_convert_round_trip_is_exact_cell_for_cell_in_every_family(csv_run, tmp_
     assert summary["rows"] == sum(len(runs.read_csv(p)) for p in csv_run.rglob("*.csv"))
 
 
+@pytest.mark.slow  # 4.3 s on a loaded 2-core VM
 def test_a_converted_run_gives_the_same_anomalies_and_ranks_findings(csv_run, tmp_path, capsys):
     out = tmp_path / "pq"
     assert main(["convert", str(csv_run), "--to", "parquet", "-o", str(out)]) == 0

@@ -96,6 +96,7 @@ def test_tolerances(tmp_path):
     assert compare_runs(base, run("t4", 1 + 1e-2), atol=0.1).first_divergence is None
 
 
+@pytest.mark.slow  # 4.2 s on a loaded 2-core VM
 def test_the_rows_kept_per_alignment_group_hold_no_memory_of_the_group():
     """compare keeps each group's top rows and first diverged rows; those few rows used to keep
     the whole group's index and Arrow-backed string columns alive (2.5 GB on two 100.8M-row runs)."""

@@ -71,6 +71,7 @@ def test_engine_finds_what_the_in_memory_scan_finds_on_every_fault_run_csv_and_p
     _assert_same_findings(name, rules, pq_dir)
 
 
+@pytest.mark.slow  # 2.8-3.4 s a case on a loaded 2-core VM
 @pytest.mark.parametrize("rules", list(RULE_SETS))
 def test_engine_keeps_positions_occurrences_and_header_variants_exact(edge_run, rules, pq_dir):
     found = scan_all(load_run(edge_run), RULE_SETS[rules])

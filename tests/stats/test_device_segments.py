@@ -97,6 +97,19 @@ def test_a_sum_of_squares_beyond_float32_keeps_a_finite_norm(value):
         assert row[3] == t.double().min().item() and row[4] == t.double().max().item()
 
 
+@pytest.mark.parametrize("value", [1e-30, 1e-40, 1e-45, 0.0])
+def test_squares_below_float32_do_not_vanish_from_the_norm(value):
+    """Tensors whose largest |x| is tiny or subnormal (their squares underflow float32) keep a
+    norm equal to the float64 one (as the float32 row holds it: a subnormal norm has fewer
+    digits): the scale is the float's own exponent field."""
+    tensors = [torch.full((3,), value), torch.tensor([value, -value / 2])] + _tiny(4)
+    got = _rows(tensors)
+    for t, row in zip(tensors, got):
+        norm = torch.tensor(t.double().norm().item(), dtype=torch.float32).item()
+        assert math.sqrt(row[2]) == pytest.approx(norm, rel=1e-6, abs=0.0)
+        assert row[3] == t.double().min().item() and row[4] == t.double().max().item()
+
+
 def test_the_largest_segment_is_summed_in_blocks_as_accurately_as_torch_sum():
     g = torch.Generator().manual_seed(11)
     tensors = [torch.rand(device_rows._SMALL, generator=g) + 0.5 for _ in range(6)]
@@ -155,7 +168,8 @@ def _write_counted(n: int, columns):
 def test_aten_ops_and_python_frames_of_a_write_do_not_grow_with_the_tensor_count(columns):
     ops64, every64, calls64 = _write_counted(64, columns)
     ops512, every512, calls512 = _write_counted(512, columns)
-    assert ops64.ops == ops512.ops <= 40, ops512.names  # all ops with m2: 37; the shipped ops: 25
+    # the shipped ops: 21 (25 while the extremes went through the blocks); all ops with m2: 33
+    assert ops64.ops == ops512.ops <= (21 if columns == SHIPPED else 33), ops512.names
     assert ops512.syncs == 0 and ops512.copies == 0
     # rows are addressed as blocks: no view per row (a select per reduced column, a slice per
     # buffer chunk and column block)

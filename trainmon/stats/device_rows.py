@@ -88,7 +88,6 @@ _SEG_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # inside the kernel).  Every lengths tensor here is built by this module from host numbers that
 # add up by construction, so the checks are skipped (a C partial: no Python frame per call).
 _segment_reduce = functools.partial(torch.segment_reduce, unsafe=True)
-_SMALLEST_SCALE = 2.0**-149  # the smallest float32 (subnormal): an all-zero tensor's scale, any > 0 will do
 _CHUNKS_PER_ROW = 256  # a batched group's float32 partials stay within 1 KiB per row: a tensor that
 # alone spans more chunks is reduced by itself (3 ops reading it, no temporary), where the launches a
 # batch saves are nothing next to reading it; small tensors beside it lend the group their share
@@ -184,9 +183,23 @@ class _Plan:
 
 @dataclass
 class _Chunk:
-    values: torch.Tensor  # [capacity, len(value columns)] float32
-    counts: torch.Tensor | None  # [capacity, len(count columns)] int64
+    raw: torch.Tensor  # uint8: ``values`` then ``counts``, one buffer, so a step's rows are one copy
+    values: torch.Tensor  # [capacity, len(value columns)] float32, a view of ``raw``
+    counts: torch.Tensor | None  # [capacity, len(count columns)] int64, a view of ``raw``
     extremes: dict[torch.dtype, torch.Tensor]  # dtype -> [capacity, 2] in that dtype
+
+    @staticmethod
+    def new(capacity: int, values: int, counts: int, device: torch.device) -> _Chunk:
+        """A chunk whose ``values`` and ``counts`` share one zeroed buffer (``values`` first: its
+        byte size is a multiple of 8, so the int64 ``counts`` are aligned)."""
+        split = capacity * values * 4
+        raw = torch.zeros(split + capacity * counts * 8, dtype=torch.uint8, device=device)
+        return _Chunk(
+            raw,
+            raw[:split].view(_F32).view(capacity, values),
+            raw[split:].view(torch.int64).view(capacity, counts) if counts else None,
+            {},
+        )
 
 
 class DeviceRows:
@@ -396,15 +409,14 @@ class DeviceRows:
 
     def _segment_batch(self, group: list[torch.Tensor], numels: list[int], dtype: torch.dtype, row: int) -> None:
         """One batch of small tensors of one dtype into rows ``row..``: their elements flattened
-        into one buffer (one ``cat``), reduced per block of ``_BLOCK`` elements, then per tensor
-        (``segment_reduce`` with the layout's cached lengths), the columns written into the row
-        buffer as one block per buffer chunk (no view per row).  Columns that reduce alike are
-        reduced together, as the columns of one ``[elements, k]`` matrix: the maxima (``|x|``
-        for the norm's scale, ``x``, ``-x`` for the min) in one pair of ``segment_reduce`` calls,
-        the sums (``x``, the scaled squares, each count's mask) in another, so a batch costs 25
-        ops with the shipped columns (37 with every one), whatever the number of tensors.
-        min/max go to the float32 columns (exact for bf16/fp16); m2 takes the tensor's mean back
-        to its elements (``repeat_interleave``, output size known on the host: no sync)."""
+        into one buffer (one ``cat``), the sums reduced per block of ``_BLOCK`` elements, then per
+        tensor (``segment_reduce`` with the layout's cached lengths), the extremes per tensor at
+        once (a maximum is exact in any order), the columns written into the row buffer as one
+        block per buffer chunk (no view per row).  The sums (``x``, the scaled squares, each
+        count's mask) are reduced together, as the columns of one ``[elements, k]`` matrix, so a
+        batch costs 21 ops with the shipped columns (33 with every one), whatever the number of
+        tensors.  min/max go to the float32 columns (exact for bf16/fp16); m2 takes the tensor's
+        mean back to its elements (``repeat_interleave``, output size known on the host: no sync)."""
         key = tuple(numels)
         layout = self._seg_layouts.get(key)  # inline: the common case costs no frame
         blocks, tensor_blocks, lengths = layout if layout is not None else self._segment_layout(key)
@@ -412,20 +424,25 @@ class DeviceRows:
         x = flat if dtype == _F32 else flat.to(_F32)
         seg = _segment_reduce  # blocks, then the blocks of each tensor
         vc = self.values
-        # the maxima: [|x|] for the norm's scale, [x, -x] for max and min (min = -max(-x), exact)
-        tops = ([x.abs()] if "sumsq" in vc else []) + ([x, torch.neg(x)] if "min" in vc else [])
-        peaks = None
-        if tops:
-            m = torch.stack(tops, dim=1)
-            peaks = seg(seg(m, "max", lengths=blocks, axis=0), "max", lengths=tensor_blocks, axis=0)
+        # the extremes per tensor (an empty one: -inf/+inf, which the host replaces), and from
+        # them the largest |x| that the norm's scale needs
+        top = low = peak = None
+        if "min" in vc:
+            top, low = seg(x, "max", lengths=lengths), seg(x, "min", lengths=lengths)
+            if "sumsq" in vc:
+                peak = torch.maximum(top, torch.neg(low))
+        elif "sumsq" in vc:
+            peak = seg(x.abs(), "max", lengths=lengths)
         scale = None
         sums = [x] if "sum" in vc or "m2" in vc else []
-        if "sumsq" in vc:
-            # each tensor scaled by a power of two at or near its largest |x| before squaring
-            # (exact; 0, Inf and NaN keep a harmless finite scale): a sum of squares beyond float32
-            # (|x| above ~1.8e19) still gives a finite norm, and squares below its range do not vanish
-            scale = torch.exp2(torch.floor(torch.log2(peaks[:, 0])))  # type: ignore[index]
-            scale = torch.nan_to_num(scale, nan=1.0, posinf=1.0).clamp_min_(_SMALLEST_SCALE)
+        if peak is not None:
+            # each tensor scaled by the power of two at or below its largest |x| before squaring
+            # (exact): a sum of squares beyond float32 (|x| above ~1.8e19) still gives a finite
+            # norm, and squares below its range do not vanish.  The power is the float's own
+            # exponent field, kept to the normal range (a subnormal, zero or empty peak: 2^-126;
+            # Inf/NaN: 2^127, so they stay Inf/NaN): three integer ops, exact on every device.
+            bits = peak.view(torch.int32).bitwise_right_shift(23).clamp_(1, 254)
+            scale = bits.bitwise_left_shift_(23).view(_F32)
             y = x / scale.repeat_interleave(lengths, output_size=x.numel())
             sums.append(y * y)
         for col in self.counts:  # the masks inline (no frame per count); zeros at the dtype's eps
@@ -447,8 +464,7 @@ class DeviceRows:
                 norm = totals[:, 1 if "sum" in vc or "m2" in vc else 0].sqrt()  # type: ignore[index]
                 vcols.append(norm.mul_(scale))  # type: ignore[arg-type]
             elif c == "min":
-                extremes = peaks[:, -2:]  # type: ignore[index]
-                vcols += [torch.neg(extremes[:, 1]), extremes[:, 0]]
+                vcols += [low, top]  # type: ignore[list-item]
             elif c == "m2":
                 count = lengths.to(_F32)
                 dev = x - (totals[:, 0] / count).repeat_interleave(lengths, output_size=x.numel())  # type: ignore[index]
@@ -614,15 +630,7 @@ class DeviceRows:
     def _chunk(self, row: int) -> tuple[_Chunk, int]:
         c, r = divmod(row, self.capacity)
         while c >= len(self.chunks):
-            self.chunks.append(
-                _Chunk(
-                    torch.empty((self.capacity, max(len(self.values), 1)), dtype=_F32, device=self.device),
-                    torch.zeros((self.capacity, len(self.counts)), dtype=torch.int64, device=self.device)
-                    if self.counts
-                    else None,
-                    {},
-                )
-            )
+            self.chunks.append(_Chunk.new(self.capacity, max(len(self.values), 1), len(self.counts), self.device))
         return self.chunks[c], r
 
     def _reduce(self, t: torch.Tensor, row: int) -> None:
@@ -765,16 +773,23 @@ class DeviceRows:
         if n == 0 and not extra:
             return None
         parts: list[torch.Tensor] = []
-        layout: list[tuple[Any, ...]] = []  # (chunk or index, key, dtype, width or shape, rows)
-        for c, chunk in enumerate(self.chunks[: (n + self.capacity - 1) // self.capacity]):
-            rows = min(self.capacity, n - c * self.capacity)
-            for key, buf in (("values", chunk.values), ("counts", chunk.counts), *chunk.extremes.items()):
-                if buf is not None:
-                    parts.append(buf[:rows].reshape(-1).view(torch.uint8))
-                    layout.append((c, key, buf.dtype, buf.shape[1], rows))
+        # (chunk or index, key, dtype, width or shape, rows used, rows in the stream)
+        layout: list[tuple[Any, ...]] = []
+        cap = self.capacity
+        for c, chunk in enumerate(self.chunks[: (n + cap - 1) // cap]):
+            rows = min(cap, n - c * cap)
+            # a chunk's values and counts travel whole, as the one buffer they are (a few KiB):
+            # no view per column and no ``cat`` for a step whose rows fit one chunk
+            parts.append(chunk.raw)
+            layout.append((c, "values", _F32, chunk.values.shape[1], rows, cap))
+            if chunk.counts is not None:
+                layout.append((c, "counts", torch.int64, chunk.counts.shape[1], rows, cap))
+            for key, buf in chunk.extremes.items():
+                parts.append(buf[:rows].reshape(-1).view(torch.uint8))
+                layout.append((c, key, buf.dtype, buf.shape[1], rows, rows))
         for k, t in enumerate(extra):
             parts.append(t.reshape(-1).view(torch.uint8))
-            layout.append((k, "extra", t.dtype, t.shape, 0))
+            layout.append((k, "extra", t.dtype, t.shape, 0, 0))
         flat = (
             torch.cat(parts)
             if len(parts) > 1
@@ -876,8 +891,8 @@ class HostCopy:
         """The ``extra`` tensors given to ``snapshot``, on the host, in order."""
         self._wait()
         pos, out = 0, []
-        for _k, key, dtype, shape, _rows in self._layout:
-            size = (int(np.prod(shape)) if key == "extra" else _rows * shape) * dtype.itemsize
+        for _k, key, dtype, shape, _rows, stored in self._layout:
+            size = (int(np.prod(shape)) if key == "extra" else stored * shape) * dtype.itemsize
             if key == "extra":
                 out.append(self._host[pos : pos + size].clone().view(dtype).reshape(shape))
             pos += size
@@ -897,11 +912,12 @@ class HostCopy:
         counts = np.zeros((n, len(o.counts)))
         mins, maxs = np.full(n, np.nan), np.full(n, np.nan)
         pos = 0
-        for c, key, dtype, width, rows in self._layout:
+        for c, key, dtype, width, rows, stored in self._layout:
             if key == "extra":
                 break
-            size = rows * width * dtype.itemsize
-            mat = self._host[pos : pos + size].clone().view(dtype).reshape(rows, width).to(torch.float64).numpy()
+            size = stored * width * dtype.itemsize
+            part = self._host[pos : pos + size].clone().view(dtype).reshape(stored, width)[:rows]
+            mat = part.to(torch.float64).numpy()
             pos += size
             span = slice(c * cap, c * cap + rows)
             if key == "values":
