@@ -27,6 +27,9 @@ turn, one monitored, and the difference is taken per step:
 each divided by the rows the monitored step recorded (counted from the sink's own rows), weight
 rows (``wg``/``all-on``) and activation rows (``xy``) apart.  ``--path seam`` sets
 ``TRAINMON_DEVICE_PATH=1``: CPU tensors take the accelerator path, the host work of a GPU run.
+``--path triton`` takes the accelerator path's Triton route (what a CUDA GPU with ``triton`` runs)
+with every kernel launch stubbed out: its host bookkeeping only (the rows' values are not computed
+and the aten op column counts the monitor's own ops).  Needs ``triton``; not part of ``both``.
 Counts are deterministic; times depend on the machine and its load (say which when quoting).
 """
 
@@ -237,7 +240,16 @@ def _optional(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
+def _stub_triton_launches() -> None:
+    """The Triton route without running its kernels (``--path triton``): host bookkeeping only."""
+    from trainmon.stats import device_triton
+
+    device_triton._launch = lambda kernel, grid, *args, **meta: None
+
+
 def _child(n_tensors: int, steps: int) -> None:
+    if os.environ.get("TRAINMON_TRITON_INTERPRET") == "1":
+        _stub_triton_launches()
     with tempfile.TemporaryDirectory() as tmp:
         results = [measure(n_tensors, config, steps, Path(tmp)) for config in CONFIGS]
     print(json.dumps(results))
@@ -246,7 +258,7 @@ def _child(n_tensors: int, steps: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, nargs="+", default=[64, 512, 4096], help="parameter tensors in the model")
-    parser.add_argument("--path", choices=["cpu", "seam", "both"], default="both")
+    parser.add_argument("--path", choices=["cpu", "seam", "triton", "both"], default="both")
     parser.add_argument("--steps", type=int, default=9, help="paired timed steps per config")
     parser.add_argument("--json", help="also write the figures to this file")
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
@@ -263,9 +275,12 @@ def main() -> None:
     for path in paths:
         for n in args.n:
             env = dict(os.environ, OMP_NUM_THREADS="1")
-            env.pop("TRAINMON_DEVICE_PATH", None)
-            if path == "seam":
+            for name in ("TRAINMON_DEVICE_PATH", "TRAINMON_TRITON_INTERPRET", "TRITON_INTERPRET", "TRAINMON_TRITON"):
+                env.pop(name, None)
+            if path in ("seam", "triton"):
                 env["TRAINMON_DEVICE_PATH"] = "1"
+            if path == "triton":
+                env.update(TRAINMON_TRITON_INTERPRET="1", TRITON_INTERPRET="1")
             out = subprocess.run(
                 [sys.executable, __file__, "--child", str(n), "--steps", str(args.steps)],
                 env=env,

@@ -133,6 +133,73 @@ def counts() -> dict:
     return result
 
 
+def _block_tensors(n_fp32: int, seed: int) -> dict[str, torch.Tensor]:
+    """A family as a collector keeps it: fp32 tensors, then bf16 ones (two dtype groups)."""
+    g = torch.Generator().manual_seed(seed)
+    named = {f"w{i}": torch.randn(17 + 211 * (i % 9), generator=g) * (i + 1) for i in range(n_fp32)}
+    named.update({f"b{i}": (torch.randn(9 + 97 * i, generator=g) - 1).bfloat16() for i in range(5)})
+    named["w1"][5] = math.nan
+    named["w2"][::3] = 0.0
+    named["b1"][4] = -math.inf
+    return named
+
+
+def _python_calls(fn) -> int:
+    """Python frames ``fn`` runs, its launches stubbed (the interpreter's own frames are not the
+    monitor's host cost)."""
+    calls = 0
+
+    def profile(_frame, event, _arg):
+        nonlocal calls
+        calls += event == "call"
+
+    real, device_triton._launch = device_triton._launch, lambda kernel, grid, *a, **m: None
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+        device_triton._launch = real
+    return calls
+
+
+def planned_blocks() -> dict:
+    """A family kept as a ``FamilyBlock`` on the Triton route: planned at its first capture,
+    replayed at later ones with new addresses (grads after ``zero_grad``); the rows against the
+    eager device path and float64 truth, the launches, and the Python frames of a replayed
+    capture for 12 and 120 tensors.  Then one tensor turns non-contiguous: the general path."""
+    out: dict = {}
+    for n_fp32 in (7, 115):
+        named = _block_tensors(n_fp32, seed=n_fp32)
+        engine = StatsEngine(OPS)
+        items = [(k, 0, tuple(t.shape), t.dtype) for k, t in named.items()]
+        block = engine.block(items, [t.dtype for t in named.values()], [t.numel() for t in named.values()])
+        sights = []
+        for _ in range(2):
+            tensors = [t.clone() for t in named.values()]  # new addresses, as grads after zero_grad
+            launches.clear()
+            engine.capture_block("x", block, tensors)
+            got = [{"name": r.name, **{op: r.stats[op] for op in OPS}} for r in engine.finish_step(0)]
+            sights.append({"rows": got, "launches": list(launches), "planned": block.plan is not None})
+        tensors = [t.clone() for t in named.values()]
+        calls = _python_calls(lambda: engine.capture_block("x", block, tensors))
+        engine.finish_step(0)
+        odd = [t.clone() for t in named.values()]
+        odd[0] = torch.stack([odd[0], odd[0]], 1)[:, 0]  # same elements, no longer contiguous
+        launches.clear()
+        engine.capture_block("x", block, odd)
+        general = [{"name": r.name, **{op: r.stats[op] for op in OPS}} for r in engine.finish_step(0)]
+        out[str(len(named))] = {
+            "sights": sights,
+            "calls": calls,
+            "general": general,
+            "general_planned": block.plan is not None,
+            "eager": eager(named),
+            "truth": {k: truth(t) for k, t in named.items()},
+        }
+    return out
+
+
 def fallback() -> dict:
     """A launch that raises (as a GPU Triton cannot compile for): eager from then on, same values."""
 
@@ -168,6 +235,7 @@ def main() -> None:
         "negative_offsets": negative_offsets(),
         "counts": counts(),
         "fallback": fallback(),
+        "planned": planned_blocks(),
     }
     monitored_run(sys.argv[1])
     print(json.dumps(result))

@@ -110,6 +110,31 @@ def test_a_group_costs_two_launches_and_no_op_sync_or_copy_of_the_monitor(cases)
 
 
 @pytest.mark.slow
+def test_a_family_block_is_planned_once_on_the_triton_route_with_the_same_rows(cases):
+    """A weight family kept as a block takes the Triton kernel through a plan made at its first
+    capture: the same rows as the eager device path and float64 truth at every capture (new
+    addresses each time), two launches per dtype group, and a replayed capture's Python frames
+    do not grow with the number of tensors.  A tensor that stops being contiguous takes the
+    general path, with the same values."""
+    planned = cases["planned"]
+    for n, case in planned.items():
+        for sight in case["sights"]:
+            assert sight["planned"], n
+            assert sight["launches"] == ["chunk_partials", "tensor_rows"] * 2, n  # fp32 and bf16 groups
+            assert [r["name"] for r in sight["rows"]] == list(case["truth"]), n
+            for row, eager_row in zip(sight["rows"], case["eager"]):
+                _assert_equal_truth(row, case["truth"][row["name"]])
+                for op in ("nans", "infs", "min", "max"):
+                    assert row[op] == eager_row[op] or (math.isnan(row[op]) and math.isnan(eager_row[op]))
+        assert not case["general_planned"]
+        for row in case["general"][1:]:  # the first tensor is the non-contiguous copy of itself
+            _assert_equal_truth(row, case["truth"][row["name"]])
+        _assert_equal_truth(case["general"][0], case["truth"]["w0"])
+    small, large = planned["12"]["calls"], planned["120"]["calls"]
+    assert small == large <= 45, (small, large)  # 41: ~18 per dtype group, its two launches included
+
+
+@pytest.mark.slow
 def test_a_failing_launch_falls_back_to_the_eager_path_with_the_same_values(cases):
     fallback = cases["fallback"]
     assert fallback["path"] == {"cpu": "device"}

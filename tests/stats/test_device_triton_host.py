@@ -27,7 +27,7 @@ def test_a_groups_descriptors_cover_each_tensor_once_in_chunks_of_at_most_the_ch
             (rng.randint(0, 1 << 30) * 2, rng.choice([1, 4095, 4096, 4097, rng.randint(1, 3_000_000)]))
             for _ in range(rng.randint(1, 30))
         ]
-        packed, chunks, chunk = device_triton._describe(spans, 2, lambda t: t)
+        packed, chunks, chunk = device_triton._describe([p for p, _ in spans], [n for _, n in spans], 2, lambda t: t)
         base = spans[0][0]
         for (ptr, n), tiles in zip(spans, _tiles(packed.tolist(), len(spans), chunks)):
             start = (ptr - base) // 2
@@ -36,7 +36,7 @@ def test_a_groups_descriptors_cover_each_tensor_once_in_chunks_of_at_most_the_ch
 
 
 def test_a_group_whose_addresses_are_not_whole_elements_apart_gets_no_table():
-    assert device_triton._describe([(0, 10), (6, 10)], 4, lambda t: t) is None
+    assert device_triton._describe([0, 6], [10, 10], 4, lambda t: t) is None
 
 
 def test_the_launch_cache_key_separates_what_triton_compiles_separately():

@@ -69,6 +69,7 @@ def _layout(columns: Sequence[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 _MIN_BATCH = 5  # tensors of one buffer worth a batched reduction (its ~12 ops vs 3 each)
 _FLAT_DTYPES, _PLAIN = device_triton.FLOAT_DTYPES, device_triton.PLAIN_TENSORS
+_IS_CONTIGUOUS = torch.Tensor.is_contiguous
 _FOREACH_MAX = getattr(torch, "_foreach_max", None)  # torch >= 2.4
 _MASKS_OUT = all(hasattr(op, "out") for op in (torch.ops.aten.isnan, torch.ops.aten.isinf))
 _WIDTH_MAX = 1 << 12  # chunk width of the batched path: the largest power of two dividing every
@@ -179,6 +180,12 @@ class _Plan:
 
     steps: list[tuple[str, list[int] | None, list[int] | None, torch.dtype | None]]
     order: np.ndarray | None
+    contiguous: bool = False  # replayed only while every tensor is contiguous (the Triton route)
+
+
+class Unplanned(RuntimeError):
+    """A plan no longer fits its tensors (``write_planned`` changed nothing): plan again or take
+    the general path."""
 
 
 @dataclass
@@ -296,11 +303,15 @@ class DeviceRows:
         small tensors, the ``_foreach`` group, the tensors reduced alone, and each tensor's row.
         Valid while the tensors keep their dtypes, element counts, types, layouts and device
         (the caller checks those).  None where the route depends on more than that: the Triton
-        kernel, sparse tensors, views of one buffer (``_flat_groups`` reads storage addresses)."""
-        if self._triton is not None or any([t.layout is not STRIDED for t in tensors]):
+        kernel's groups are planned while every tensor is contiguous and the kernel reads them
+        all; sparse tensors and views of one buffer are not (``_flat_groups`` reads storage
+        addresses)."""
+        if any([t.layout is not STRIDED for t in tensors]):
             return None
         n = len(tensors)
         rows = [-1] * n
+        if self._triton is not None:
+            return self._triton_plan(tensors, rows)
         if self._flat_groups(tensors, rows):
             return None
         steps: list[tuple[str, Any, Any, Any]] = []
@@ -329,10 +340,26 @@ class DeviceRows:
             None if order == list(range(n)) else rank,
         )
 
+    def _triton_plan(self, tensors: Sequence[torch.Tensor], rows: list[int]) -> _Plan | None:
+        """``plan`` on the Triton route: one group per dtype when the kernel reads every tensor."""
+        groups = self._triton.groups(tensors, rows)  # type: ignore[union-attr]
+        n = len(tensors)
+        if sum(map(len, groups.values())) != n or not all(map(_IS_CONTIGUOUS, tensors)):
+            return None
+        order = [k for idx in groups.values() for k in idx]
+        rank = np.empty(n, dtype=np.int64)
+        rank[order] = np.arange(n)
+        steps: list[tuple[str, Any, Any, Any]] = [
+            ("triton", None if idx == list(range(n)) else idx, None, dtype) for dtype, idx in groups.items()
+        ]
+        return _Plan(steps, None if order == list(range(n)) else rank, contiguous=True)
+
     def write_planned(self, plan: _Plan, tensors: Sequence[torch.Tensor]) -> int:
         """``write`` along ``plan`` (``plan(tensors)`` of tensors of this layout): the rows'
         first number; tensor ``k``'s row is that plus ``plan.order[k]`` (or ``k``).  No Python
         work per tensor for the segment batches; per tensor as ``write`` for the others."""
+        if plan.contiguous and not all(map(_IS_CONTIGUOUS, tensors)):
+            raise Unplanned("a tensor of a planned Triton group is no longer contiguous")
         grad = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)
         try:
@@ -344,6 +371,8 @@ class DeviceRows:
                     group = tensors if ks is None else [tensors[k] for k in ks]
                     if kind == "segments":
                         self._segment_batch(group, numels, dtype, pos)  # type: ignore[arg-type]
+                    elif kind == "triton":
+                        self._triton_group(group, pos)  # type: ignore[arg-type]
                     elif kind == "foreach":
                         self._foreach(group, pos)  # type: ignore[arg-type]
                     else:
@@ -353,6 +382,21 @@ class DeviceRows:
             return start
         finally:
             torch._C._set_grad_enabled(grad)
+
+    def _triton_group(self, group: list[torch.Tensor], pos: int) -> None:
+        """A planned Triton group into rows ``pos..``; if the kernel fails (as in ``_write_triton``),
+        one warning and the eager reductions for it and from then on."""
+        if self._triton is not None:
+            try:
+                self._triton.write_group(group, pos)
+                return
+            except Exception as exc:
+                log.warning(
+                    "trainmon: the Triton statistics kernel failed on %s (%s); using the eager path", self.device, exc
+                )
+                self._triton = None
+        for j, t in enumerate(group):
+            self._reduce(t, pos + j)
 
     def _segment_batches(
         self, tensors: Sequence[torch.Tensor], idx: list[int]

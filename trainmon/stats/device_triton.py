@@ -58,6 +58,7 @@ _MAX_CHUNKS = 1 << 16  # chunks grow (powers of two) beyond this many a launch: 
 _BLOCK = 2048  # elements a program reads at a time
 _WARPS = 8  # warps a chunk program runs (Triton's launch option num_warps)
 _ROWS_BLOCK = 256  # chunks the rows kernel combines at a time
+_DATA_PTR, _NUMEL = torch.Tensor.data_ptr, torch.Tensor.numel
 _MIN_TABLE = 5  # tensors of one dtype worth a descriptor table (activations come one or two at a time)
 # What a kernel (Triton's, or the eager batched reductions of device_rows) may read as raw memory:
 # the floating dtypes the device path reduces in place, and plain tensors (a subclass's storage
@@ -219,9 +220,8 @@ class TritonRows:
         self._tables: dict[tuple, tuple[torch.Tensor, int, int] | None] = {}
         self._scratch: dict[Any, torch.Tensor] = {}
 
-    def write(self, tensors: Sequence[torch.Tensor], rows: list[int], pos: int) -> int:
-        """Reduce the eligible tensors of ``tensors`` into rows from ``pos`` on; marks them in
-        ``rows`` (caller order); returns the next free row."""
+    def groups(self, tensors: Sequence[torch.Tensor], rows: list[int]) -> dict[torch.dtype, list[int]]:
+        """The indices of the not yet placed tensors the kernel reads, by dtype (first seen first)."""
         groups: dict[torch.dtype, list[int]] = {}
         for k, t in enumerate(tensors):
             # is_contiguous first: ``dense`` (a Python call) only for the rare non-contiguous tensor
@@ -233,26 +233,42 @@ class TritonRows:
                 and (t.is_contiguous() or dense(t))
             ):
                 groups.setdefault(t.dtype, []).append(k)
+        return groups
+
+    def write(self, tensors: Sequence[torch.Tensor], rows: list[int], pos: int) -> int:
+        """Reduce the eligible tensors of ``tensors`` into rows from ``pos`` on; marks them in
+        ``rows`` (caller order); returns the next free row."""
+        groups = self.groups(tensors, rows)
         if not groups:
             return pos
-        # Triton launches on the current device, whatever the tensors' device: make it theirs
-        with torch.cuda.device(self.rows.device) if self.rows.device.type == "cuda" else contextlib.nullcontext():
-            return self._write_groups(tensors, groups, rows, pos)
-
-    def _write_groups(self, tensors: Sequence[torch.Tensor], groups: dict, rows: list[int], pos: int) -> int:
-        for idx in groups.values():
-            table = self._table([tensors[k] for k in idx]) if len(idx) >= _MIN_TABLE else None
-            if table is not None:
-                self._reduce_group([tensors[k] for k in idx], table, pos)
+        with self._on_device():
+            for idx in groups.values():
+                self._write_group([tensors[k] for k in idx], pos)
                 for j, k in enumerate(idx):
                     rows[k] = pos + j
                 pos += len(idx)
-                continue
-            for k in idx:
-                self._reduce_one(tensors[k], pos)
-                rows[k] = pos
-                pos += 1
         return pos
+
+    def write_group(self, group: list[torch.Tensor], pos: int) -> None:
+        """One dtype's eligible tensors (``groups``) into rows ``pos..``: a replayed plan
+        (``DeviceRows.write_planned``), no Python work per tensor when they have a table."""
+        if self.rows.device.type != "cuda":  # the interpreter's CPU tensors: no device to switch to
+            self._write_group(group, pos)
+            return
+        with torch.cuda.device(self.rows.device):
+            self._write_group(group, pos)
+
+    def _on_device(self) -> Any:
+        # Triton launches on the current device, whatever the tensors' device: make it theirs
+        return torch.cuda.device(self.rows.device) if self.rows.device.type == "cuda" else contextlib.nullcontext()
+
+    def _write_group(self, group: list[torch.Tensor], pos: int) -> None:
+        table = self._table(group) if len(group) >= _MIN_TABLE else None
+        if table is not None:
+            self._reduce_group(group, table, pos)
+            return
+        for j, t in enumerate(group):
+            self._reduce_one(t, pos + j)
 
     def drop_scratch(self) -> None:
         self._scratch = {}
@@ -306,7 +322,7 @@ class TritonRows:
         while done < len(tensors):  # one rows launch per chunk of the row buffer it writes into
             n = self._rows_launch(part, first, chunks, done, len(tensors) - done, row + done, table=True)
             done += n
-        self.rows.numels[row : row + len(tensors)] = [t.numel() for t in tensors]
+        self.rows.numels[row : row + len(tensors)] = list(map(_NUMEL, tensors))
 
     def _rows_launch(
         self, part: torch.Tensor, first: torch.Tensor, chunks: int, first_tensor: int, n: int, row: int, *, table: bool
@@ -353,33 +369,43 @@ class TritonRows:
         """(packed int64 descriptors, chunks, chunk size) of a group, cached by its addresses;
         None when an address is not a whole number of elements from the first tensor's."""
         # a list, not a generator: a generator is one Python frame per tensor
-        key = (tensors[0].dtype, tuple([(t.data_ptr(), t.numel()) for t in tensors]))
+        # C loops (``map`` over C methods): no Python work per tensor, cache hit or not
+        key = (tensors[0].dtype, tuple(map(_DATA_PTR, tensors)), tuple(map(_NUMEL, tensors)))
         if key in self._tables:
             return self._tables[key]
         if len(self._tables) > 256:
             self._tables.clear()
-        self._tables[key] = table = _describe(key[1], tensors[0].element_size(), self.rows.to_device)
+        self._tables[key] = table = _describe(key[1], key[2], tensors[0].element_size(), self.rows.to_device)
         return table
 
 
 def _describe(
-    spans: Sequence[tuple[int, int]],
+    addresses: Sequence[int],
+    numels: Sequence[int],
     itemsize: int,
     to_device: Callable[[torch.Tensor], torch.Tensor],
 ) -> tuple[torch.Tensor, int, int] | None:
-    """The packed descriptors of tensors at ``spans`` (address, elements), on the device.  Built
-    with numpy: a group's grads get new addresses every step when ``zero_grad`` frees them, and a
-    Python loop over a 100M-parameter model's ~26k chunks cost ~8 ms a step (measured on an H200)."""
-    base = spans[0][0]
-    if any((ptr - base) % itemsize for ptr, _ in spans):
+    """The packed descriptors of tensors at ``addresses`` of ``numels`` elements, on the device.
+    Built with numpy: a group's grads get new addresses every step when ``zero_grad`` frees them,
+    and a Python loop over a 100M-parameter model's ~26k chunks cost ~8 ms a step (measured on an
+    H200)."""
+    # ndarray methods and ufuncs only: numpy's module functions (stack, repeat, cumsum, any) are
+    # Python wrappers, a dozen frames a table
+    delta = np.array(addresses, dtype=np.int64)
+    delta -= delta[0]
+    if np.logical_or.reduce(delta % itemsize != 0):
         return None
-    offsets = np.array([(ptr - base) // itemsize for ptr, _ in spans], dtype=np.int64)
-    numels = np.array([n for _, n in spans], dtype=np.int64)
-    chunk = _chunk_size(int(numels.sum()))
-    per_tensor = -(-numels // chunk)
-    first = np.zeros(len(spans) + 1, dtype=np.int64)
-    np.cumsum(per_tensor, out=first[1:])
-    owner = np.repeat(np.arange(len(spans)), per_tensor)
-    at = (np.arange(int(first[-1]), dtype=np.int64) - first[owner]) * chunk  # element offset in its tensor
-    desc = np.stack([offsets[owner] + at, np.minimum(numels[owner] - at, chunk)], axis=1).reshape(-1)
-    return to_device(torch.from_numpy(np.concatenate([desc, first]))), int(first[-1]), chunk
+    offsets = delta // itemsize
+    sizes = np.array(numels, dtype=np.int64)
+    chunk = _chunk_size(int(np.add.reduce(sizes)))
+    per_tensor = -(-sizes // chunk)
+    n, chunks = len(offsets), int(np.add.reduce(per_tensor))
+    packed = np.empty(2 * chunks + n + 1, dtype=np.int64)  # (start, length) per chunk, then ``first``
+    first = packed[2 * chunks :]
+    first[0] = 0
+    per_tensor.cumsum(out=first[1:])
+    owner = np.arange(n).repeat(per_tensor)
+    at = (np.arange(chunks, dtype=np.int64) - first[owner]) * chunk  # element offset in its tensor
+    packed[0 : 2 * chunks : 2] = offsets[owner] + at
+    packed[1 : 2 * chunks : 2] = np.minimum(sizes[owner] - at, chunk)
+    return to_device(torch.from_numpy(packed)), chunks, chunk
