@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from matplotlib import image as mpimg
 
 from tests._support.simulate import named_run
@@ -16,6 +17,7 @@ def _run(capsys, *argv):
     return code, out.out, out.err
 
 
+@pytest.mark.slow  # 3.0-5.6 s on a loaded 2-core VM (2026-12-06)
 def test_writes_a_png(tmp_path, capsys):
     out_png = tmp_path / "plots" / "g.png"
     code, out, _ = _run(capsys, "plot", str(named_run("nan")), "--kind", "grad_reduced", "--op", "norm",

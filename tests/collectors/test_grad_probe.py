@@ -100,6 +100,7 @@ def test_direction_positions_are_distinct_sorted_and_fixed_by_name_and_shape():
     assert len(big) == DIRECTION_SAMPLES and big[-1] < 50_000 * 4096
 
 
+@pytest.mark.slow  # 3.0-5.6 s on a loaded 2-core VM (2026-12-06)
 def test_direction_positions_are_identical_in_another_process():
     code = ("import json,sys; from trainmon.collectors.grad_probe import direction_positions as d; "
             "print(json.dumps([d(n, tuple(s)).tolist() for n, s in json.loads(sys.argv[1])]))")

@@ -53,6 +53,7 @@ def _assert_same_findings(name: str, rules: str, pq_dir: Path) -> list:
     return want[0]
 
 
+@pytest.mark.slow  # 3.0-5.6 s on a loaded 2-core VM (2026-12-06)
 def test_engine_finds_the_planted_nan_first_like_the_in_memory_scan(pq_dir, capsys):
     want = _assert_same_findings("nan", "default", pq_dir)
     assert want and want[0]["rule"] == "nonfinite" and want[0]["step"] == 6

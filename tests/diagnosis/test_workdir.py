@@ -40,6 +40,7 @@ def _holder(tmp: Path) -> tuple[subprocess.Popen, Path]:
     return proc, Path(line)
 
 
+@pytest.mark.slow  # 3.0-5.6 s on a loaded 2-core VM (2026-12-06)
 @pytest.mark.parametrize("engine", ["duckdb", "memory"])  # memory: what --engine auto picks for a small run
 def test_a_killed_commands_work_directory_is_removed_by_the_next_command_a_live_ones_kept(tmp_path, engine):
     tmp = tmp_path / "tmp"
