@@ -167,16 +167,21 @@ def planned_blocks() -> dict:
     """A family kept as a ``FamilyBlock`` on the Triton route: planned at its first capture,
     replayed at later ones with new addresses (grads after ``zero_grad``); the rows against the
     eager device path and float64 truth, the launches, and the Python frames of a replayed
-    capture for 12 and 120 tensors.  Then one tensor turns non-contiguous: the general path."""
+    capture for 12 and 120 tensors; views of one buffer (Megatron's grads) likewise, at fixed
+    addresses.  Then one tensor turns non-contiguous: the general path."""
     out: dict = {}
-    for n_fp32 in (7, 115):
-        named = _block_tensors(n_fp32, seed=n_fp32)
+    buf = torch.randn(9000, generator=torch.Generator().manual_seed(3)).bfloat16()
+    spans = ((7000, 999), (5000, 1500), (20, 3), (0, 17), (900, 4000), (8100, 700))
+    views = {f"v{k}": buf[o : o + n] for k, (o, n) in enumerate(spans)}  # one buffer, as Megatron's grads
+    for n_fp32 in (7, 115, 0):
+        named = _block_tensors(n_fp32, seed=n_fp32) if n_fp32 else views
         engine = StatsEngine(OPS)
         items = [(k, 0, tuple(t.shape), t.dtype) for k, t in named.items()]
         block = engine.block(items, [t.dtype for t in named.values()], [t.numel() for t in named.values()])
         sights = []
         for _ in range(2):
-            tensors = [t.clone() for t in named.values()]  # new addresses, as grads after zero_grad
+            # new addresses, as grads after zero_grad; views of one buffer stay where they are
+            tensors = [t.clone() for t in named.values()] if n_fp32 else list(named.values())
             launches.clear()
             engine.capture_block("x", block, tensors)
             got = [{"name": r.name, **{op: r.stats[op] for op in OPS}} for r in engine.finish_step(0)]
@@ -189,7 +194,7 @@ def planned_blocks() -> dict:
         launches.clear()
         engine.capture_block("x", block, odd)
         general = [{"name": r.name, **{op: r.stats[op] for op in OPS}} for r in engine.finish_step(0)]
-        out[str(len(named))] = {
+        out[str(len(named)) if n_fp32 else "views"] = {
             "sights": sights,
             "calls": calls,
             "general": general,

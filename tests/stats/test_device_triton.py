@@ -114,13 +114,14 @@ def test_a_family_block_is_planned_once_on_the_triton_route_with_the_same_rows(c
     """A weight family kept as a block takes the Triton kernel through a plan made at its first
     capture: the same rows as the eager device path and float64 truth at every capture (new
     addresses each time), two launches per dtype group, and a replayed capture's Python frames
-    do not grow with the number of tensors.  A tensor that stops being contiguous takes the
-    general path, with the same values."""
+    do not grow with the number of tensors; views of one buffer (Megatron's grads) likewise.  A
+    tensor that stops being contiguous takes the general path, with the same values."""
     planned = cases["planned"]
     for n, case in planned.items():
         for sight in case["sights"]:
             assert sight["planned"], n
-            assert sight["launches"] == ["chunk_partials", "tensor_rows"] * 2, n  # fp32 and bf16 groups
+            groups = 1 if n == "views" else 2  # views of one bf16 buffer; fp32 and bf16 tensors
+            assert sight["launches"] == ["chunk_partials", "tensor_rows"] * groups, n
             assert [r["name"] for r in sight["rows"]] == list(case["truth"]), n
             for row, eager_row in zip(sight["rows"], case["eager"]):
                 _assert_equal_truth(row, case["truth"][row["name"]])
@@ -129,7 +130,7 @@ def test_a_family_block_is_planned_once_on_the_triton_route_with_the_same_rows(c
         assert not case["general_planned"]
         for row in case["general"][1:]:  # the first tensor is the non-contiguous copy of itself
             _assert_equal_truth(row, case["truth"][row["name"]])
-        _assert_equal_truth(case["general"][0], case["truth"]["w0"])
+        _assert_equal_truth(case["general"][0], case["truth"][next(iter(case["truth"]))])
     small, large = planned["12"]["calls"], planned["120"]["calls"]
     assert small == large <= 45, (small, large)  # 41: ~18 per dtype group, its two launches included
 
