@@ -368,7 +368,6 @@ class TritonRows:
     def _table(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, int, int] | None:
         """(packed int64 descriptors, chunks, chunk size) of a group, cached by its addresses;
         None when an address is not a whole number of elements from the first tensor's."""
-        # a list, not a generator: a generator is one Python frame per tensor
         # C loops (``map`` over C methods): no Python work per tensor, cache hit or not
         key = (tensors[0].dtype, tuple(map(_DATA_PTR, tensors)), tuple(map(_NUMEL, tensors)))
         if key in self._tables:
