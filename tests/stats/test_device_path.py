@@ -221,11 +221,16 @@ def test_one_device_copy_per_device_per_step(monkeypatch):
 
 
 def test_nothing_is_launched_or_recorded_while_a_cuda_graph_is_captured(monkeypatch, caplog):
-    monkeypatch.setattr(engine_mod, "stream_capturing", lambda device: True)
     engine = StatsEngine(ALL)
     w, out = torch.randn(10), torch.ones(2)
+    family = [torch.randn(16) for _ in range(6)]  # a weight family kept as a block: planned before the capture
+    block = engine.block([(f"p{i}", 0, (16,), torch.float32) for i in range(6)], [torch.float32] * 6, [16] * 6)
+    engine.capture_block("grads", block, family)
+    assert block.plan is not None and len(engine.finish_step(0)) == 6
+    monkeypatch.setattr(engine_mod, "stream_capturing", lambda device: True)
     with caplog.at_level(logging.WARNING, "trainmon"), OpCounter() as c:
         for _ in range(3):
+            engine.capture_block("grads", block, family)
             engine.capture("x", [Tracked("w", w)])
             engine.capture_tensors("actv", 0, ["m.output"], [out], engine.partials([out]))
             engine.capture_values("ratio", [engine_mod.Meta("ratio", "w", 0, (3,), "torch.float32")],

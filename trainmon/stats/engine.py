@@ -457,7 +457,9 @@ class StatsEngine:
                 )
                 if key != block.device_key:
                     block.device_key, block.plan = key, self._plan(tensors)
-                if block.plan is not None:
+                # a step captured into a CUDA graph after the plan was made: the general path, which
+                # launches nothing then and says so once
+                if block.plan is not None and not stream_capturing(block.plan[0].device):
                     owner, plan = block.plan
                     start = owner.write_planned(plan, tensors)
                     rows = range(start, start + block.n) if plan.order is None else plan.order + start
