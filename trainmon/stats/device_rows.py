@@ -184,8 +184,8 @@ class _Plan:
 
 
 class Unplanned(RuntimeError):
-    """A plan no longer fits its tensors (``write_planned`` changed nothing): plan again or take
-    the general path."""
+    """A plan no longer fits its tensors (``write_planned`` changed nothing): the caller takes the
+    general path."""
 
 
 @dataclass
@@ -391,10 +391,7 @@ class DeviceRows:
                 self._triton.write_group(group, pos)
                 return
             except Exception as exc:
-                log.warning(
-                    "trainmon: the Triton statistics kernel failed on %s (%s); using the eager path", self.device, exc
-                )
-                self._triton = None
+                self._triton_failed(exc)
         for j, t in enumerate(group):
             self._reduce(t, pos + j)
 
@@ -423,11 +420,13 @@ class DeviceRows:
         try:
             return self._triton.write(tensors, rows, pos)  # type: ignore[union-attr]
         except Exception as exc:
-            log.warning(
-                "trainmon: the Triton statistics kernel failed on %s (%s); using the eager path", self.device, exc
-            )
-            self._triton = None
+            self._triton_failed(exc)
             return max([pos, *(r + 1 for r in rows)])
+
+    def _triton_failed(self, exc: Exception) -> None:
+        """One warning, and the eager path for this device from now on."""
+        log.warning("trainmon: the Triton statistics kernel failed on %s (%s); using the eager path", self.device, exc)
+        self._triton = None
 
     def _small_group(self, tensors: Sequence[torch.Tensor], rows: list[int]) -> list[int]:
         """Indices of the not yet placed small plain fp32/bf16/fp16 tensors when there are enough

@@ -31,7 +31,6 @@ runs the kernels on CPU tensors in Triton's interpreter; it sets ``TRITON_INTERP
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import os
@@ -238,15 +237,11 @@ class TritonRows:
     def write(self, tensors: Sequence[torch.Tensor], rows: list[int], pos: int) -> int:
         """Reduce the eligible tensors of ``tensors`` into rows from ``pos`` on; marks them in
         ``rows`` (caller order); returns the next free row."""
-        groups = self.groups(tensors, rows)
-        if not groups:
-            return pos
-        with self._on_device():
-            for idx in groups.values():
-                self._write_group([tensors[k] for k in idx], pos)
-                for j, k in enumerate(idx):
-                    rows[k] = pos + j
-                pos += len(idx)
+        for idx in self.groups(tensors, rows).values():
+            self.write_group([tensors[k] for k in idx], pos)
+            for j, k in enumerate(idx):
+                rows[k] = pos + j
+            pos += len(idx)
         return pos
 
     def write_group(self, group: list[torch.Tensor], pos: int) -> None:
@@ -255,12 +250,9 @@ class TritonRows:
         if self.rows.device.type != "cuda":  # the interpreter's CPU tensors: no device to switch to
             self._write_group(group, pos)
             return
+        # Triton launches on the current device, whatever the tensors' device: make it theirs
         with torch.cuda.device(self.rows.device):
             self._write_group(group, pos)
-
-    def _on_device(self) -> Any:
-        # Triton launches on the current device, whatever the tensors' device: make it theirs
-        return torch.cuda.device(self.rows.device) if self.rows.device.type == "cuda" else contextlib.nullcontext()
 
     def _write_group(self, group: list[torch.Tensor], pos: int) -> None:
         table = self._table(group) if len(group) >= _MIN_TABLE else None
