@@ -16,6 +16,7 @@ import sys
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from tests._support.host_budget import frames
 from tests._support.runs import reference_stats
 from trainmon import TrainerMon
 from trainmon.stats import device_triton
@@ -145,22 +146,13 @@ def _block_tensors(n_fp32: int, seed: int) -> dict[str, torch.Tensor]:
 
 
 def _python_calls(fn) -> int:
-    """Python frames ``fn`` runs, its launches stubbed (the interpreter's own frames are not the
-    monitor's host cost)."""
-    calls = 0
-
-    def profile(_frame, event, _arg):
-        nonlocal calls
-        calls += event == "call"
-
+    """``host_budget.frames`` of ``fn`` with its launches stubbed (the interpreter's own frames are
+    not the monitor's host cost)."""
     real, device_triton._launch = device_triton._launch, lambda kernel, grid, *a, **m: None
-    sys.setprofile(profile)
     try:
-        fn()
+        return frames(fn)
     finally:
-        sys.setprofile(None)
         device_triton._launch = real
-    return calls
 
 
 def planned_blocks() -> dict:
