@@ -158,7 +158,7 @@ def test_lightning_mlflow_logger_run_gets_trainmons_mlflow_output(output_root, m
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     logger = MLFlowLogger(experiment_name="lit", tracking_uri=uri)
-    config = make_config(format=["csv", "mlflow"], wg_distribution=True, ops=["norm"])
+    config = make_config(format=["csv", "mlflow"], wg_distribution=True, ops=["norm"], mlflow={"timeout_s": 180})
     trainer = L.Trainer(
         accelerator="cpu", max_epochs=1, logger=logger, log_every_n_steps=1, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[TrainerMonCallback(config)],

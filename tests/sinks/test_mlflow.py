@@ -26,6 +26,16 @@ SPECIAL = (0.1 + 0.2, 1e-300, math.nan, math.inf, -math.inf, -0.0, 1 / 3)
 FLOAT64_MAX = 1.7976931348623157e308  # what MLflow's SQL store keeps for +-inf
 
 
+def patient(**kw):
+    """MLflow settings with a close deadline for tests about what gets stored: a loaded 2-core CI
+    machine took over the default 30 s to start MLflow's client and store in the sink's child
+    process (imports, schema migrations), and the wait then ends with a warning before the run is
+    finished. Tests of the deadline itself set their own."""
+    from trainmon.sinks.mlflow import MlflowSettings
+
+    return MlflowSettings(**{"timeout_s": 180, **kw})
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -149,7 +159,7 @@ def write_steps(rank_dir: Path, steps, settings=None):
     from trainmon.sinks.mlflow import MlflowSink
 
     options = SinkOptions(rank_dir=rank_dir)
-    tracker = MlflowSink(options, settings)
+    tracker = MlflowSink(options, settings or patient())
     sink = create_sink("csv", options, extra_sinks=[tracker])
     for step in steps:
         sink.write(step_rows(step), step)
@@ -161,11 +171,10 @@ def write_steps(rank_dir: Path, steps, settings=None):
 def test_every_logged_value_equals_the_csv_row(server, tmp_path):
     from mlflow import MlflowClient
 
-    from trainmon.sinks.mlflow import MlflowSettings
     from trainmon.sinks.mlflow_store import ChildStore
 
     rank_dir = tmp_path / "run-ml1" / "rank0"
-    sink = write_steps(rank_dir, range(4), MlflowSettings(tracking_uri=server.uri, experiment="trainmon-tests"))
+    sink = write_steps(rank_dir, range(4), patient(tracking_uri=server.uri, experiment="trainmon-tests"))
     assert sink.failed is None and sink.own_run
     # the client's per-metric Python (requests built and serialised) runs in a process of its own
     assert isinstance(sink.store, ChildStore) and sink.store.pid != os.getpid()
@@ -272,15 +281,11 @@ def test_a_sqlite_store_is_written_from_a_child_process_with_the_csv_values(tmp_
     pytest.importorskip("mlflow")
     from mlflow import MlflowClient
 
-    from trainmon.sinks.mlflow import MlflowSettings
     from trainmon.sinks.mlflow_store import ChildStore
 
     uri = f"sqlite:///{tmp_path / 'local.db'}"
     rank_dir = tmp_path / "run-ml3" / "rank0"
-    # a loaded 2-core machine took over the default 30 s to start MLflow's store there (its schema
-    # migrations): this test is about what gets stored, not about the close deadline
-    settings = MlflowSettings(tracking_uri=uri, experiment="local", timeout_s=180)
-    sink = write_steps(rank_dir, range(3), settings)
+    sink = write_steps(rank_dir, range(3), patient(tracking_uri=uri, experiment="local"))
     assert sink.failed is None and sink.own_run
     assert isinstance(sink.store, ChildStore) and sink.store.pid != os.getpid()
     assert sink.store.process.poll() == 0  # closed with the sink, exited cleanly
@@ -292,11 +297,11 @@ def test_a_sqlite_store_is_written_from_a_child_process_with_the_csv_values(tmp_
 @pytest.mark.slow
 def test_a_killed_store_process_is_one_warning_and_the_csv_keeps_every_step(tmp_path):
     pytest.importorskip("mlflow")
-    from trainmon.sinks.mlflow import MlflowSettings, MlflowSink
+    from trainmon.sinks.mlflow import MlflowSink
 
     rank_dir = tmp_path / "run-ml4" / "rank0"
     options = SinkOptions(rank_dir=rank_dir)
-    tracker = MlflowSink(options, MlflowSettings(tracking_uri=f"sqlite:///{tmp_path / 'k.db'}"))
+    tracker = MlflowSink(options, patient(tracking_uri=f"sqlite:///{tmp_path / 'k.db'}"))
     sink = create_sink("csv", options, extra_sinks=[tracker])
     with trainmon_warnings() as warned:
         for step in range(5):
@@ -381,13 +386,12 @@ def test_steps_within_send_every_s_are_one_sqlite_transaction_and_none_waits_lon
     pytest.importorskip("mlflow")
     from mlflow import MlflowClient
 
-    from trainmon.sinks.mlflow import MlflowSettings
 
     commits = {}
     for every in (0, 3600):
         db = tmp_path / f"every{every}.db"
         rank_dir = tmp_path / f"run-every{every}" / "rank0"
-        sink = write_steps(rank_dir, range(6), MlflowSettings(tracking_uri=f"sqlite:///{db}", send_every_s=every))
+        sink = write_steps(rank_dir, range(6), patient(tracking_uri=f"sqlite:///{db}", send_every_s=every))
         assert sink.failed is None
         expected = csv_metrics(rank_dir, ("grad_reduced", "actv"), OPS)
         assert_logged(MlflowClient(f"sqlite:///{db}"), sink.mlflow_run_id, expected)
@@ -398,7 +402,7 @@ def test_steps_within_send_every_s_are_one_sqlite_transaction_and_none_waits_lon
 
     db = tmp_path / "timer.db"
     options = SinkOptions(rank_dir=tmp_path / "run-timer" / "rank0")
-    tracker = MlflowSink(options, MlflowSettings(tracking_uri=f"sqlite:///{db}", send_every_s=0.3))
+    tracker = MlflowSink(options, patient(tracking_uri=f"sqlite:///{db}", send_every_s=0.3))
     sink = create_sink("csv", options, extra_sinks=[tracker])
     sink.write(step_rows(0), 0)
     sink.flush()
@@ -417,14 +421,14 @@ def test_a_users_run_found_at_the_first_step_gets_the_held_steps_after_it_ended(
     mlflow = pytest.importorskip("mlflow")
     from mlflow import MlflowClient
 
-    from trainmon.sinks.mlflow import MlflowSettings, MlflowSink
+    from trainmon.sinks.mlflow import MlflowSink
 
     uri = f"sqlite:///{tmp_path / 'user.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     mlflow.set_tracking_uri(uri)
     rank_dir = tmp_path / "run-ml5" / "rank0"
     options = SinkOptions(rank_dir=rank_dir)
-    tracker = MlflowSink(options, MlflowSettings(send_every_s=3600))
+    tracker = MlflowSink(options, patient(send_every_s=3600))
     sink = create_sink("csv", options, extra_sinks=[tracker])
     with mlflow.start_run(run_name="trainer-run") as user:
         for step in range(3):

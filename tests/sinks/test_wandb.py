@@ -143,9 +143,15 @@ def step_rows(step: int) -> StepRows:
     return StepRows.of(rows)
 
 
+def patient(**kw) -> WandbSettings:
+    """W&B settings with a close deadline for tests about what gets logged: on a loaded 2-core CI
+    machine, starting W&B in the sink's child process can outlast the default 30 s."""
+    return WandbSettings(**{"timeout_s": 180, **kw})
+
+
 def write_steps(rank_dir: Path, steps, rank: int = 0, settings: WandbSettings | None = None):
     options = SinkOptions(rank_dir=rank_dir, rank=rank)
-    wandb_sink = WandbSink(options, settings)
+    wandb_sink = WandbSink(options, settings or patient())
     sink = create_sink("csv", options, extra_sinks=[wandb_sink])
     for step in steps:
         sink.write(step_rows(step), step)
@@ -171,7 +177,7 @@ def test_every_rank_logs_its_own_run_in_one_group(offline):
     run_dir = offline / "run-xyz"
     write_steps(run_dir / "rank1", [0], rank=1)  # rank 0 only by default: nothing from rank 1
     assert offline_runs(offline) == {}
-    write_steps(run_dir / "rank1", [0, 1], rank=1, settings=WandbSettings(all_ranks=True))
+    write_steps(run_dir / "rank1", [0, 1], rank=1, settings=patient(all_ranks=True))
     path = offline_runs(offline)["run-xyz-rank1"]
     (run,) = [r.run for r in wandb_records(path) if r.WhichOneof("record_type") == "run"]
     assert run.run_group == "run-xyz"
@@ -346,7 +352,7 @@ def test_an_own_run_lives_in_a_child_process_and_a_killed_one_is_one_warning(off
 
     rank_dir = offline / "run-kill" / "rank0"
     options = SinkOptions(rank_dir=rank_dir)
-    tracker = WandbSink(options)
+    tracker = WandbSink(options, patient())
     sink = create_sink("csv", options, extra_sinks=[tracker])
     with trainmon_warnings() as warned:
         for step in range(5):
