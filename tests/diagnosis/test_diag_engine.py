@@ -111,15 +111,19 @@ def test_units_keep_small_ranks_together_and_cut_big_ranks_only_between_step_win
 # A rank staged one unit per step window: the staged rows of a name, whatever unit they came
 # from, make one bucket, so every series is judged whole.
 @pytest.mark.slow  # stages every file as its own unit
-@pytest.mark.parametrize("name, rules", [("blow", "default"), ("blow3", "all"), ("nan", "zero-floor"), ("edge", "all")])
+# Parquet for two of the runs (its reader is the same past the staging; each case is ~10 s).
+@pytest.mark.parametrize(
+    "name, rules, parquet",
+    [("blow", "default", False), ("blow3", "all", True), ("nan", "zero-floor", False), ("edge", "all", True)],
+)
 def test_a_run_read_one_step_window_at_a_time_finds_what_the_in_memory_scan_finds(
-    name, rules, edge_run, pq_dir, monkeypatch
+    name, rules, parquet, edge_run, pq_dir, monkeypatch
 ):
     run = edge_run if name == "edge" else named_run(name)
     want = _found(scan(load_run(run), RULE_SETS[rules]))
     assert any(a["rule"] == "spike" for a in want)
     monkeypatch.setattr(engine, "UNIT_ROWS", 1)
-    for files in (run, _as_parquet(run, pq_dir)):
+    for files in (run, _as_parquet(run, pq_dir)) if parquet else (run,):
         found = engine.run_files(files)
         # cut at every step window that does not overlap the ones before it, carried over
         units = [u for fam in found.files for u in found.units(fam)]

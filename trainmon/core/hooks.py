@@ -103,8 +103,9 @@ def wrap_optimizer_step(
     boundary = _Boundary(before, after, entry)
     if isinstance(target, torch.optim.Optimizer) and _has_hook_registry(target):
         # args[0] is the optimizer itself; a pre-hook may return replacement (args, kwargs).
-        pre = target.register_step_pre_hook(lambda _opt, args, kwargs: boundary.enter(args, kwargs, 1))
-        post = target.register_step_post_hook(lambda *_: boundary.exit())
+        # args[1] is where a positional closure sits; partial and a method: no frame of their own
+        pre = target.register_step_pre_hook(functools.partial(boundary.enter, 1))
+        post = target.register_step_post_hook(boundary.exit)
 
         def remove() -> None:
             pre.remove()
@@ -120,7 +121,7 @@ def _wrap_instance_step(optimizer: Any, boundary: _Boundary) -> Handle:
     inner = optimizer.step
 
     def step(self, *args, **kwargs):
-        replaced = boundary.enter(args, kwargs, 0)
+        replaced = boundary.enter(0, self, args, kwargs)
         if replaced is not None:
             args, kwargs = replaced
         result = inner(*args, **kwargs)
@@ -147,9 +148,10 @@ class _Boundary:
         self._entry = entry
         self._pending = False  # a closure was given and has not returned yet
 
-    def enter(self, args: tuple, kwargs: dict, first: int) -> tuple[tuple, dict] | None:
-        """At step entry; ``args[first]`` is where a positional closure sits.  Returns the
-        (args, kwargs) to call ``step`` with when the closure had to be wrapped."""
+    def enter(self, first: int, _optimizer: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """At step entry (with ``first`` bound, a step pre-hook's signature); ``args[first]`` is
+        where a positional closure sits.  Returns the (args, kwargs) to call ``step`` with when
+        the closure had to be wrapped."""
         if self._entry is not None:
             self._entry()
         if callable(kwargs.get("closure")):
@@ -173,7 +175,8 @@ class _Boundary:
 
         return closure_then_capture
 
-    def exit(self) -> None:
+    def exit(self, *_hook_args: Any) -> None:
+        """At step exit (a step post-hook's signature: the optimizer, args and kwargs, unused)."""
         if self._pending:  # the optimizer never called its closure: capture now, late but once
             self._pending = False
             self._before()

@@ -187,7 +187,7 @@ def skipping() -> bool:
 
 def skipped(optimizer: Any) -> bool:
     """After ``optimizer``'s step: True when a loss scaler (GradScaler or its own) skipped it."""
-    if skipping():
+    if getattr(_local, "skipping", False):  # ``skipping()`` inline: this runs every step
         return True
     boundary = _boundaries.get(id(optimizer))
     return boundary is not None and boundary.own_skipped

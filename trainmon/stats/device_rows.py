@@ -36,7 +36,7 @@ import itertools
 import logging
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -214,6 +214,14 @@ class DeviceRows:
 
     def __init__(self, device: torch.device, columns: Sequence[str], eps: float, capacity: int = 512):
         self.device = device
+        # the current device index while launching (Triton launches on the current device)
+        index = device.index
+        self.device_index = torch.cuda.current_device() if index is None and device.type == "cuda" else index
+        # the current stream of this device (scratch buffers are per stream): a partial, one frame
+        self.stream_key: Callable[[], Any] = functools.partial(_stream_key, device)
+        # ``values`` as an int64 tensor on this device (pinned, asynchronous: first sights only)
+        self.to_device: Callable[[list[int] | torch.Tensor], torch.Tensor]
+        self.to_device = functools.partial(_to_device, device=device)
         self.eps = eps
         self._eps_cache: dict[torch.dtype, float] = {}
         self.values, self.counts = _layout(columns)
@@ -230,14 +238,6 @@ class DeviceRows:
         self._seg_layouts: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._batchable = set(self.values) <= {"sum", "sumsq", "min", "max"}  # not m2 (std)
         self._triton = device_triton.TritonRows(self) if device_triton.supported(device, self.values) else None
-
-    def stream_key(self) -> Any:
-        """The current stream of this device (scratch buffers are per stream)."""
-        return _stream_key(self.device)
-
-    def to_device(self, values: list[int] | torch.Tensor) -> torch.Tensor:
-        """``values`` as an int64 tensor on this device (pinned, asynchronous: first sights only)."""
-        return _to_device(values, self.device)
 
     @property
     def path(self) -> str:
@@ -371,27 +371,22 @@ class DeviceRows:
                     group = tensors if ks is None else [tensors[k] for k in ks]
                     if kind == "segments":
                         self._segment_batch(group, numels, dtype, pos)  # type: ignore[arg-type]
-                    elif kind == "triton":
-                        self._triton_group(group, pos)  # type: ignore[arg-type]
+                    elif kind == "triton" and self._triton is not None:
+                        try:
+                            self._triton.write_group(group, pos)  # type: ignore[arg-type]
+                        except Exception as exc:  # as in ``_write_triton``: the eager path from now on
+                            self._triton_failed(exc)
+                            self._reduce_each(group, pos)
                     elif kind == "foreach":
                         self._foreach(group, pos)  # type: ignore[arg-type]
-                    else:
-                        for j, t in enumerate(group):
-                            self._reduce(t, pos + j)
+                    else:  # reduced alone, or a Triton group after the kernel failed
+                        self._reduce_each(group, pos)
                     pos += len(group)
             return start
         finally:
             torch._C._set_grad_enabled(grad)
 
-    def _triton_group(self, group: list[torch.Tensor], pos: int) -> None:
-        """A planned Triton group into rows ``pos..``; if the kernel fails (as in ``_write_triton``),
-        one warning and the eager reductions for it and from then on."""
-        if self._triton is not None:
-            try:
-                self._triton.write_group(group, pos)
-                return
-            except Exception as exc:
-                self._triton_failed(exc)
+    def _reduce_each(self, group: Sequence[torch.Tensor], pos: int) -> None:
         for j, t in enumerate(group):
             self._reduce(t, pos + j)
 
@@ -754,7 +749,7 @@ class DeviceRows:
         """``[counts, >= n]`` bool scratch of the current stream, grown by doubling, dropped at the
         step end.  Per stream: a hook on a side stream must not overwrite masks that another
         stream's ``sum`` has not read yet (the allocator orders reuse within one stream only)."""
-        key = _stream_key(self.device)
+        key = self.stream_key()
         buf = self._scratch.get(key)
         if buf is None or buf.shape[1] < n:
             size = max(4096, 1 << (n - 1).bit_length(), 2 * buf.shape[1] if buf is not None else 0)

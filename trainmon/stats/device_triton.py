@@ -59,6 +59,7 @@ _WARPS = 8  # warps a chunk program runs (Triton's launch option num_warps)
 _ROWS_BLOCK = 256  # chunks the rows kernel combines at a time
 _DATA_PTR, _NUMEL = torch.Tensor.data_ptr, torch.Tensor.numel
 _MIN_TABLE = 5  # tensors of one dtype worth a descriptor table (activations come one or two at a time)
+_UNSEEN = object()  # a group's addresses not seen yet (None is a group that has no table)
 # What a kernel (Triton's, or the eager batched reductions of device_rows) may read as raw memory:
 # the floating dtypes the device path reduces in place, and plain tensors (a subclass's storage
 # may not be its data).
@@ -218,6 +219,7 @@ class TritonRows:
         }
         self._tables: dict[tuple, tuple[torch.Tensor, int, int] | None] = {}
         self._scratch: dict[Any, torch.Tensor] = {}
+        self._eps_by_dtype: dict[torch.dtype, float] = {}
 
     def groups(self, tensors: Sequence[torch.Tensor], rows: list[int]) -> dict[torch.dtype, list[int]]:
         """The indices of the not yet placed tensors the kernel reads, by dtype (first seen first)."""
@@ -245,22 +247,30 @@ class TritonRows:
         return pos
 
     def write_group(self, group: list[torch.Tensor], pos: int) -> None:
-        """One dtype's eligible tensors (``groups``) into rows ``pos..``: a replayed plan
-        (``DeviceRows.write_planned``), no Python work per tensor when they have a table."""
-        if self.rows.device.type != "cuda":  # the interpreter's CPU tensors: no device to switch to
-            self._write_group(group, pos)
-            return
-        # Triton launches on the current device, whatever the tensors' device: make it theirs
-        with torch.cuda.device(self.rows.device):
-            self._write_group(group, pos)
-
-    def _write_group(self, group: list[torch.Tensor], pos: int) -> None:
-        table = self._table(group) if len(group) >= _MIN_TABLE else None
-        if table is not None:
-            self._reduce_group(group, table, pos)
-            return
-        for j, t in enumerate(group):
-            self._reduce_one(t, pos + j)
+        """One dtype's eligible tensors (``groups``) into rows ``pos..``.  What a replayed plan
+        (``DeviceRows.write_planned``) runs every step: for a group with a table, this frame,
+        ``_reduce_group``'s and the two launches, whatever the number of tensors (the steps on
+        the way are inline: each helper was a frame a group a step)."""
+        device = self.rows.device
+        # Triton launches on the current device, whatever the tensors' device: make it theirs,
+        # by the calls ``torch.cuda.device`` makes (C functions on a CUDA build) without its frames
+        previous = torch.cuda._exchange_device(self.rows.device_index) if device.type == "cuda" else -1
+        try:
+            table: Any = None
+            if len(group) >= _MIN_TABLE:
+                # C loops (``map`` over C methods): no Python work per tensor, cache hit or not
+                key = (group[0].dtype, tuple(map(_DATA_PTR, group)), tuple(map(_NUMEL, group)))
+                table = self._tables.get(key, _UNSEEN)
+                if table is _UNSEEN:
+                    table = self._new_table(key, group[0].element_size())
+            if table is not None:
+                self._reduce_group(group, key[2], table, pos)
+            else:
+                for j, t in enumerate(group):
+                    self._reduce_one(t, pos + j)
+        finally:
+            if previous >= 0:
+                torch.cuda._maybe_exchange_device(previous)
 
     def drop_scratch(self) -> None:
         self._scratch = {}
@@ -290,10 +300,19 @@ class TritonRows:
         self._rows_launch(part, part, chunks, 0, 1, row, table=False)
         self.rows.numels[row] = n
 
-    def _reduce_group(self, tensors: list[torch.Tensor], table: tuple[torch.Tensor, int, int], row: int) -> None:
+    def _reduce_group(
+        self, tensors: list[torch.Tensor], numels: tuple[int, ...], table: tuple[torch.Tensor, int, int], row: int
+    ) -> None:
         packed, chunks, chunk = table
-        part = self._partials(chunks)
-        eps = self._eps(tensors[0].dtype)
+        rows = self.rows
+        # ``_partials`` and ``_eps`` inline (a frame each per group and step)
+        key = None if rows.device.type == "cpu" else rows.stream_key()
+        part = self._scratch.get(key)
+        if part is None or part.numel() < chunks * self.width:
+            part = self._partials(chunks)
+        eps = self._eps_by_dtype.get(tensors[0].dtype)
+        if eps is None:
+            eps = self._eps(tensors[0].dtype)
         k = self.kernels
         _launch(
             k.chunk_partials,
@@ -310,19 +329,21 @@ class TritonRows:
             **self.meta,
         )
         first = packed[2 * chunks :]
+        n = len(tensors)
         done = 0
-        while done < len(tensors):  # one rows launch per chunk of the row buffer it writes into
-            n = self._rows_launch(part, first, chunks, done, len(tensors) - done, row + done, table=True)
-            done += n
-        self.rows.numels[row : row + len(tensors)] = list(map(_NUMEL, tensors))
+        while done < n:  # one rows launch per chunk of the row buffer it writes into
+            done += self._rows_launch(part, first, chunks, done, n - done, row + done, table=True)
+        rows.numels[row : row + n] = numels
 
     def _rows_launch(
         self, part: torch.Tensor, first: torch.Tensor, chunks: int, first_tensor: int, n: int, row: int, *, table: bool
     ) -> int:
         """Combine the chunks of ``n`` tensors (from ``first_tensor`` on) into rows ``row..``, as
         many as fit in that row's chunk of the row buffer; returns how many."""
-        chunk, r = self.rows._chunk(row)
-        n = min(n, self.rows.capacity - r)
+        rows = self.rows
+        c, r = divmod(row, rows.capacity)
+        chunk = rows.chunks[c] if c < len(rows.chunks) else rows._chunk(row)[0]  # ``_chunk``, a frame less
+        n = min(n, rows.capacity - r)
         values = chunk.values[r:]
         counts = chunk.counts[r:] if chunk.counts is not None else values
         _launch(
@@ -343,7 +364,8 @@ class TritonRows:
         return n
 
     def _eps(self, dtype: torch.dtype) -> float:
-        return self.rows._eps_in(dtype) if "zeros" in self.rows.ccol else 0.0
+        eps = self._eps_by_dtype[dtype] = self.rows._eps_in(dtype) if "zeros" in self.rows.ccol else 0.0
+        return eps
 
     # -- buffers -------------------------------------------------------------------------------
     def _partials(self, chunks: int) -> torch.Tensor:
@@ -357,16 +379,11 @@ class TritonRows:
             buf = self._scratch[key] = torch.empty(size, dtype=torch.float32, device=self.rows.device)
         return buf
 
-    def _table(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, int, int] | None:
-        """(packed int64 descriptors, chunks, chunk size) of a group, cached by its addresses;
-        None when an address is not a whole number of elements from the first tensor's."""
-        # C loops (``map`` over C methods): no Python work per tensor, cache hit or not
-        key = (tensors[0].dtype, tuple(map(_DATA_PTR, tensors)), tuple(map(_NUMEL, tensors)))
-        if key in self._tables:
-            return self._tables[key]
+    def _new_table(self, key: tuple, itemsize: int) -> tuple[torch.Tensor, int, int] | None:
+        """The table of a group seen at new addresses (``key``: dtype, addresses, element counts)."""
         if len(self._tables) > 256:
             self._tables.clear()
-        self._tables[key] = table = _describe(key[1], key[2], tensors[0].element_size(), self.rows.to_device)
+        self._tables[key] = table = _describe(key[1], key[2], itemsize, self.rows.to_device)
         return table
 
 

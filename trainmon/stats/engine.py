@@ -51,7 +51,8 @@ def stream_capturing(device: torch.device) -> bool:
     """True while ``device``'s current stream is capturing a CUDA graph: a hook then must not
     launch work or copy (its kernels would only be recorded, and a copy can break the capture).
     A module attribute so tests can fake it."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    # torch.cuda.is_current_stream_capturing's own C call (a frame less, at every planned capture)
+    return device.type == "cuda" and _IS_CAPTURING()
 
 
 def device_path_forced() -> bool:
@@ -92,6 +93,7 @@ _LAYOUT = operator.attrgetter("layout")
 _DEVICE_INDEX = torch.Tensor.get_device  # -1 on the CPU
 _DATA_PTR = torch.Tensor.data_ptr
 _IS_CONTIGUOUS = torch.Tensor.is_contiguous
+_IS_CAPTURING = torch._C._cuda_isCurrentStreamCapturing  # False on a build without CUDA
 _KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the fused kernel's dtype codes
 
 
