@@ -150,7 +150,8 @@ class ConfigStager:
         self._generation = 0  # bumped by every change, to spot one during a read
         self.reads = 0  # times the file was read (the watcher tells a read from a deferral)
         # Called just before each read (after the change it answers was taken); what it returns
-        # is kept as ``read_snapshot``: what the file was when it was read, for the watcher.
+        # is kept as ``read_snapshot``: what the file was when it was read, for the watcher.  None
+        # after a read that a newer change voided (that change is read next, never skipped).
         self.on_read: Callable[[], Any] | None = None
         self.read_snapshot: Any = None
 
@@ -182,9 +183,7 @@ class ConfigStager:
         try:
             config = self._validate(self.path)
         except ConfigError as exc:
-            with self._lock:
-                if generation == self._generation:
-                    self._last_event = None
+            self._read_done(generation)
             log.error(
                 "trainmon: dynamic: the edited config is NOT applied; monitoring stays as it "
                 "was (last valid version: %d) until the next change. %s",
@@ -193,14 +192,22 @@ class ConfigStager:
             )
             return None
         except Exception:
-            with self._lock:
-                if generation == self._generation:
-                    self._last_event = None
+            self._read_done(generation)
             log.exception("trainmon: dynamic: reading %s failed; monitoring continues as it was", self.path)
             return None
         with self._lock:
             decision = self._stage_locked(config, generation)
+            if decision is None:
+                self.read_snapshot = None  # voided by a newer change: read again, not "already read"
         return self._staged(decision)
+
+    def _read_done(self, generation: int) -> None:
+        """A read that staged nothing: the change is answered, unless a newer one came meanwhile."""
+        with self._lock:
+            if generation == self._generation:
+                self._last_event = None
+            else:
+                self.read_snapshot = None
 
     def stage_now(self, fallback: MonitorConfig) -> Decision:
         """Stage the file as it is now (at ``set_monitor``), or ``fallback`` if it is invalid."""
@@ -651,12 +658,13 @@ class ConfigWatcher:
         just now, a late event of the same save, defers the read; remembering the text then
         would make the deferred read look done and drop it), and as it was at that read (taken
         by the stager after it took the change, so a write in between is not mistaken for read
-        or for unread)."""
+        or for unread).  A read that a newer change voided (an event of the save reported during
+        the read) is not remembered either: the read after it stages the edit."""
         if self._read_state() == self._seen and self.stager.drop_pending(now):
             return
         reads = self.stager.reads
         self.stager.settle(now)
-        if self.stager.reads != reads:
+        if self.stager.reads != reads and self.stager.read_snapshot is not None:
             self._seen = self.stager.read_snapshot
 
     def _read_state(self) -> tuple:

@@ -259,6 +259,32 @@ def test_a_late_event_of_the_same_save_does_not_lose_the_edit(tmp_path, observer
         w.close()
 
 
+def test_a_late_event_of_the_same_save_during_the_read_does_not_lose_the_edit(tmp_path, observer):
+    """An event of the save arriving while the file is being read (after what it reads was noted)
+    voids that read's staging; the read that follows must stage the edit, though the file reads
+    just what the voided read saw (it used to be dropped as "already read": one of 200 watchers
+    of a loaded run never switched on)."""
+    path = tmp_path / "config.json"
+    path.write_text(text(False, ["norm"]))
+    w = Watched(path, observer)
+    late = []
+
+    def late_event_during_read(config_path):
+        config = load_config(config_path)
+        if not late:
+            late.append(config_path)
+            w.stager.note_change(time.monotonic())  # the save's last event, reported mid-read
+        return config
+
+    w.stager._validate = late_event_during_read
+    try:
+        path.write_text(text(True, ["min"]))
+        assert _ops(w.wait_version(2)) == ("min",) and late
+        assert w.quiet() == 2
+    finally:
+        w.close()
+
+
 def _write_in_place(path: Path, content: str) -> None:
     with open(path, "r+") as fh:
         fh.truncate(0)
