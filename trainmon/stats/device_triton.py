@@ -261,8 +261,11 @@ class TritonRows:
                 # C loops (``map`` over C methods): no Python work per tensor, cache hit or not
                 key = (group[0].dtype, tuple(map(_DATA_PTR, group)), tuple(map(_NUMEL, group)))
                 table = self._tables.get(key, _UNSEEN)
-                if table is _UNSEEN:
-                    table = self._new_table(key, group[0].element_size())
+                if table is _UNSEEN:  # new addresses (grads after ``zero_grad``): a new table
+                    if len(self._tables) > 256:
+                        self._tables.clear()
+                    table = _describe(key[1], key[2], group[0].element_size(), self.rows.to_device)
+                    self._tables[key] = table
             if table is not None:
                 self._reduce_group(group, key[2], table, pos)
             else:
@@ -369,8 +372,10 @@ class TritonRows:
 
     # -- buffers -------------------------------------------------------------------------------
     def _partials(self, chunks: int) -> torch.Tensor:
-        """``[chunks * width]`` float32 scratch of the current stream: grown by doubling, dropped at
-        the step end, reused by every launch (kernels on one stream run in order)."""
+        """``[chunks * width]`` float32 scratch of the current stream: grown by doubling, reused by
+        every launch (kernels on one stream run in order) and from step to step (``_MAX_CHUNKS``
+        rows of partials at most, 2-4 MiB: allocating it again each step was a frame and an
+        allocation a step); dropped by ``DeviceRows.clear``."""
         key = self.rows.stream_key()
         need = chunks * self.width
         buf = self._scratch.get(key)
@@ -378,13 +383,6 @@ class TritonRows:
             size = max(1024, 1 << (need - 1).bit_length(), 2 * buf.numel() if buf is not None else 0)
             buf = self._scratch[key] = torch.empty(size, dtype=torch.float32, device=self.rows.device)
         return buf
-
-    def _new_table(self, key: tuple, itemsize: int) -> tuple[torch.Tensor, int, int] | None:
-        """The table of a group seen at new addresses (``key``: dtype, addresses, element counts)."""
-        if len(self._tables) > 256:
-            self._tables.clear()
-        self._tables[key] = table = _describe(key[1], key[2], itemsize, self.rows.to_device)
-        return table
 
 
 def _describe(
