@@ -93,6 +93,30 @@ def test_huge_finite_values_give_finite_exact_sums(fused, value, dtype):
     assert row[3:] == [truth.min().item(), truth.max().item()]
 
 
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, 1e20])
+@pytest.mark.parametrize("where", [0, 1500, 2050], ids=["first-block", "last-block", "tail"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_odd_value_late_in_a_tensor_is_counted_and_summed_as_float64_truth(value, where, dtype):
+    """The kernel first sums a tensor's finite blocks in float64 lanes, and starts over block by
+    block once a sum is not finite: one NaN, Inf or float-overflowing value in the first block,
+    the last whole block or the tail gives the values and counts of float64 truth either way."""
+    if not _fused_cpu.enabled():
+        pytest.skip("fused CPU kernel does not build here")
+    t = (torch.randn(2060, generator=torch.Generator().manual_seed(5)) + 0.25).to(dtype)
+    t[where] = value
+    t[7] = 0.0
+    d = t.double()
+    row = _fused_cpu.partials_f32([t], eps=1e-8)[0].tolist()
+    count, total, sumsq, lo, hi, nans, infs, zeros = row[:8]
+    assert (count, nans, infs, zeros) == (2060, float(math.isnan(value)), float(math.isinf(value)), 1.0)
+    if math.isnan(value):
+        assert all(math.isnan(v) for v in (total, sumsq, lo, hi))
+        return
+    assert total == pytest.approx(d.sum().item(), rel=1e-6)
+    assert sumsq == pytest.approx(d.square().sum().item(), rel=1e-6)
+    assert (lo, hi) == (d.min().item(), d.max().item())
+
+
 def test_forty_million_equal_values_stay_accurate(fused):
     n, v = 40_000_000, torch.tensor(0.1).item()  # the float32 value of 0.1, exactly
     row = fused([torch.full((n,), 0.1)])[0].tolist()
