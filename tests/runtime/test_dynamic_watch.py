@@ -236,47 +236,33 @@ def test_an_edit_reported_twice_is_one_version_and_saving_again_is_another(tmp_p
         w.close()
 
 
-def test_a_late_event_of_the_same_save_does_not_lose_the_edit(tmp_path, observer):
+@pytest.mark.parametrize("when", ["before-the-read", "during-the-read"])
+def test_a_late_event_of_the_same_save_does_not_lose_the_edit(tmp_path, observer, when):
     """An event of the save arriving between the watcher's "rested" check and the read defers the
-    read; the deferred read must still happen (it used to be dropped as "already read")."""
-    path = tmp_path / "config.json"
-    path.write_text(text(False, ["norm"]))
-    w = Watched(path, observer)
-    real_settle, late = w.stager.settle, []
-
-    def late_event_first(now: float):
-        if not late:
-            late.append(now)
-            w.stager.note_change(time.monotonic())  # the late event, just before the read
-        return real_settle(now)
-
-    w.stager.settle = late_event_first
-    try:
-        path.write_text(text(True, ["min"]))
-        assert _ops(w.wait_version(2)) == ("min",) and late
-        assert w.quiet() == 2
-    finally:
-        w.close()
-
-
-def test_a_late_event_of_the_same_save_during_the_read_does_not_lose_the_edit(tmp_path, observer):
-    """An event of the save arriving while the file is being read (after what it reads was noted)
-    voids that read's staging; the read that follows must stage the edit, though the file reads
-    just what the voided read saw (it used to be dropped as "already read": one of 200 watchers
+    read; one arriving while the file is read (after what it reads was noted) voids that read's
+    staging.  Either way the read that follows must stage the edit, though the file reads just
+    what was seen (both used to be dropped as "already read": the second left one of 200 watchers
     of a loaded run never switched on)."""
     path = tmp_path / "config.json"
     path.write_text(text(False, ["norm"]))
     w = Watched(path, observer)
     late = []
 
-    def late_event_during_read(config_path):
-        config = load_config(config_path)
-        if not late:
-            late.append(config_path)
-            w.stager.note_change(time.monotonic())  # the save's last event, reported mid-read
-        return config
+    def late_event(real):
+        def wrapped(arg):
+            if when == "during-the-read":
+                result = real(arg)
+            if not late:
+                late.append(arg)
+                w.stager.note_change(time.monotonic())  # the save's late event
+            return real(arg) if when == "before-the-read" else result
 
-    w.stager._validate = late_event_during_read
+        return wrapped
+
+    if when == "before-the-read":
+        w.stager.settle = late_event(w.stager.settle)
+    else:
+        w.stager._validate = late_event(w.stager._validate)
     try:
         path.write_text(text(True, ["min"]))
         assert _ops(w.wait_version(2)) == ("min",) and late

@@ -149,6 +149,34 @@ static void NAME(const void* p, int64_t i, float shift, double* sd, double* sdd)
   for (int j = 0; j < LANES; ++j) { *sd += d1[j]; *sdd += d2[j]; }                         \
 }
 
+/* The lanes FAST and ONE_PASS share: LANE_START before the blocks; LANE_BLOCK reads the block at
+   i into the float lanes s, q (sums, squares), mn, mx and z (|x| < eps, when WANT_ZEROS);
+   LANE_EXTREMES folds mn/mx into lo/hi, then reads the tail's extremes and zeros. */
+#define LANE_START                                                                         \
+  float mn[LANES], mx[LANES];                                                              \
+  for (int j = 0; j < LANES; ++j) { mn[j] = INFINITY; mx[j] = -INFINITY; }                 \
+  int64_t i = 0;                                                                           \
+  const int64_t whole = n / BLOCK * BLOCK;
+#define LANE_BLOCK(LOAD, WANT_ZEROS)                                                       \
+    float s[LANES] = {0}, q[LANES] = {0};                                                  \
+    int32_t z[LANES] = {0};                                                                \
+    for (int64_t k = 0; k < BLOCK; k += LANES) {                                           \
+      for (int j = 0; j < LANES; ++j) {                                                    \
+        float x = LOAD(p, i + k + j);                                                      \
+        s[j] += x; q[j] += x * x;                                                          \
+        mn[j] = x < mn[j] ? x : mn[j]; mx[j] = x > mx[j] ? x : mx[j];                      \
+        if (WANT_ZEROS) z[j] += fabsf(x) < eps;                                            \
+      }                                                                                    \
+    }
+#define LANE_EXTREMES(LOAD, WANT_ZEROS)                                                    \
+  float lo = mn[0], hi = mx[0];                                                            \
+  for (int j = 1; j < LANES; ++j) { lo = mn[j] < lo ? mn[j] : lo; hi = mx[j] > hi ? mx[j] : hi; } \
+  for (int64_t k = i; k < n; ++k) {                                                        \
+    float x = LOAD(p, k);                                                                  \
+    lo = x < lo ? x : lo; hi = x > hi ? x : hi;                                            \
+    if (WANT_ZEROS) zeros += fabsf(x) < eps;                                               \
+  }
+
 /* FAST: ONE_PASS without m2, for the common case of finite block sums: each lane's block sums go
    into double lanes, so a block ends with no horizontal sum (a chain of 32 dependent adds that
    took as long as the block's reads: the pass ran at half of torch.sum's speed).  Returns 0 when
@@ -157,35 +185,17 @@ static void NAME(const void* p, int64_t i, float shift, double* sd, double* sdd)
 static inline int NAME(const void* p, int64_t n, float eps, int want_zeros, double* out) { \
   dlanes_t as = {0}, aq = {0};                                                             \
   int64_t zl[LANES] = {0};                                                                 \
-  float mn[LANES], mx[LANES];                                                              \
-  for (int j = 0; j < LANES; ++j) { mn[j] = INFINITY; mx[j] = -INFINITY; }                 \
-  int64_t i = 0;                                                                           \
-  const int64_t whole = n / BLOCK * BLOCK;                                                 \
+  LANE_START                                                                               \
   for (; i < whole; i += BLOCK) {                                                          \
-    float s[LANES] = {0}, q[LANES] = {0};                                                  \
-    int32_t z[LANES] = {0};                                                                \
-    for (int64_t k = 0; k < BLOCK; k += LANES) {                                           \
-      for (int j = 0; j < LANES; ++j) {                                                    \
-        float x = LOAD(p, i + k + j);                                                      \
-        s[j] += x; q[j] += x * x;                                                          \
-        mn[j] = x < mn[j] ? x : mn[j]; mx[j] = x > mx[j] ? x : mx[j];                      \
-        if (want_zeros) z[j] += fabsf(x) < eps;                                            \
-      }                                                                                    \
-    }                                                                                      \
+    LANE_BLOCK(LOAD, want_zeros)                                                           \
     lanes_t sv, qv; memcpy(&sv, s, sizeof sv); memcpy(&qv, q, sizeof qv);                  \
-    as += TO_DOUBLE(sv); aq += TO_DOUBLE(qv);                                                \
+    as += TO_DOUBLE(sv); aq += TO_DOUBLE(qv);                                              \
     for (int j = 0; j < LANES; ++j) zl[j] += z[j];                                         \
   }                                                                                        \
   double sum = 0.0, sumsq = 0.0, zeros = 0.0;                                              \
   for (int j = 0; j < LANES; ++j) { sum += as[j]; sumsq += aq[j]; zeros += (double)zl[j]; } \
-  float lo = mn[0], hi = mx[0];                                                            \
-  for (int j = 1; j < LANES; ++j) { lo = mn[j] < lo ? mn[j] : lo; hi = mx[j] > hi ? mx[j] : hi; } \
+  LANE_EXTREMES(LOAD, want_zeros)                                                          \
   if (i < n) {                                                                             \
-    for (int64_t k = i; k < n; ++k) {                                                      \
-      float x = LOAD(p, k);                                                                \
-      lo = x < lo ? x : lo; hi = x > hi ? x : hi;                                          \
-      if (want_zeros) zeros += fabsf(x) < eps;                                             \
-    }                                                                                      \
     double r[6]; EXACT_FN(p, i, n - i, 0, r);                                              \
     if (r[2] != 0.0 || r[3] != 0.0) return 0;                                              \
     sum += r[0]; sumsq += r[1];                                                            \
@@ -210,21 +220,9 @@ static void NAME(const void* p, int64_t n, float eps, double* out) {            
   if (!M2 && FAST_FN(p, n, eps, ZEROS, out)) return;                                       \
   double sum = 0.0, sumsq = 0.0, nans = 0.0, infs = 0.0, zeros = 0.0;                     \
   double cn = 0.0, cmean = 0.0, cm2 = 0.0;                                                 \
-  float mn[LANES], mx[LANES];                                                              \
-  for (int j = 0; j < LANES; ++j) { mn[j] = INFINITY; mx[j] = -INFINITY; }                 \
-  int64_t i = 0;                                                                           \
-  const int64_t whole = n / BLOCK * BLOCK;                                                 \
+  LANE_START                                                                               \
   for (; i < whole; i += BLOCK) {                                                          \
-    float s[LANES] = {0}, q[LANES] = {0};                                                  \
-    int32_t z[LANES] = {0};                                                                \
-    for (int64_t k = 0; k < BLOCK; k += LANES) {                                           \
-      for (int j = 0; j < LANES; ++j) {                                                    \
-        float x = LOAD(p, i + k + j);                                                      \
-        s[j] += x; q[j] += x * x;                                                          \
-        mn[j] = x < mn[j] ? x : mn[j]; mx[j] = x > mx[j] ? x : mx[j];                      \
-        if (ZEROS) z[j] += fabsf(x) < eps;                                                 \
-      }                                                                                    \
-    }                                                                                      \
+    LANE_BLOCK(LOAD, ZEROS)                                                                \
     double bs = 0.0, bq = 0.0, bmean = 0.0, bm2 = 0.0;                                     \
     for (int j = 0; j < LANES; ++j) { bs += s[j]; bq += q[j]; }                            \
     if (ZEROS) { int64_t zb = 0; for (int j = 0; j < LANES; ++j) zb += z[j]; zeros += (double)zb; } \
@@ -241,14 +239,8 @@ static void NAME(const void* p, int64_t n, float eps, double* out) {            
     sum += bs; sumsq += bq;                                                                \
     if (M2) chan(&cn, &cmean, &cm2, BLOCK, bmean, bm2 < 0.0 ? 0.0 : bm2);                  \
   }                                                                                        \
-  float lo = mn[0], hi = mx[0];                                                            \
-  for (int j = 1; j < LANES; ++j) { lo = mn[j] < lo ? mn[j] : lo; hi = mx[j] > hi ? mx[j] : hi; } \
+  LANE_EXTREMES(LOAD, ZEROS)                                                               \
   if (i < n) {                                                                             \
-    for (int64_t k = i; k < n; ++k) {                                                      \
-      float x = LOAD(p, k);                                                                \
-      lo = x < lo ? x : lo; hi = x > hi ? x : hi;                                          \
-      if (ZEROS) zeros += fabsf(x) < eps;                                                  \
-    }                                                                                      \
     double r[6]; EXACT_FN(p, i, n - i, M2, r);                                             \
     sum += r[0]; sumsq += r[1]; nans += r[2]; infs += r[3];                                \
     if (M2) chan(&cn, &cmean, &cm2, (double)(n - i), r[4], r[5]);                          \
