@@ -47,6 +47,17 @@ class Server:
     workers too), answering on ``uri`` once started."""
 
     def __init__(self, root: Path):
+        self.root = root
+        self._start()
+
+    def ensure(self) -> Server:
+        """Started again (on a new port) if a test stopped it."""
+        if self.proc.poll() is not None:
+            self._start()
+        return self
+
+    def _start(self) -> None:
+        root = self.root
         port = _free_port()
         self.uri = f"http://127.0.0.1:{port}"
         cmd = [
@@ -99,11 +110,18 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server_process(tmp_path_factory):
     pytest.importorskip("mlflow")
     srv = Server(tmp_path_factory.mktemp("mlflow"))
     yield srv
     srv.stop()
+
+
+@pytest.fixture
+def server(server_process):
+    """The module's server (a start takes 15-25 s on a loaded machine), started again if a test
+    stopped it."""
+    return server_process.ensure()
 
 
 @pytest.fixture
@@ -206,8 +224,9 @@ def test_the_users_active_run_is_reused_and_left_running(server, tmp_path, monke
 
 
 @pytest.mark.slow
-def test_a_stopped_server_is_one_warning_and_nothing_else_is_lost(tmp_path, output_root, make_config, fast_failures):
-    pytest.importorskip("mlflow")
+def test_a_stopped_server_is_one_warning_and_nothing_else_is_lost(
+    server, tmp_path, output_root, make_config, fast_failures
+):
     import torch
 
     from trainmon import TrainerMon
@@ -215,7 +234,6 @@ def test_a_stopped_server_is_one_warning_and_nothing_else_is_lost(tmp_path, outp
     from trainmon.sinks.mlflow import MlflowSink
     from trainmon.testing.tiny_gpt import GPTConfig, TinyGPT, synthetic_batches
 
-    server = Server(tmp_path)
     cfg = GPTConfig(vocab=32, seq=8, dim=16, heads=2, layers=1)
     models = []
     for _ in range(2):
