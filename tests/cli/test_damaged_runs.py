@@ -247,11 +247,13 @@ HEADER_EDITS = [
 def _variants(raw: bytes) -> list[tuple[str, bytes, bool]]:
     """(label, damaged bytes, run every command on it)."""
     rng = random.Random(12)
-    # every cut inside the header and the first row, every third one after (the rows repeat a shape)
-    first_row = raw.index(b"\n", raw.index(b"\n") + 1) + 1
-    cuts = [*range(first_row), *range(first_row, len(raw), 3)]
+    # every cut inside the header, every other one in the first row, every third one after (the
+    # rows repeat a shape)
+    header = raw.index(b"\n") + 1
+    first_row = raw.index(b"\n", header) + 1
+    cuts = [*range(header), *range(header, first_row, 2), *range(first_row, len(raw), 3)]
     out = [(f"cut at {n}", raw[:n], n % 8 == 0) for n in cuts]
-    for k in range(40):
+    for k in range(30):
         b = bytearray(raw)
         for _ in range(rng.choice((1, 1, 2, 5))):
             b[rng.randrange(len(b))] = rng.randrange(256)
