@@ -93,7 +93,8 @@ _LAYOUT = operator.attrgetter("layout")
 _DEVICE_INDEX = torch.Tensor.get_device  # -1 on the CPU
 _DATA_PTR = torch.Tensor.data_ptr
 _IS_CONTIGUOUS = torch.Tensor.is_contiguous
-_IS_CAPTURING = torch._C._cuda_isCurrentStreamCapturing  # False on a build without CUDA
+# False on a build without CUDA; a build without the function at all never captures
+_IS_CAPTURING = getattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False)
 _KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the fused kernel's dtype codes
 
 
