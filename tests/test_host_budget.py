@@ -9,16 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests._support.host_budget import seam, step_cost
+from tests._support.host_budget import ALL_ON, WEIGHT_CONFIGS, WEIGHT_FRAMES_PER_ROW, seam, step_cost
 
-WG = {"wg_distribution": True}
-ALL_ON = {"wg_distribution": True, "mv_distribution": True, "param_distribution": True}
-ALL_ON_UR = {**ALL_ON, "ur_distribution": True}  # + update_ratio: the seventh weight family
-# (config, weight rows per param): grads un/reduced; + param origin/updated, 2 moments; + update_ratio
-CONFIGS = {"wg": (WG, 2), "all-on": (ALL_ON, 6), "all-on+ur": (ALL_ON_UR, 7)}
-
-# Python frames per weight-family row (the target: <= 0.5, today's baseline 10-20).
-WEIGHT_FRAMES_PER_ROW = 0.5
+CONFIGS = WEIGHT_CONFIGS
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))

@@ -23,6 +23,13 @@ from trainmon.testing.gc_counter import young_collections
 from trainmon.testing.op_counter import OpCounter
 
 OPS = ["norm", "mean", "min", "max", "nans"]  # the shipped configs' list
+WG = {"wg_distribution": True}
+ALL_ON = {"wg_distribution": True, "mv_distribution": True, "param_distribution": True}
+ALL_ON_UR = {**ALL_ON, "ur_distribution": True}  # + update_ratio: the seventh weight family
+# (config, weight rows per param): grads un/reduced; + param origin/updated, 2 moments; + update_ratio
+WEIGHT_CONFIGS = {"wg": (WG, 2), "all-on": (ALL_ON, 6), "all-on+ur": (ALL_ON_UR, 7)}
+# Python frames per weight-family row (the issue's target: <= 0.5, the baseline 10-20).
+WEIGHT_FRAMES_PER_ROW = 0.5
 
 
 @dataclass(frozen=True)

@@ -215,6 +215,29 @@ def fallback() -> dict:
         device_triton._launch = _counted_launch
 
 
+def step_frames() -> dict:
+    """Per weight config: a whole monitored training step of ``host_budget.chain(64)`` on the
+    Triton route (``host_budget.step_cost``), launches stubbed: its Python frames (the host
+    bookkeeping of a GPU step) and the weight rows it records."""
+    import tempfile
+    from pathlib import Path
+
+    import pytest
+
+    from tests._support.host_budget import WEIGHT_CONFIGS, step_cost
+
+    real, device_triton._launch = device_triton._launch, lambda kernel, grid, *a, **m: None
+    out = {}
+    try:
+        with tempfile.TemporaryDirectory() as tmp, pytest.MonkeyPatch.context() as mp:
+            for name, (settings, _rows) in WEIGHT_CONFIGS.items():
+                cost = step_cost(Path(tmp) / name, settings, 64, mp)
+                out[name] = {"frames": cost.frames, "weight_rows": cost.weight_rows}
+    finally:
+        device_triton._launch = real
+    return out
+
+
 def monitored_run(config: str) -> None:
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -235,6 +258,7 @@ def main() -> None:
         "counts": counts(),
         "fallback": fallback(),
         "planned": planned_blocks(),
+        "step_frames": step_frames(),
     }
     monitored_run(sys.argv[1])
     print(json.dumps(result))

@@ -138,6 +138,18 @@ def test_a_family_block_is_planned_once_on_the_triton_route_with_the_same_rows(c
 
 
 @pytest.mark.slow
+def test_a_monitored_step_costs_at_most_half_a_python_frame_per_weight_row_on_the_triton_route(cases):
+    """The host budget of tests/test_host_budget.py on the route a CUDA GPU with Triton takes: a
+    whole training step of 64 tensors (launches stubbed: what the host runs, not the kernels)."""
+    from tests._support.host_budget import WEIGHT_CONFIGS, WEIGHT_FRAMES_PER_ROW
+
+    for name, (_settings, rows_per_param) in WEIGHT_CONFIGS.items():
+        cost = cases["step_frames"][name]
+        assert cost["weight_rows"] == rows_per_param * 64, (name, cost)
+        assert cost["frames"] / cost["weight_rows"] <= WEIGHT_FRAMES_PER_ROW, (name, cost)
+
+
+@pytest.mark.slow
 def test_a_failing_launch_falls_back_to_the_eager_path_with_the_same_values(cases):
     fallback = cases["fallback"]
     assert fallback["path"] == {"cpu": "device"}

@@ -24,10 +24,8 @@ import torch.nn as nn
 from trainmon.config import MonitorConfig
 from trainmon.core.hooks import (
     Handle,
-    dynamo_compiling,
-    dynamo_frame_callback,
+    eager_gate,
     eager_only,
-    never_traced,
     outside_compiled_graphs,
 )
 from trainmon.core.naming import TargetMatcher, TrackedParam
@@ -277,24 +275,12 @@ class Guard:
 
     def gated(self, collector: Collector, fn: Callable[..., Any], clock: StepClock) -> Callable[..., Any]:
         """``wrap`` for hooks that do nothing on steps that are not collected: one flag check
-        then, and on collected steps a single Python frame around ``fn`` (the compile test of
-        ``outside_compiled_graphs``, the step check and the failure guard together: hooks run
-        hundreds of times per step)."""
+        then, and on collected steps a single Python frame around ``fn`` (``eager_gate``: the
+        compile test, the step check and the failure guard together: hooks run hundreds of times
+        per step)."""
         failed, name, fail = self.failed, collector.name, self._fail
 
         def body(*args: Any) -> Any:
-            if clock.collecting and name not in failed:
-                try:
-                    return fn(*args)
-                except Exception:
-                    fail(collector)
-            return None
-
-        eager = eager_only(body)
-
-        def hook(*args: Any) -> Any:
-            if dynamo_compiling() or dynamo_frame_callback() is not None:
-                return eager(*args)
             if clock.collecting and name not in failed:
                 try:
                     return fn(*args)  # None but for forward pre-hooks handing the module new args
@@ -302,7 +288,7 @@ class Guard:
                     fail(collector)
             return None
 
-        return never_traced(hook)
+        return eager_gate(fn, eager_only(body), clock, failed, name, functools.partial(fail, collector))
 
     def _fail(self, collector: Collector) -> None:
         self.failed.add(collector.name)

@@ -15,8 +15,6 @@ __all__ = [
     "outside_compiled_graphs",
     "eager_only",
     "never_traced",
-    "dynamo_compiling",
-    "dynamo_frame_callback",
     "eager_gate",
     "step_optimizer",
     "wrap_optimizer_step",
@@ -227,9 +225,6 @@ def _compile_probes() -> tuple[Callable[[], Any], Callable[[types.CodeType, bool
 
 
 _dynamo_callback, _set_frame_skipped = _compile_probes()
-# True while Dynamo traces (its own constant there), a plain False otherwise: tracing never reaches
-# the callback probe, which Dynamo cannot trace.
-_is_dynamo_compiling = getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling)
 
 
 def outside_compiled_graphs(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -240,13 +235,16 @@ def outside_compiled_graphs(fn: Callable[..., Any]) -> Callable[..., Any]:
     every switch of that state, then gives up with pages of warnings pointing into trainmon.  So
     the hook's own frame is never compiled, and while a compiled model runs (Dynamo's frame
     callback is set) the body runs with Dynamo off, nested calls included: one graph break per
-    hook, values as in eager mode, and one hint of ours.  Eager training pays two calls (~40 ns).
+    hook, values as in eager mode, and one hint of ours.  Eager training pays one Python frame and
+    one C call (Dynamo's frame-callback probe) on top of ``fn``: Dynamo never traces the hook
+    (``never_traced``), so the probe is the whole compile test.
     """
     eager = eager_only(fn)
+    probe = _dynamo_callback
 
     @functools.wraps(fn)
     def hook(*args: Any) -> Any:
-        if dynamo_compiling() or dynamo_frame_callback() is not None:
+        if probe() is not None:
             return eager(*args)
         return fn(*args)
 
@@ -275,15 +273,14 @@ def eager_only(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def never_traced(hook: Callable[..., Any]) -> Callable[..., Any]:
-    """Mark ``hook``'s own frame never-compiled.  A hook built by hand instead of through
-    ``outside_compiled_graphs`` (to save a frame on a hot path) starts with the same test:
-    ``if dynamo_compiling() or dynamo_frame_callback() is not None: return eager_only(fn)(*args)``."""
+    """Mark ``hook`` as ``torch._dynamo.skip`` does, without importing Dynamo: its own frame is
+    never compiled, and Dynamo never inlines it into a traced caller (a graph break at the call;
+    the hook then runs as plain Python while the compiled code's frame callback is set).  So a
+    hook never runs under tracing, and Dynamo's frame-callback probe is its whole compile test
+    (``outside_compiled_graphs``, ``eager_gate``)."""
     _set_frame_skipped(cast(types.FunctionType, hook).__code__, True)
+    hook._torchdynamo_disable = True  # type: ignore[attr-defined]  # what Dynamo reads: never inline this
     return hook
-
-
-dynamo_compiling = _is_dynamo_compiling
-dynamo_frame_callback = _dynamo_callback
 
 
 def eager_gate(
@@ -298,10 +295,8 @@ def eager_gate(
     costs one Python frame, not two: what ``Guard.gated`` does in eager mode (run ``fn`` while
     ``clock.collecting`` and ``name`` is not in ``failed``, ``on_error()`` if it raises), with
     the compile test reduced to Dynamo's frame-callback probe (a C call).  Whenever compiled code
-    runs (the probe is set) the call goes to ``general``, the compile-aware gate.  The other case
-    ``general`` covers, Dynamo tracing the hook (``dynamo_compiling()``), cannot happen: the hook is
-    marked as ``torch.compiler.disable`` marks functions, so Dynamo never inlines it (a graph break
-    at the call, as the general gate's eager path makes), and its own frame is never compiled."""
+    runs (the probe is set) the call goes to ``general``, the compile-aware path.  Dynamo never
+    traces the hook itself (``never_traced``)."""
     probe = _dynamo_callback
 
     def hook(*args: Any) -> Any:
@@ -314,7 +309,6 @@ def eager_gate(
             return None
         return general(*args)
 
-    hook._torchdynamo_disable = True  # type: ignore[attr-defined]  # Dynamo: never inline this
     return never_traced(hook)
 
 

@@ -68,11 +68,22 @@ class ParamWatch:
         if not clock.collecting or self._checked_step == clock.step or module is not self.ctx.chunks[vpp]:
             return  # not collected, already looked this step, or a copy of the model (deepcopy)
         self._checked_step = clock.step
-        if not self._broken:
-            try:
-                self.check(True)
-            except Exception:
-                self._failed()
+        if self._broken:
+            return
+        groups = getattr(self.ctx.optimizer, "param_groups", None)
+        try:  # ``check``'s common case inline (nothing frozen, nothing added): every collected step
+            if (
+                not self._frozen
+                and type(groups) is list
+                and (len(groups), sum(map(len, map(_params_of, groups)))) == self._optimizer_size
+            ):
+                return
+        except Exception:
+            pass  # not torch's list of dicts: ``check`` looks
+        try:
+            self.check(True)
+        except Exception:
+            self._failed()
 
     def at_step_entry(self) -> None:
         """Optimizer step entry of a collected step: a late ``add_param_group`` is seen here (the
