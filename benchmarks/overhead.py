@@ -192,9 +192,14 @@ def _tracker_environment(tmp: Path) -> None:
 
 
 def run_timing(
-    repeats: int, steps: int, warmup: int, only: str | None = None, formats: list[str] | None = None
+    repeats: int,
+    steps: int,
+    warmup: int,
+    only: str | None = None,
+    formats: list[str] | None = None,
+    threads: int = 1,
 ) -> dict[str, float]:
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     formats = formats or [os.environ.get("TRAINMON_BENCH_FORMAT", "csv")]
     several = len(formats) > 1
     runs: list[tuple[str, str, dict, str | None]] = [
@@ -220,7 +225,8 @@ def run_timing(
     print(
         f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, "
         f"{len(list(model.parameters()))} tensors; unmonitored {base * 1e3:.1f} ms/step; "
-        f"{repeats} rounds x {steps} paired steps; torch {torch.__version__}, 1 thread"
+        f"{repeats} rounds x {steps} paired steps; torch {torch.__version__}, "
+        f"{threads} thread{'s' if threads > 1 else ''}"
     )
     ratios = {}
     for name, p in pairs.items():
@@ -293,6 +299,13 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--memory", action="store_true", help="measure peak RSS instead of step time")
     parser.add_argument("--only", metavar="CONFIG", help="time one config, e.g. 'all-on+xy' (more rounds fit)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch's CPU threads for both runs (default 1, the figures quoted in docs/performance.md; "
+        "the fused kernel reads with as many)",
+    )
     parser.add_argument("--memory-child", help=argparse.SUPPRESS)
     parser.add_argument(
         "--format",
@@ -315,7 +328,7 @@ def main() -> None:
     elif args.memory:
         run_memory()
     else:
-        run_timing(args.repeats, args.steps, args.warmup, args.only, args.format)
+        run_timing(args.repeats, args.steps, args.warmup, args.only, args.format, args.threads)
 
 
 if __name__ == "__main__":

@@ -216,3 +216,124 @@ def test_unwritable_cache_uses_a_private_temp_folder_and_never_a_shared_one(tmp_
     refused = _enabled_in_subprocess({"TRAINMON_CACHE_DIR": unwritable, "TMPDIR": str(tmp_path / "t2")}, tmp_path)
     assert refused.returncode == 0 and refused.stdout.strip() == "False", refused.stderr
     assert not list(shared.iterdir())
+
+
+def _segmented_batch() -> list[torch.Tensor]:
+    """Tensors above ``SEGMENT_ELEMENTS`` (read as segments) with NaN, Inf and zeros in a middle
+    segment, the tail or nowhere, between small ones; fp32, bf16 and fp16."""
+    g = torch.Generator().manual_seed(11)
+    seg = _fused_cpu.SEGMENT_ELEMENTS
+    big = torch.randn(2 * seg + 777, generator=g) * 3 + 0.5
+    nan_mid = big.clone()
+    nan_mid[seg + 5] = math.nan
+    inf_tail = big.clone()
+    inf_tail[-3] = -math.inf
+    zeros = big.clone()
+    zeros[::5] = 0.0
+    small = [torch.randn(n, generator=g) for n in (0, 17, 4099)]
+    batch = [small[0], big, small[1], nan_mid, inf_tail, zeros, small[2], big.bfloat16(), (big * 1e-3).half()]
+    return batch + [torch.randn(seg, generator=g), torch.randn(seg + 1, generator=g)]  # at and past the bound
+
+
+def test_a_tensor_read_in_segments_gives_float64_truth_for_every_column(fused):
+    """A tensor above ``SEGMENT_ELEMENTS`` is read segment by segment and the pieces combined in
+    float64 (Chan's formula for m2): every column against float64 truth, NaN/Inf included."""
+    batch = _segmented_batch()
+    rows = _fused_cpu.partials_f32(batch, eps=1e-8).tolist()
+    for t, row in zip(batch, rows):
+        d = t.double()
+        count, total, sumsq, lo, hi, nans, infs, zeros, m2 = row
+        n_nan, n_inf = int(d.isnan().sum()), int(d.isinf().sum())
+        assert (count, nans, infs) == (t.numel(), n_nan, n_inf), t.numel()
+        assert zeros == int((d.float().abs() < 1e-8).sum())
+        if t.numel() == 0:
+            continue
+        if n_nan:
+            assert all(math.isnan(v) for v in (total, sumsq, lo, hi, m2))
+            continue
+        assert (lo, hi) == (d.min().item(), d.max().item())
+        if n_inf:
+            assert math.isnan(m2) and math.isinf(total)
+            continue
+        assert total == pytest.approx(d.sum().item(), rel=1e-6)
+        assert sumsq == pytest.approx(d.square().sum().item(), rel=1e-6)
+        want_m2 = ((d - d.mean()) ** 2).sum().item()
+        assert m2 == pytest.approx(want_m2, rel=1e-6)
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_values_do_not_depend_on_the_number_of_threads(fused, threads):
+    """The kernel reads a batch of 1 MiB or more with up to ``torch.get_num_threads()`` threads;
+    each tensor (or segment) is read by one of them and the pieces combine in a fixed order, so
+    every row is bitwise the same as one thread's."""
+    batch = _segmented_batch()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _fused_cpu.partials_f32(batch, eps=1e-8)
+        torch.set_num_threads(threads)
+        many = [_fused_cpu.partials_f32(batch, eps=1e-8) for _ in range(3)]
+    finally:
+        torch.set_num_threads(before)
+    for got in many:
+        assert got.numpy().tobytes() == one.numpy().tobytes()
+
+
+def test_calls_from_two_threads_at_once_each_get_their_own_rows(fused):
+    """One call at a time uses the worker threads; another thread's call meanwhile reads alone.
+    Either way each caller gets its own batch's rows."""
+    import threading
+
+    batches = [_segmented_batch(), [t * 2 for t in _segmented_batch()]]
+    want = [_fused_cpu.partials_f32(b, eps=1e-8).numpy().tobytes() for b in batches]
+    got: list[list[bytes]] = [[], []]
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+
+        def run(k: int) -> None:
+            for _ in range(4):
+                got[k].append(_fused_cpu.partials_f32(batches[k], eps=1e-8).numpy().tobytes())
+
+        threads = [threading.Thread(target=run, args=(k,)) for k in (0, 1)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout=120)
+    finally:
+        torch.set_num_threads(before)
+    assert got == [[want[0]] * 4, [want[1]] * 4]
+
+
+_FORK_CHILD = """
+import os, sys, torch
+from trainmon.stats import _fused_cpu
+assert _fused_cpu.enabled()
+torch.set_num_threads(2)
+batch = [torch.randn(1 << 20) for _ in range(4)]
+want = _fused_cpu.partials_f32(batch).numpy().tobytes()  # the parent's worker thread starts here
+assert _fused_cpu.worker_threads() == 1
+pid = os.fork()
+if pid == 0:  # a child has none of its parent's threads: it counts none, then starts its own
+    fresh = _fused_cpu.worker_threads() == 0
+    ok = _fused_cpu.partials_f32(batch).numpy().tobytes() == want
+    os._exit(0 if fresh and ok and _fused_cpu.worker_threads() == 1 else 3)
+_, status = os.waitpid(pid, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+@pytest.mark.slow  # a Python process of its own (~2 s)
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_reads_with_threads_of_its_own(fused):
+    """DataLoader workers and ``multiprocessing`` fork the training process after the kernel's
+    worker threads started: the child knows it has none of them (it never waits on a lock or a
+    thread of its parent's) and starts its own at its first call, with the parent's values."""
+    done = subprocess.run(
+        [sys.executable, "-c", _FORK_CHILD],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
