@@ -335,10 +335,15 @@ def test_a_shared_observer_whose_thread_died_is_started_again(tmp_path, observer
             dead.stop()
             dead.join(timeout=5)
             deadline = time.monotonic() + 10
-            while dynamic_module._observers[key].observer is dead and time.monotonic() < deadline:
+
+            def told() -> bool:
+                return any("had stopped; it is watching again" in r.getMessage() for r in caplog.records)
+
+            # the new observer is in place before the old one is stopped and the warning logged
+            while (dynamic_module._observers[key].observer is dead or not told()) and time.monotonic() < deadline:
                 time.sleep(0.05)
         assert dynamic_module._observers[key].observer.is_alive()
-        assert any("had stopped; it is watching again" in r.getMessage() for r in caplog.records)
+        assert told()
         path.write_text(text(True, ["max"]))
         assert _ops(w.wait_version(2)) == ("max",)
     finally:
