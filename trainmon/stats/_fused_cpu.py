@@ -456,7 +456,8 @@ int64_t trainmon_partials_many(const int64_t* ptrs, const int64_t* numels, const
   }
   job_t job = {ptrs, numels, kinds, variant, (float)eps, 0, NULL, NULL, NULL, 0, 0, 0, 0};
   double one[PART];
-  if (items == n && (threads <= 1 || n < 2 || bytes < PARALLEL_MIN_BYTES)) {
+  const int parallel = threads > 1 && items > 1 && bytes >= PARALLEL_MIN_BYTES;
+  if (items == n && !parallel) {
     for (int64_t t = 0; t < n; ++t) { /* no tensor in segments, one thread: as read */
       read_piece(&job, t, 0, one);
       for (int64_t j = 0; j < width; ++j) out[t * width + j] = one[cols[j]];
@@ -470,10 +471,12 @@ int64_t trainmon_partials_many(const int64_t* ptrs, const int64_t* numels, const
   job.item_start = job.item_tensor + items;
   for (int64_t t = 0, k = 0; t < n; ++t)
     for (int64_t s = 0; s < segments(numels[t]); ++s, ++k) { job.item_tensor[k] = t; job.item_start[k] = s * SEGMENT; }
-  int64_t helpers = threads - 1 < MAX_WORKERS ? threads - 1 : MAX_WORKERS;
-  if (helpers > items - 1) helpers = items - 1;
-  if (helpers > 0 && bytes >= PARALLEL_MIN_BYTES) run_parallel(&job, (int)helpers);
-  else run_items(&job);
+  if (parallel) {
+    int64_t helpers = threads - 1 < MAX_WORKERS ? threads - 1 : MAX_WORKERS;
+    run_parallel(&job, (int)(helpers < items - 1 ? helpers : items - 1));
+  } else {
+    run_items(&job);
+  }
   for (int64_t t = 0, k = 0; t < n; ++t) {
     int64_t pieces = segments(numels[t]);
     memcpy(one, job.parts + k * PART, sizeof one);
