@@ -338,3 +338,72 @@ def test_a_forked_child_reads_with_threads_of_its_own(fused):
         timeout=120,
     )
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def _pair_truth(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+    a64, b64 = a.double(), b.double()
+    return (a64**2).sum().item(), ((a64 - b64) ** 2).sum().item()
+
+
+def _pairs(dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Snapshots and the values they became: empty, shorter than a block, block edges, a tail,
+    and one tensor read in segments (above ``SEGMENT_ELEMENTS``)."""
+    g = torch.Generator().manual_seed(7)
+    sizes = (0, 1, 17, 511, 512, 513, 100_003, 3 * _fused_cpu.SEGMENT_ELEMENTS + 5)
+    before = [(torch.randn(n, generator=g) * 3).to(dtype) for n in sizes]
+    after = [(t.float() - 1e-3 * torch.randn(t.shape, generator=g)).to(dtype) for t in before]
+    return before, after
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_update_ratio_sums_equal_float64_truth(fused, dtype):
+    """``pair_sumsq``: sum(a^2) and sum((a-b)^2) of every pair as float64 computes them from the
+    tensors' values.  bf16/fp16 differences are exact in float, so half precision is as exact as
+    fp32 (torch's ops rounded a bf16 param's difference to bf16: 2% off)."""
+    before, after = _pairs(dtype)
+    got = _fused_cpu.pair_sumsq(before, after)
+    assert got.shape == (len(before), 2) and got.dtype == torch.float64
+    for a, b, row in zip(before, after, got.tolist()):
+        want = _pair_truth(a, b)
+        assert row == pytest.approx(want, rel=1e-6, abs=0.0), (dtype, a.numel())
+
+
+def test_update_ratio_sums_keep_huge_values_and_propagate_nan_and_inf(fused):
+    """Float lanes overflow above ~1.8e19 per element: such a pair is read again in double, so
+    its sums stay finite and exact.  NaN and Inf give NaN and Inf, as torch's norm does."""
+    big = torch.full((2050,), 1e20)
+    square = 2050 * big[0].item() ** 2  # 1e20 as float32, squared in double
+    got = _fused_cpu.pair_sumsq([big, big], [torch.zeros(2050), big.clone()]).tolist()
+    assert got[0] == pytest.approx([square, square], rel=1e-12) and got[1] == pytest.approx([square, 0.0], rel=1e-12)
+    nan, inf = torch.ones(1500), torch.ones(1500)
+    nan[1400], inf[700] = math.nan, math.inf
+    (n0, n1), (i0, i1) = _fused_cpu.pair_sumsq([nan, inf], [torch.ones(1500), torch.ones(1500)]).tolist()
+    assert math.isnan(n0) and math.isnan(n1) and i0 == i1 == math.inf
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_update_ratio_sums_do_not_depend_on_the_number_of_threads(fused, threads):
+    before, after = _pairs(torch.float32)
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _fused_cpu.pair_sumsq(before, after)
+        torch.set_num_threads(threads)
+        many = [_fused_cpu.pair_sumsq(before, after) for _ in range(3)]
+    finally:
+        torch.set_num_threads(saved)
+    assert _fused_cpu.worker_threads() >= threads - 1
+    for got in many:
+        assert got.numpy().tobytes() == one.numpy().tobytes()
+
+
+def test_update_ratio_sums_refuse_pairs_they_cannot_read(fused):
+    """A refusal is a ValueError (the caller takes torch's ops), never a read of the wrong bytes."""
+    a = torch.randn(4, 6)
+    for snapshots, values in (
+        ([a], [a.t().contiguous().t()]),  # not contiguous
+        ([a], [torch.randn(5, 6)]),  # another size
+        ([a], [a.double()]),  # another dtype
+        ([a.double()], [a.double()]),  # a dtype the kernel has no reader for
+    ):
+        with pytest.raises(ValueError):
+            _fused_cpu.pair_sumsq(snapshots, values)

@@ -11,7 +11,8 @@ into ``~/.cache/trainmon`` (``TRAINMON_CACHE_DIR`` to move it), later processes 
 library only after the ownership, mode and content-hash checks of ``_kernel_cache``, and it is
 called through ``ctypes``.  On by default for CPU tensors; ``TRAINMON_FUSED_CPU=0`` turns it off.
 No compiler, or a failed build, means one WARNING per process (naming the fix) and the eager path
-(same values, slower).
+(same values, slower).  A second entry, ``trainmon_pair_sumsq`` (``pair_sumsq``), reads the update
+ratio's snapshot/param pairs once each for its two norms.
 
 Threads: a call that reads 1 MiB or more shares its tensors, and the segments of its large
 tensors, among up to ``torch.get_num_threads()`` threads (the caller's and worker threads the
@@ -78,6 +79,7 @@ class _KindOf(dict):
 _KIND_OF = _KindOf(_KIND)
 _IS_CONTIGUOUS, _DATA_PTR, _NUMEL = torch.Tensor.is_contiguous, torch.Tensor.data_ptr, torch.Tensor.numel
 _DTYPE = operator.attrgetter("dtype")
+_IS_CPU = operator.attrgetter("is_cpu")
 # The kernel reads with up to this many threads (the caller's included), as torch's own CPU ops do.
 _threads = torch.get_num_threads
 # A tensor of more elements is read as segments of this many (the C source's SEGMENT).
@@ -292,6 +294,44 @@ PASSES(f32, f32_at)
 PASSES(bf16, bf16_at)
 PASSES(f16, f16_at)
 
+/* PAIR: the update ratio's sums over a snapshot a and the values b it became (one kind):
+   r[0] = sum(a^2), r[1] = sum((a - b)^2), in one read of each (the torch ops it replaces read
+   five times the bytes).  Differences in float: exact for bf16/fp16 values, one rounding for
+   fp32.  Block sums in float lanes are added in double lanes; a pair whose sums come out not
+   finite (a float overflow, NaN, Inf) is read again in double, so only NaN and Inf stay. */
+#define PAIR(NAME, LOAD)                                                                   \
+static void NAME(const void* a, const void* b, int64_t n, double* r) {                     \
+  dlanes_t sa = {0}, sd = {0};                                                             \
+  int64_t i = 0;                                                                           \
+  const int64_t whole = n / BLOCK * BLOCK;                                                 \
+  for (; i < whole; i += BLOCK) {                                                          \
+    lanes_t qa = {0}, qd = {0};                                                            \
+    for (int64_t k = 0; k < BLOCK; k += LANES) {                                           \
+      __builtin_prefetch((const char*)a + (i + k) * ESZ_##LOAD + PREFETCH_BYTES);          \
+      __builtin_prefetch((const char*)b + (i + k) * ESZ_##LOAD + PREFETCH_BYTES);          \
+      lanes_t x, y;                                                                        \
+      for (int j = 0; j < LANES; ++j) { x[j] = LOAD(a, i + k + j); y[j] = LOAD(b, i + k + j); } \
+      y = x - y; qa += x * x; qd += y * y;                                                 \
+    }                                                                                      \
+    sa += TO_DOUBLE(qa); sd += TO_DOUBLE(qd);                                              \
+  }                                                                                        \
+  double s0 = 0.0, s1 = 0.0;                                                               \
+  for (int j = 0; j < LANES; ++j) { s0 += sa[j]; s1 += sd[j]; }                            \
+  for (; i < n; ++i) { double x = LOAD(a, i), d = x - (double)LOAD(b, i); s0 += x * x; s1 += d * d; } \
+  if (!isfinite(s0 + s1)) {                                                                \
+    s0 = s1 = 0.0;                                                                         \
+    for (int64_t k = 0; k < n; ++k) {                                                      \
+      double x = LOAD(a, k), d = x - (double)LOAD(b, k); s0 += x * x; s1 += d * d;        \
+    }                                                                                      \
+  }                                                                                        \
+  r[0] = s0; r[1] = s1;                                                                    \
+}
+PAIR(pair_f32, f32_at)
+PAIR(pair_bf16, bf16_at)
+PAIR(pair_f16, f16_at)
+typedef void (*pair_fn)(const void*, const void*, int64_t, double*);
+static const pair_fn PAIR_OF[3] = {pair_f32, pair_bf16, pair_f16};
+
 typedef void (*pass_fn)(const void*, int64_t, float, double*);
 static const pass_fn PASS[3][4] = {
   {pass_f32, pass_f32_z, pass_f32_m, pass_f32_zm},
@@ -333,6 +373,7 @@ static void finish(double* acc, int64_t pieces) {
 
 typedef struct {
   const int64_t *ptrs, *numels; const int32_t* kinds;
+  const int64_t* pairs; /* the update ratio's second tensors (PAIR), or NULL (PASS) */
   int variant; float feps;
   int64_t items; int64_t* item_tensor; int64_t* item_start; double* parts;
   int64_t next, done;  /* atomics: the next item to take, items finished */
@@ -341,8 +382,12 @@ typedef struct {
 
 static void read_piece(const job_t* job, int64_t t, int64_t i0, double* r) {
   int64_t len = job->numels[t] - i0 < SEGMENT ? job->numels[t] - i0 : SEGMENT;
-  const char* data = (const char*)(intptr_t)job->ptrs[t] + i0 * ESIZE[job->kinds[t]];
-  PASS[job->kinds[t]][job->variant](data, len, job->feps, r);
+  const int64_t at = i0 * ESIZE[job->kinds[t]];
+  const char* data = (const char*)(intptr_t)job->ptrs[t] + at;
+  if (job->pairs)
+    PAIR_OF[job->kinds[t]](data, (const char*)(intptr_t)job->pairs[t] + at, len, r);
+  else
+    PASS[job->kinds[t]][job->variant](data, len, job->feps, r);
 }
 
 static void run_items(job_t* job) {
@@ -424,6 +469,29 @@ static void run_parallel(job_t* job, int helpers) {
   pthread_mutex_unlock(&call_mu);
 }
 
+static int wants_threads(int64_t threads, int64_t items, int64_t bytes) {
+  return threads > 1 && items > 1 && bytes >= PARALLEL_MIN_BYTES;
+}
+
+/* The n tensors' segments (items) read into job->parts, on up to `threads` threads: 0, or -2
+   when memory for the items ran out.  The caller frees job->item_tensor and job->parts. */
+static int read_items(job_t* job, int64_t n, int64_t items, int64_t threads, int64_t bytes) {
+  job->items = items;
+  job->item_tensor = malloc((size_t)items * 2 * sizeof(int64_t));
+  job->parts = malloc((size_t)items * PART * sizeof(double));
+  if (!job->item_tensor || !job->parts) { free(job->item_tensor); free(job->parts); return -2; }
+  job->item_start = job->item_tensor + items;
+  for (int64_t t = 0, k = 0; t < n; ++t)
+    for (int64_t s = 0; s < segments(job->numels[t]); ++s, ++k) { job->item_tensor[k] = t; job->item_start[k] = s * SEGMENT; }
+  if (wants_threads(threads, items, bytes)) {
+    int64_t helpers = threads - 1 < MAX_WORKERS ? threads - 1 : MAX_WORKERS;
+    run_parallel(job, (int)(helpers < items - 1 ? helpers : items - 1));
+  } else {
+    run_items(job);
+  }
+  return 0;
+}
+
 /* The worker threads started in this process (after a fork: the child's own). */
 int64_t trainmon_worker_threads(void) {
   pthread_mutex_lock(&pool.mu);
@@ -454,29 +522,16 @@ int64_t trainmon_partials_many(const int64_t* ptrs, const int64_t* numels, const
     items += segments(numels[t]);
     bytes += numels[t] * ESIZE[kinds[t]];
   }
-  job_t job = {ptrs, numels, kinds, variant, (float)eps, 0, NULL, NULL, NULL, 0, 0, 0, 0};
+  job_t job = {ptrs, numels, kinds, NULL, variant, (float)eps, 0, NULL, NULL, NULL, 0, 0, 0, 0};
   double one[PART];
-  const int parallel = threads > 1 && items > 1 && bytes >= PARALLEL_MIN_BYTES;
-  if (items == n && !parallel) {
+  if (items == n && !wants_threads(threads, items, bytes)) {
     for (int64_t t = 0; t < n; ++t) { /* no tensor in segments, one thread: as read */
       read_piece(&job, t, 0, one);
       for (int64_t j = 0; j < width; ++j) out[t * width + j] = one[cols[j]];
     }
     return 0;
   }
-  job.items = items;
-  job.item_tensor = malloc((size_t)items * 2 * sizeof(int64_t));
-  job.parts = malloc((size_t)items * PART * sizeof(double));
-  if (!job.item_tensor || !job.parts) { free(job.item_tensor); free(job.parts); return -2; }
-  job.item_start = job.item_tensor + items;
-  for (int64_t t = 0, k = 0; t < n; ++t)
-    for (int64_t s = 0; s < segments(numels[t]); ++s, ++k) { job.item_tensor[k] = t; job.item_start[k] = s * SEGMENT; }
-  if (parallel) {
-    int64_t helpers = threads - 1 < MAX_WORKERS ? threads - 1 : MAX_WORKERS;
-    run_parallel(&job, (int)(helpers < items - 1 ? helpers : items - 1));
-  } else {
-    run_items(&job);
-  }
+  if (read_items(&job, n, items, threads, bytes) != 0) return -2;
   for (int64_t t = 0, k = 0; t < n; ++t) {
     int64_t pieces = segments(numels[t]);
     memcpy(one, job.parts + k * PART, sizeof one);
@@ -484,6 +539,34 @@ int64_t trainmon_partials_many(const int64_t* ptrs, const int64_t* numels, const
     finish(one, pieces);
     k += pieces;
     for (int64_t j = 0; j < width; ++j) out[t * width + j] = one[cols[j]];
+  }
+  free(job.item_tensor); free(job.parts);
+  return 0;
+}
+
+/* The update ratio's sums of n pairs: snapshot ptrs[t] and values pairs[t] (numels[t] elements
+   of kinds[t] each) give out[2t] = sum(a^2), out[2t+1] = sum((a-b)^2), segments added in order
+   (values independent of `threads`).  Returns 0, -2 (out of memory) or t + 1 for the first pair
+   it cannot read. */
+int64_t trainmon_pair_sumsq(const int64_t* ptrs, const int64_t* pairs, const int64_t* numels,
+                            const int32_t* kinds, int64_t n, double* out, int64_t threads) {
+  int64_t items = 0, bytes = 0;
+  for (int64_t t = 0; t < n; ++t) {
+    if (kinds[t] < 0 || kinds[t] > 2 || numels[t] < 0 || ((!ptrs[t] || !pairs[t]) && numels[t])) return t + 1;
+    items += segments(numels[t]);
+    bytes += 2 * numels[t] * ESIZE[kinds[t]];
+  }
+  job_t job = {ptrs, numels, kinds, pairs, 0, 0.0f, 0, NULL, NULL, NULL, 0, 0, 0, 0};
+  if (items == n && !wants_threads(threads, items, bytes)) {
+    for (int64_t t = 0; t < n; ++t) read_piece(&job, t, 0, out + 2 * t);
+    return 0;
+  }
+  if (read_items(&job, n, items, threads, bytes) != 0) return -2;
+  for (int64_t t = 0, k = 0; t < n; ++t) {
+    out[2 * t] = out[2 * t + 1] = 0.0;
+    for (int64_t s = 0; s < segments(numels[t]); ++s, ++k) {
+      out[2 * t] += job.parts[k * PART]; out[2 * t + 1] += job.parts[k * PART + 1];
+    }
   }
   free(job.item_tensor); free(job.parts);
   return 0;
@@ -533,6 +616,38 @@ def fill_rows(
     )
     if bad:
         raise ValueError(_refusal(bad, tensors))
+
+
+def pair_sumsq(snapshots: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``[n, 2]`` float64: ``sum(a**2)`` and ``sum((a - b)**2)`` of each pair (a snapshot and the
+    values it became: the update ratio's two norms, squared), one read of each tensor, in one C
+    call.  Pairs: contiguous CPU tensors of one ``FUSED_DTYPES`` dtype and size.  Raises
+    ValueError for anything else (the caller then takes torch's ops)."""
+    if _function() is None:
+        raise ValueError(f"fused CPU kernel unavailable: {_state.get('error')}")
+    if not all(map(_IS_CPU, snapshots)) or not all(map(_IS_CPU, values)):
+        raise ValueError("pair_sumsq: CPU tensors only")
+    if not all(map(_IS_CONTIGUOUS, values)) or list(map(_NUMEL, snapshots)) != list(map(_NUMEL, values)):
+        raise ValueError("pair_sumsq: every pair must be two contiguous tensors of one size")
+    if list(map(_DTYPE, snapshots)) != list(map(_DTYPE, values)) or not all(map(_IS_CONTIGUOUS, snapshots)):
+        raise ValueError("pair_sumsq: every pair must be two contiguous tensors of one dtype")
+    out = torch.empty((len(snapshots), 2), dtype=torch.float64)
+    ptrs = array("q", map(_DATA_PTR, snapshots))
+    pairs = array("q", map(_DATA_PTR, values))
+    numels = array("q", map(_NUMEL, snapshots))
+    kinds = array("i", map(_KIND_OF.__getitem__, map(_DTYPE, snapshots)))
+    bad = _state["lib"].trainmon_pair_sumsq(  # type: ignore[attr-defined]
+        ptrs.buffer_info()[0],
+        pairs.buffer_info()[0],
+        numels.buffer_info()[0],
+        kinds.buffer_info()[0],
+        len(ptrs),
+        out.data_ptr(),
+        _threads(),
+    )
+    if bad:
+        raise ValueError(_refusal(bad, snapshots))
+    return out
 
 
 def worker_threads() -> int:
@@ -607,6 +722,8 @@ def _function():
             ]
             fn.restype = ctypes.c_int64
             lib.trainmon_worker_threads.restype = ctypes.c_int64
+            lib.trainmon_pair_sumsq.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
+            lib.trainmon_pair_sumsq.restype = ctypes.c_int64
             _state["lib"], _state["fn"] = lib, fn
         except Exception as exc:
             _state["error"] = f"{type(exc).__name__}: {exc}"

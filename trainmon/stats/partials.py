@@ -156,6 +156,18 @@ def _rows_one_by_one(
     return [skipped.get(k, r) for k, r in enumerate(rows)] if skipped else rows
 
 
+def update_norms(snapshots: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """``[n, 2]`` float64 norms of each snapshot and of its difference from the param it was
+    taken of (the update ratio's), one read of each tensor in one C call; None where the fused
+    kernel is off or cannot read the pairs (the caller then takes torch's ops)."""
+    if not _fused_cpu.enabled():
+        return None
+    try:
+        return _fused_cpu.pair_sumsq(snapshots, params).sqrt_()
+    except ValueError:
+        return None  # not contiguous CPU fp32/bf16/fp16 pairs
+
+
 def _fused_rows(group: list[torch.Tensor], fused: tuple[int, ...], eps: float) -> list[torch.Tensor]:
     """The fused kernel (on unless TRAINMON_FUSED_CPU=0): every column in one read per tensor."""
     mat = torch.empty((len(group), len(fused)), dtype=torch.float64)
