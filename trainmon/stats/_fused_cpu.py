@@ -625,12 +625,13 @@ def pair_sumsq(snapshots: Sequence[torch.Tensor], values: Sequence[torch.Tensor]
     ValueError for anything else (the caller then takes torch's ops)."""
     if _function() is None:
         raise ValueError(f"fused CPU kernel unavailable: {_state.get('error')}")
-    if not all(map(_IS_CPU, snapshots)) or not all(map(_IS_CPU, values)):
-        raise ValueError("pair_sumsq: CPU tensors only")
-    if not all(map(_IS_CONTIGUOUS, values)) or list(map(_NUMEL, snapshots)) != list(map(_NUMEL, values)):
-        raise ValueError("pair_sumsq: every pair must be two contiguous tensors of one size")
-    if list(map(_DTYPE, snapshots)) != list(map(_DTYPE, values)) or not all(map(_IS_CONTIGUOUS, snapshots)):
-        raise ValueError("pair_sumsq: every pair must be two contiguous tensors of one dtype")
+    both = (*snapshots, *values)
+    if not (all(map(_IS_CPU, both)) and all(map(_IS_CONTIGUOUS, both))):
+        raise ValueError("pair_sumsq: contiguous CPU tensors only")
+    if list(map(_NUMEL, snapshots)) != list(map(_NUMEL, values)) or list(map(_DTYPE, snapshots)) != list(
+        map(_DTYPE, values)
+    ):
+        raise ValueError("pair_sumsq: the two tensors of a pair must have one size and one dtype")
     out = torch.empty((len(snapshots), 2), dtype=torch.float64)
     ptrs = array("q", map(_DATA_PTR, snapshots))
     pairs = array("q", map(_DATA_PTR, values))
