@@ -261,3 +261,56 @@ def test_each_memory_is_read_once_across_batches_and_values_stay_hook_time(
         want = truth[(row.step, row.name)]
         for op in OPS:
             assert getattr(row, op) == pytest.approx(want[op], rel=1e-5, abs=1e-7), (row.step, row.name, op)
+
+
+@pytest.mark.parametrize("bound", [4096, 4095])
+def test_an_activation_as_big_as_the_bound_is_read_once_a_step(output_root, make_config, monkeypatch, bound):
+    """A tensor of the batch bound or more flushes the batch before it joins.  That flush used to
+    forget the row just reduced in its hook, so the next flush read it again and its slot never
+    learned batchable: two reads of every such activation on every step (nanoGPT-sized MLPs hit
+    this at the 2 MiB default).  Reads per step are those of the same run with a bound nothing
+    reaches, and the values are the tensors' at hook time."""
+    from trainmon.stats.engine import StatsEngine
+
+    def reads_per_step(max_bytes: int, out_dir) -> tuple[list[int], pd.DataFrame]:
+        monkeypatch.setenv("TRAINMON_ACTV_BATCH_BYTES", str(max_bytes))
+        monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(out_dir))
+        counts = [0]
+        partial, partials = StatsEngine.partial, StatsEngine.partials
+
+        def one(self, t):
+            counts[0] += 1
+            return partial(self, t)
+
+        def many(self, tensors, **kw):
+            counts[0] += len(tensors)
+            return partials(self, tensors, **kw)
+
+        monkeypatch.setattr(StatsEngine, "partial", one)
+        monkeypatch.setattr(StatsEngine, "partials", many)
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))  # 4 x 256 fp32: 4 KiB
+        mon = TrainerMon(make_config(xy_distribution=True, all_xy=True, ops=OPS))
+        mon.set_monitor(model)
+        per_step = []
+        for step in range(4):
+            counts[0] = 0
+            model(torch.randn(4, 64, generator=torch.Generator().manual_seed(step))).sum().backward()
+            model.zero_grad()
+            mon.step()
+            per_step.append(counts[0])
+        mon.close()
+        monkeypatch.setattr(StatsEngine, "partial", partial)
+        monkeypatch.setattr(StatsEngine, "partials", partials)
+        rank0 = only_run_dir(out_dir) / "rank0"
+        return per_step, pd.concat([read_family(rank0, "actv"), read_family(rank0, "actv_grad")])
+
+    bounded, rows = reads_per_step(bound, output_root / "bounded")
+    unbounded, want = reads_per_step(64 << 20, output_root / "unbounded")
+    assert bounded[1:] == unbounded[1:], (bounded, unbounded)
+    key = ["step", "name"]
+    got = rows.sort_values(key).reset_index(drop=True)
+    want = want.sort_values(key).reset_index(drop=True)
+    assert len(got) == len(want) == 4 * 11  # 6 inputs and outputs, 5 grads (the input has none)
+    for op in OPS:
+        assert got[op].to_numpy() == pytest.approx(want[op].to_numpy(), rel=1e-6, abs=1e-9), op

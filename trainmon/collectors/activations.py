@@ -780,16 +780,19 @@ class ActivationCollector(Collector):
         in-place changes before the flush, else at the flush.  The hooks inline the common case
         (a batchable slot, room in the batch); this is the general one."""
         version = -1 if t.is_inference() else t._version
+        nbytes = t.untyped_storage().nbytes()
+        if self._batch_bytes + nbytes > self._max_bytes:
+            self._flush()  # the references held never exceed the bound (one bigger tensor alone)
         row = None
+        # After that flush, not before: a flush forgets the rows reduced in hooks, and a row it
+        # forgot was read again by the next flush and its slot never learned batchable (every
+        # activation of the batch bound or more, reduced twice on every step).
         if (family, vpp, name) not in self._safe:
             # Reduced now; a tensor already reduced now in this batch with these values (the
             # output of one module is the input of the next) is reduced once.
             row = self._eager_rows.get((id(t), version))
             if row is None:
                 row = self._eager_rows[(id(t), version)] = self.ctx.engine.partial(t)
-        nbytes = t.untyped_storage().nbytes()
-        if self._batch_bytes + nbytes > self._max_bytes:
-            self._flush()  # the references held never exceed the bound (one bigger tensor alone)
         self._batch.append((family, vpp, name, t, version, micro, shape, row))
         self._batch_bytes += nbytes
         if len(self._batch) >= self._max_tensors or self._batch_bytes >= self._max_bytes:
