@@ -8,6 +8,7 @@
                                   # several outputs, each against no monitor and against csv
     python benchmarks/overhead.py --eager         # without the fused CPU kernel
                                                   # (same as TRAINMON_FUSED_CPU=0)
+    python benchmarks/overhead.py --read-floor    # beside each config: its reads alone, no monitor
 
 A small GPT-like model (trainmon.testing.tiny_gpt.TinyGPT) trained with AdamW on the CPU, one thread.
 Each config trains two identical models side by side, one monitored, alternating step by step
@@ -20,6 +21,13 @@ threads during the monitored block (GIL time, CPU) is charged to it (``paired_ra
 W&B runs offline (``WANDB_MODE=offline``) and MLflow into a SQLite store, both in a temporary
 folder, unless the environment says otherwise; timing starts once a tracker's worker has started
 its run (the ``import`` and run start happen once per run, not per step).
+``--read-floor`` adds, for each config, what no monitor of these statistics can go below on this
+machine: a third model, unmonitored, whose plain torch hooks pass the tensors the config records
+to the fused kernel, each read once where the monitor reads it (activations and their grads in
+their hooks, while they are in cache; grads after backward and again before the step, as
+``grad_unreduced``/``grad_reduced``; params before and after the step; the Adam moments after it),
+with no rows, no names and no output.  Its ratio is the cost of the reads; the monitor's ratio
+minus it is the monitor's own bookkeeping.
 When ``mindstudio-probe`` is importable (``PYTHONPATH=<dir with msprobe>``) the same kinds are
 also measured with msprobe's ``TrainerMon`` in the same run.
 """
@@ -35,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -71,6 +80,8 @@ def attach(kind: str, cfg: dict | None, model, optimizer, workdir: Path, fmt: st
     if cfg is None:
         return None
     path = workdir / f"{kind}_{abs(hash(json.dumps(cfg, sort_keys=True)))}.json"
+    if kind == "floor":
+        return ReadFloor(cfg, model, optimizer)
     if kind == "trainmon":
         from trainmon import TrainerMon
 
@@ -136,6 +147,90 @@ def paired_ratio(
     return pairs
 
 
+class ReadFloor:
+    """The reads a config asks for, alone (``--read-floor``): plain hooks and the fused kernel, no
+    monitor.  A tensor seen twice while it lives (a module's output, the next module's input) is
+    read once, as the monitor's batches do; the weights' families are read as often as the monitor
+    reads them."""
+
+    def __init__(self, cfg: dict, model, optimizer):
+        from trainmon.stats import _fused_cpu
+        from trainmon.stats.partials import device_columns, fused_columns
+        from trainmon.stats.table import partials_for
+
+        cols = fused_columns(device_columns(partials_for(OPS)))
+        if cols is None:
+            raise SystemExit("--read-floor needs the fused CPU kernel (it is off or could not be built)")
+        self._fill, self._cols, self._pairs = _fused_cpu.fill_rows, cols, _fused_cpu.pair_sumsq
+        self._out = torch.empty((4096, len(cols)), dtype=torch.float64)
+        self._seen: dict[tuple, tuple] = {}  # the elements read -> (a tensor holding them, its version)
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        self._optimizer = optimizer
+        self._snapshots = [torch.empty_like(p) for p in self._params] if cfg.get("ur_distribution") else None
+        if cfg.get("xy_distribution"):
+            for module in model.modules():
+                module.register_forward_pre_hook(self._inputs)
+                module.register_forward_hook(self._outputs)
+        optimizer.register_step_pre_hook(lambda *_: self._before_step(cfg))
+        optimizer.register_step_post_hook(lambda *_: self._after_step(cfg))
+
+    def read(self, tensors: list) -> None:
+        fresh = []
+        for t in tensors:
+            key = (t.data_ptr(), t.dtype, t.numel())
+            held = self._seen.get(key)
+            # Same elements while the tensor lives (it keeps its memory) and has not changed in
+            # place since (a grad accumulated into, an activation rewritten): the same values.
+            if held is None or held[0]() is None or held[1] != t._version:
+                self._seen[key] = (weakref.ref(t), t._version)
+                fresh.append(t.detach())
+        for i in range(0, len(fresh), len(self._out)):
+            self._fill(fresh[i : i + len(self._out)], self._out, 0, self._cols)
+
+    def _grad(self, grad) -> None:
+        self.read([grad])
+
+    def _inputs(self, _module, args):
+        out = []
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.is_floating_point():
+                self.read([a])
+                if a.requires_grad:
+                    a = a[...]
+                    a.register_hook(self._grad)
+            out.append(a)
+        return tuple(out)
+
+    def _outputs(self, _module, _args, output) -> None:
+        if isinstance(output, torch.Tensor) and output.is_floating_point():
+            self.read([output])
+            if output.requires_grad:
+                output.register_hook(self._grad)
+
+    def _before_step(self, cfg: dict) -> None:
+        self._seen.clear()  # a new pass: the backward's grads were read in their hooks
+        grads = [p.grad for p in self._params if p.grad is not None]
+        if cfg.get("wg_distribution"):
+            self.read(grads)  # grad_unreduced (at backward's end)
+            self._seen.clear()
+            self.read(grads)  # grad_reduced (before the step)
+        if cfg.get("param_distribution"):
+            self.read(self._params)  # param_origin
+        if self._snapshots is not None:
+            torch._foreach_copy_(self._snapshots, [p.detach() for p in self._params])  # update_ratio's
+        self._seen.clear()
+
+    def _after_step(self, cfg: dict) -> None:
+        if cfg.get("param_distribution"):
+            self.read(self._params)  # param_updated
+        if cfg.get("mv_distribution"):
+            state = self._optimizer.state
+            self.read([state[p][k] for p in self._params if p in state for k in ("exp_avg", "exp_avg_sq")])
+        if self._snapshots is not None:
+            self._pairs(self._snapshots, [p.detach() for p in self._params])
+        self._seen.clear()
+
+
 def _sinks(sink) -> list:
     """``sink`` and every sink it wraps (writer thread, fan-out, family filter, ring)."""
     inner = [getattr(sink, "inner", None), *getattr(sink, "sinks", ())]
@@ -198,6 +293,7 @@ def run_timing(
     only: str | None = None,
     formats: list[str] | None = None,
     threads: int = 1,
+    read_floor: bool = False,
 ) -> dict[str, float]:
     torch.set_num_threads(threads)
     formats = formats or [os.environ.get("TRAINMON_BENCH_FORMAT", "csv")]
@@ -207,6 +303,8 @@ def run_timing(
         for n, c in CONFIGS.items()
         for fmt in formats
     ]
+    if read_floor:  # not for a config timed on steps it does not record
+        runs += [(f"floor {n}", "floor", c, None) for n, c in CONFIGS.items() if "step_interval" not in c]
     if msprobe_available():
         runs += [(f"msprobe {n}", "msprobe", CONFIGS[n], None) for n in MSPROBE_CONFIGS]
     if only:
@@ -316,6 +414,12 @@ def main() -> None:
         "several sets are timed side by side and compared with csv",
     )
     parser.add_argument(
+        "--read-floor",
+        action="store_true",
+        help="also time each config's reads alone (plain hooks and the fused kernel, no monitor): "
+        "what no monitor of these statistics can go below here",
+    )
+    parser.add_argument(
         "--eager", action="store_true", help="without the fused one-pass CPU stats kernel (sets TRAINMON_FUSED_CPU=0)"
     )
     args = parser.parse_args()
@@ -328,7 +432,7 @@ def main() -> None:
     elif args.memory:
         run_memory()
     else:
-        run_timing(args.repeats, args.steps, args.warmup, args.only, args.format, args.threads)
+        run_timing(args.repeats, args.steps, args.warmup, args.only, args.format, args.threads, args.read_floor)
 
 
 if __name__ == "__main__":

@@ -97,14 +97,14 @@ def test_units_keep_small_ranks_together_and_cut_big_ranks_only_between_step_win
     overlap = files(3, (0, 9), (5, 14), (15, 24), (25, 34), (35, 44))
     run = engine.RunFiles(tmp_path, files={"grad_reduced": small + big + overlap})
     run.rows = {str(f.path): 40 if rank < 2 else 30 if rank == 2 else 45 for rank, f in small + big + overlap}
-    units = [([(r, f.start) for r, f in u.files], u.continues) for u in run.units("grad_reduced")]
+    units = [[(r, f.start) for r, f in u.files] for u in run.units("grad_reduced")]
     assert units == [
-        ([(0, 0), (1, 0)], False),
-        ([(2, 0), (2, 10), (2, 20)], False),
-        ([(2, 30), (2, 40)], True),
-        ([(3, 0), (3, 5)], False),  # 90 rows: 0-9 and 5-14 overlap, so no cut between them
-        ([(3, 15), (3, 25)], True),
-        ([(3, 35)], True),
+        [(0, 0), (1, 0)],
+        [(2, 0), (2, 10), (2, 20)],
+        [(2, 30), (2, 40)],
+        [(3, 0), (3, 5)],  # 90 rows: 0-9 and 5-14 overlap, so no cut between them
+        [(3, 15), (3, 25)],
+        [(3, 35)],
     ]
 
 
@@ -125,9 +125,11 @@ def test_a_run_read_one_step_window_at_a_time_finds_what_the_in_memory_scan_find
     monkeypatch.setattr(engine, "UNIT_ROWS", 1)
     for files in (run, _as_parquet(run, pq_dir)) if parquet else (run,):
         found = engine.run_files(files)
-        # cut at every step window that does not overlap the ones before it, carried over
-        units = [u for fam in found.files for u in found.units(fam)]
-        assert sum(u.continues for u in units) > len(units) // 2
+        # cut at every step window that does not overlap the ones before it: most units hold
+        # later steps of the rank the unit before them held
+        units = [[rank for rank, _ in u.files] for fam in found.files for u in found.units(fam)]
+        later = sum(1 for before, unit in zip(units, units[1:]) if unit[0] == before[-1])
+        assert later > len(units) // 2
         assert _found(engine_buckets.engine_scan(found, RULE_SETS[rules])) == want
 
 

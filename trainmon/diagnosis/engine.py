@@ -121,17 +121,15 @@ class RunFiles(FamilyStatsView):
     def units(self, family: str) -> list[Unit]:
         """``family``'s files in the units the engine reads one at a time, each within
         ``UNIT_ROWS`` rows where the files allow: whole ranks together while they fit, and a rank
-        with more rows in consecutive runs of its step windows.  Every check of ``anomalies`` and
-        the staging of ``ranks`` and ``compare`` look within one rank and one step, except the
-        spike windows, which run along a rank's steps: they carry each series' last values over
-        to the next part of the same rank (``Unit.continues``).  So the engine's working memory
-        follows the unit, not the run."""
+        with more rows in consecutive runs of its step windows.  A unit is only staged: the checks
+        run later, per bucket of names holding every step of its tensors (the spike rule's
+        windows run along them), so the engine's working memory follows the unit, not the run."""
         out: list[Unit] = []
         for _rank, group in itertools.groupby(self.files[family], key=lambda rf: rf[0]):
             files = list(group)
             n = self._rows_of(files)
             if n > unit_rows():
-                out += [Unit(part, continues=k > 0) for k, part in enumerate(self._parts(files))]
+                out += [Unit(part) for part in self._parts(files)]
             elif out and self._rows_of(out[-1].files) + n <= unit_rows():
                 out[-1].files.extend(files)
             else:
@@ -167,7 +165,6 @@ class Unit:
     """Files of one family that the engine reads together (``RunFiles.units``)."""
 
     files: list[tuple[int, FamilyFile]]
-    continues: bool = False  # holds later steps of the previous unit's last rank: spike windows carry over
 
 
 def _roles(f: FamilyFile) -> runs.ColumnRoles:

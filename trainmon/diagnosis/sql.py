@@ -97,7 +97,6 @@ class Family:
         # about 2x faster than text plus casts); a file with any cell that parser rejects is read
         # again as text (``_views(typed=False)``), where a bad stat cell is named exactly.
         self.typed = not self.parquet
-        self._has_series = False  # the table ``series`` of this family's ``o`` (``spikes``)
         # ``extra`` columns (a comm call, a param group): part of a row's key when looking for
         # repeated keys (``duplicates``), as in ``reader.duplicate_keys``.
         self.extras = [
