@@ -4,26 +4,17 @@ the optimizer in the same process)."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
+from tests._support.benchmarks import load, run
 from trainmon.stats import _fused_cpu
 
-REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(not _fused_cpu.enabled(), reason="the read floor needs the fused CPU kernel")
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("_bench_overhead", REPO / "benchmarks" / "overhead.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("overhead")
 
 
 def _spy(bench):
@@ -120,16 +111,7 @@ def test_the_floor_reads_the_tensors_and_bytes_the_monitor_reads(tmp_path, monke
 
 @pytest.mark.slow
 def test_overhead_read_floor_runs_as_documented():
-    out = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "overhead.py"), "--read-floor", "--only", "all-on"]
-        + ["--repeats", "1", "--steps", "2", "--warmup", "1"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-        check=False,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    lines = [line.split() for line in out.stdout.splitlines() if line.startswith("  ")]
-    assert [line[:2] for line in lines] == [["trainmon", "all-on"], ["floor", "all-on"]], out.stdout
+    out = run("overhead", "--read-floor", "--only", "all-on", "--repeats", "1", "--steps", "2", "--warmup", "1")
+    lines = [line.split() for line in out.splitlines() if line.startswith("  ")]
+    assert [line[:2] for line in lines] == [["trainmon", "all-on"], ["floor", "all-on"]], out
     assert all(line[-1].endswith("x") and float(line[-1][:-1]) > 0 for line in lines)

@@ -3,50 +3,20 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"_bench_{name}", REPO / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests._support.benchmarks import load as _load
+from tests._support.benchmarks import run
 
 
 @pytest.mark.slow
 def test_tb_convert_sink_mode_writes_engine_rows_to_both_sinks(tmp_path):
     """``tb_convert.py sink`` hands the sinks what the engine hands them (``StepRows``; it passed
     plain lists before, which the CSV sink cannot format)."""
-    out = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "benchmarks" / "tb_convert.py"),
-            "sink",
-            "--params",
-            "6",
-            "--steps",
-            "3",
-            "--workdir",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-        check=False,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    lines = out.stdout.splitlines()
-    assert [line.split(":")[0] for line in lines] == ["CsvSink", "TensorBoardSink"], out.stdout
-    assert all("per step of 48 scalars" in line for line in lines), out.stdout  # 6 params x 2 families x 4 ops
+    out = run("tb_convert", "sink", "--params", "6", "--steps", "3", "--workdir", str(tmp_path))
+    lines = out.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["CsvSink", "TensorBoardSink"], out
+    assert all("per step of 48 scalars" in line for line in lines), out  # 6 params x 2 families x 4 ops
 
 
 def test_tb_convert_step_rows_are_the_sinks_row_type():
