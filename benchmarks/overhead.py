@@ -79,9 +79,9 @@ def build(model_cfg: GPTConfig, seed: int = 0):
 def attach(kind: str, cfg: dict | None, model, optimizer, workdir: Path, fmt: str | None = None):
     if cfg is None:
         return None
-    path = workdir / f"{kind}_{abs(hash(json.dumps(cfg, sort_keys=True)))}.json"
     if kind == "floor":
         return ReadFloor(cfg, model, optimizer)
+    path = workdir / f"{kind}_{abs(hash(json.dumps(cfg, sort_keys=True)))}.json"
     if kind == "trainmon":
         from trainmon import TrainerMon
 

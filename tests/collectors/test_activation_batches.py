@@ -267,27 +267,28 @@ def test_each_memory_is_read_once_across_batches_and_values_stay_hook_time(
 def test_an_activation_as_big_as_the_bound_is_read_once_a_step(output_root, make_config, monkeypatch, bound):
     """A tensor of the batch bound or more flushes the batch before it joins.  That flush used to
     forget the row just reduced in its hook, so the next flush read it again and its slot never
-    learned batchable: two reads of every such activation on every step (nanoGPT-sized MLPs hit
-    this at the 2 MiB default).  Reads per step are those of the same run with a bound nothing
-    reaches, and the values are the tensors' at hook time."""
+    learned batchable: two reads of every such activation on every step (TinyGPT's MLP hidden
+    layer, 8 x 64 x 1024 fp32, hit this at the 2 MiB default).  Reads per step are those of the
+    same run with a bound nothing reaches, and the values are the tensors' at hook time."""
     from trainmon.stats.engine import StatsEngine
+
+    counts = [0]  # tensors handed to the stats engine
+    partial, partials = StatsEngine.partial, StatsEngine.partials
+
+    def one(self, t):
+        counts[0] += 1
+        return partial(self, t)
+
+    def many(self, tensors, **kw):
+        counts[0] += len(tensors)
+        return partials(self, tensors, **kw)
+
+    monkeypatch.setattr(StatsEngine, "partial", one)
+    monkeypatch.setattr(StatsEngine, "partials", many)
 
     def reads_per_step(max_bytes: int, out_dir) -> tuple[list[int], pd.DataFrame]:
         monkeypatch.setenv("TRAINMON_ACTV_BATCH_BYTES", str(max_bytes))
         monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(out_dir))
-        counts = [0]
-        partial, partials = StatsEngine.partial, StatsEngine.partials
-
-        def one(self, t):
-            counts[0] += 1
-            return partial(self, t)
-
-        def many(self, tensors, **kw):
-            counts[0] += len(tensors)
-            return partials(self, tensors, **kw)
-
-        monkeypatch.setattr(StatsEngine, "partial", one)
-        monkeypatch.setattr(StatsEngine, "partials", many)
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))  # 4 x 256 fp32: 4 KiB
         mon = TrainerMon(make_config(xy_distribution=True, all_xy=True, ops=OPS))
@@ -300,8 +301,6 @@ def test_an_activation_as_big_as_the_bound_is_read_once_a_step(output_root, make
             mon.step()
             per_step.append(counts[0])
         mon.close()
-        monkeypatch.setattr(StatsEngine, "partial", partial)
-        monkeypatch.setattr(StatsEngine, "partials", partials)
         rank0 = only_run_dir(out_dir) / "rank0"
         return per_step, pd.concat([read_family(rank0, "actv"), read_family(rank0, "actv_grad")])
 
