@@ -7,8 +7,9 @@ Each run is a consistent data-parallel run (``trainmon.testing.synthetic_run``: 
 families equal on every rank) with a planted NaN and a planted spike, written once per size and
 format under ``--root`` (reused when present).  Each command runs in its own process
 (``python -m trainmon ... --json``, ``--cluster ADDRESS`` passed on; ``--paths memory``: the old
-in-memory path, ``load_run`` and the checks on the whole table, for comparison); its peak RSS is
-that child's ``ru_maxrss``.  ``anomalies`` runs the rules it plants faults for (``RULES``).  The first
+in-memory path, ``load_run`` and the checks on the whole table, for comparison, run from a
+checkout of a commit that had it, ``--baseline PATH``: ``git worktree add /tmp/before 47ffcf1``);
+its peak RSS is that child's ``ru_maxrss``.  ``anomalies`` runs the rules it plants faults for (``RULES``).  The first
 finding is checked against the planted fault, so a fast wrong answer cannot pass: ``anomalies``
 must find the spike first and the NaN, ``ranks`` exactly the NaN on its one rank, ``compare``
 (the run against a copy whose ``param_updated`` drifts from step ``steps // 4``: written beside
@@ -110,15 +111,20 @@ def _command(command: str, runs: list[Path], path: str, cluster: str | None) -> 
 
 
 def _memory(command: str, runs: list[str]) -> None:
-    """(Child process) the in-memory path: ``scan_all`` / ``check_ranks`` / ``compare_runs`` of
-    ``load_run``'s whole table, printed as the command's JSON fields the check reads."""
-    from trainmon.analysis.rules import Rules, SpikeRule
+    """(Child process, the ``--baseline`` checkout first on its path) the old in-memory path:
+    ``scan`` / ``check_ranks`` / ``compare_runs`` of ``load_run``'s whole table, printed as the
+    command's JSON fields the check reads."""
     from trainmon.diagnosis.reader import load_run
 
     if command == "anomalies":
-        from trainmon.diagnosis.scan import scan_all
+        from trainmon.diagnosis.scan import scan
 
-        found = scan_all(load_run(runs[0]), Rules(spike=SpikeRule(), param_changed=False)).anomalies
+        try:
+            from trainmon.diagnosis.rules import Rules  # where the rules lived before the move
+        except ImportError:
+            from trainmon.analysis.rules import Rules
+        off = {k: False for k in ("param_changed",) if k in Rules.__dataclass_fields__}  # RULES only
+        found = scan(load_run(runs[0]), Rules(**off))
         doc: dict = {"count": len(found), "anomalies": [a.to_json() for a in found]}
     elif command == "ranks":
         from trainmon.diagnosis.ranks import check_ranks
@@ -132,14 +138,17 @@ def _memory(command: str, runs: list[str]) -> None:
     json.dump(doc, sys.stdout)
 
 
-def _one(command: str, runs: list[Path], synth: SyntheticRun, path: str, cluster: str | None = None) -> dict:
+def _one(
+    command: str, runs: list[Path], synth: SyntheticRun, path: str, cluster: str | None = None, baseline=None
+) -> dict:
     # A fresh interpreter per measurement keeps ru_maxrss per command (RUSAGE_CHILDREN is a max).
     code = (
         "import resource, subprocess, sys; p = subprocess.run(sys.argv[1:], capture_output=True, text=True); "
         "sys.stdout.write(p.stdout); sys.stderr.write(p.stderr); "
         "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); sys.exit(p.returncode)"
     )
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "benchmarks")]), OMP_NUM_THREADS="1")
+    tree = baseline if path == "memory" else REPO  # the in-memory path: the old checkout's code
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), str(REPO / "benchmarks")]), OMP_NUM_THREADS="1")
     t0 = time.perf_counter()
     argv = _command(command, runs, path, cluster)
     proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, env=env)
@@ -209,13 +218,23 @@ def main() -> None:
         "--paths",
         default="bucket",
         help="comma list of bucket (the commands: DuckDB stages, checks per bucket) and memory (the "
-        "old in-memory path: the whole run read into pandas, for comparison)",
+        "old in-memory path: the whole run read into pandas, for comparison; needs --baseline)",
+    )
+    ap.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="a checkout of a commit with the in-memory path, for --paths memory "
+        "(git worktree add /tmp/before 47ffcf1)",
     )
     ap.add_argument("--cluster", default=None, metavar="ADDRESS", help="pass --cluster ADDRESS to the commands")
     ap.add_argument("--commands", default="anomalies", help="comma list of anomalies, ranks, compare")
     ap.add_argument("--root", type=Path, default=Path("/tmp/trainmon-scale"))
     ap.add_argument("--read-floor", action="store_true", help="only the read floor of each size and format")
     args = ap.parse_args()
+    if "memory" in args.paths.split(",") and args.baseline is None:
+        ap.error("--paths memory needs --baseline PATH (a checkout with the old in-memory path)")
     if args.read_floor:
         read_floor(args.sizes.split(","), sorted(args.formats.split(",")), args.root)
         return
@@ -231,7 +250,7 @@ def main() -> None:
                 runs = [run, _run_dir(args.root, size, fmt, _drifted(synth))] if command == "compare" else [run]
                 rows = synth.rows * len(runs)
                 for path in args.paths.split(","):
-                    r = _one(command, runs, synth, path, args.cluster)
+                    r = _one(command, runs, synth, path, args.cluster, args.baseline)
                     print(
                         f"{command:<10} {size:<5} {synth.rows:<11,} {fmt:<8} {mb:>10.0f}  {path:<7} "
                         f"{r['wall_s']:>6.1f}  {rows / r['wall_s']:>10,.0f}  {r['peak_rss_mb']:>11.0f}  "

@@ -20,7 +20,6 @@ __all__ = [
     "OPTIMIZER_STATE",
     "Phase",
     "PHASES",
-    "family_info",
 ]
 
 
@@ -154,11 +153,3 @@ NOT_SCALAR: frozenset[str] = frozenset(str(f) for f, i in FAMILIES.items() if no
 MOMENTS: tuple[Family, ...] = (Family.EXP_AVG, Family.EXP_AVG_SQ)
 # Every optimizer state family (``mv_distribution``), in training-flow order.
 OPTIMIZER_STATE: tuple[Family, ...] = tuple(f for f, i in FAMILIES.items() if i.moment)
-
-
-def family_info(family: str) -> FamilyInfo | None:
-    """The info of a family name, or None for one trainmon does not know."""
-    try:
-        return FAMILIES[Family(family)]
-    except ValueError:
-        return None

@@ -117,7 +117,7 @@ def test_progress_draws_on_a_terminal_only_and_clears_its_line():
 
 
 def test_reading_a_run_reports_every_family_file_and_row_to_the_progress(csv_run):
-    from trainmon.diagnosis.reader import load_run
+    from trainmon.diagnosis.engine_buckets import load_table
 
     class Tty(io.StringIO):
         def isatty(self):
@@ -125,7 +125,7 @@ def test_reading_a_run_reports_every_family_file_and_row_to_the_progress(csv_run
 
     out = Tty()
     progress = Progress("reading", 0, out=out, interval_s=0)
-    table = load_run(csv_run, progress=progress)
+    table = load_table(csv_run, progress=progress)
     assert progress.total == progress.files == len(list(csv_run.rglob("*.csv")))
     assert progress.rows == len(table.frame)
     assert f"{progress.files}/{progress.files} files, {len(table.frame):,} rows" in out.getvalue()

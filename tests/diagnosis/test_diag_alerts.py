@@ -18,7 +18,7 @@ import pytest
 from tests._support.simulate import FAULT_RANK, FAULT_STEP, named_run
 from trainmon.analysis.rules import COUNT_OPS, Anomaly, Rules, SpikeRule
 from trainmon.config import parse_config
-from trainmon.diagnosis.reader import load_run
+from trainmon.diagnosis.engine_buckets import load_table
 from trainmon.diagnosis.scan import read_alert_files, scan
 from trainmon.runtime.alert_latch import AlertLatch
 from trainmon.sinks.alerts import ALERTS_FILE, AlertSettings, AlertSink
@@ -49,7 +49,7 @@ def _identity(a):
 
 @pytest.mark.parametrize("name", ["nan", "blow"])
 def test_sink_behind_the_writer_thread_finds_what_the_scan_finds(tmp_path, name):
-    table = load_run(named_run(name))
+    table = load_table(named_run(name))
     online = []
     for rank in table.ranks:
         sink = AsyncSink(AlertSink(SinkOptions(rank_dir=tmp_path / f"rank{rank}", rank=rank)))
@@ -71,7 +71,7 @@ def test_sink_behind_the_writer_thread_finds_what_the_scan_finds(tmp_path, name)
 
 
 def test_healthy_rows_write_no_file(tmp_path):
-    table = load_run(named_run("healthy"))
+    table = load_table(named_run("healthy"))
     sink = AlertSink(SinkOptions(rank_dir=tmp_path / "rank0"))
     for step, rows in _steps_of(table, 0):
         sink.write(StepRows.of(rows), step)

@@ -9,9 +9,16 @@ import pandas as pd
 import pytest
 
 from tests._support.simulate import Net, named_run, row, write_run
-from trainmon.diagnosis.compare import compare_runs, rel_diff
+from trainmon.diagnosis.compare import rel_diff
+from trainmon.diagnosis.engine import run_files
+from trainmon.diagnosis.engine_compare import engine_compare
 from trainmon.diagnosis.names import canonical, match_names
-from trainmon.diagnosis.reader import load_run
+from trainmon.diagnosis.engine_buckets import load_table
+
+
+def compare_runs(base, target, **options):
+    """``trainmon compare``'s comparison of two run folders."""
+    return engine_compare(run_files(base), run_files(target), **options)
 
 
 def test_match_names_through_wrappers():
@@ -38,15 +45,14 @@ def test_rel_diff_definition():
 
 
 def test_identical_runs_do_not_diverge():
-    run = load_run(named_run("base"))
-    result = compare_runs(run, run)
+    run = load_table(named_run("base"))
+    result = compare_runs(named_run("base"), named_run("base"))
     assert result.first_divergence is None and result.diverged_rows == 0
     assert result.aligned_rows == len(run.frame) and result.only_in_base == result.only_in_target == 0
 
 
 def test_different_lr_for_one_group_first_diverges_at_its_first_param_update():
-    base, target = load_run(named_run("base")), load_run(named_run("lr"))
-    result = compare_runs(base, target)
+    result = compare_runs(named_run("base"), named_run("lr"))
     d = result.first_divergence
     first_in_group = next(n for n, _ in Net().named_parameters() if n.startswith("layers.1"))
     assert (d.step, d.phase, d.kind, d.name, d.rank) == (0, "optimizer", "param_updated", first_in_group, 0)
@@ -59,7 +65,7 @@ def test_different_lr_for_one_group_first_diverges_at_its_first_param_update():
 
 
 def test_different_activation_in_one_layer_first_diverges_in_forward_at_that_layer():
-    result = compare_runs(load_run(named_run("base")), load_run(named_run("act")))
+    result = compare_runs(named_run("base"), named_run("act"))
     d = result.first_divergence
     assert (d.step, d.phase, d.kind, d.name, d.rank, d.micro_step) == \
         (0, "forward", "actv", "layers.1.act.output", 0, 0)
@@ -75,9 +81,9 @@ def test_missing_steps_and_ranks_are_tolerated(tmp_path):
     (part / "rank1").rmdir()
     for f in part.glob("rank0/*_3-3.csv"):
         f.unlink()
-    result = compare_runs(load_run(full), load_run(part))
+    result = compare_runs(full, part)
     assert result.first_divergence is None
-    base = load_run(full).frame
+    base = load_table(full).frame
     kept = base[(base["rank"] == 0) & (base["step"] < 3)]
     assert result.aligned_rows == len(kept) and result.only_in_base == len(base) - len(kept)
 
@@ -86,7 +92,7 @@ def test_tolerances(tmp_path):
     def run(name, scale, mean=1e-9):
         rows = [row(0, "grad_reduced", "w", s, stats={"norm": 2.0 * scale, "mean": mean}, shape=[4])
                 for s in range(3)]
-        return load_run(write_run(tmp_path / name, rows))
+        return write_run(tmp_path / name, rows)
     base = run("b", 1.0)
     assert compare_runs(base, run("t1", 1 + 1e-5)).first_divergence is None
     d = compare_runs(base, run("t2", 1 + 1e-2)).first_divergence

@@ -1,11 +1,14 @@
-"""The DuckDB scan against the in-memory scan: the same findings, in the same training-flow order.
+"""``anomalies`` in buckets: a run checked a few names at a time (and from Parquet) finds what the
+run checked whole finds, in the same training-flow order; the staged values against the cells.
 
 Runs are the shared fault runs (tests/_support/simulate.py), as CSV and converted to Parquet with
-``trainmon convert``; the in-memory path (``scan.scan`` over ``load_run``) is the reference.
+``trainmon convert``; the reference is ``scan.scan_all`` of the whole CSV run as one bucket
+(``load_table``), whose rules have direct tests of their own (test_diag_rules.py).
 """
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +24,7 @@ from tests._support.simulate import SIM_RUNS, named_run
 from trainmon.analysis.rules import Rules, SpikeRule
 from trainmon.cli import main
 from trainmon.diagnosis import engine, engine_buckets
-from trainmon.diagnosis.reader import load_run
+from trainmon.diagnosis.engine_buckets import load_table
 from trainmon.diagnosis.scan import scan, scan_all
 from trainmon.output.layout import FamilyFile
 
@@ -31,6 +34,18 @@ RULE_SETS = {
     "all": Rules(spike=SpikeRule(factor=3.0, warmup=2, window=4), threshold=0.5, ops=("norm", "max", "mean")),
     "zero-floor": Rules(spike=SpikeRule(factor=1.5, floor=0.0, warmup=1, window=2), ops=("norm", "min")),
 }
+
+
+SMALL_BUCKET = 60  # rows per bucket: every run below is checked in several buckets
+
+
+def engine_scan_all(files, rules=Rules()):
+    """``anomalies``' scan of a run's files, in buckets of about ``SMALL_BUCKET`` rows."""
+    return engine_buckets.bucket_scan_all(files, rules, rows_per_bucket=SMALL_BUCKET)
+
+
+def engine_scan(files, rules=Rules()):
+    return engine_scan_all(files, rules).anomalies
 
 
 def _found(anomalies) -> list[dict]:
@@ -46,10 +61,10 @@ def _everything(findings) -> tuple:
 
 def _assert_same_findings(name: str, rules: str, pq_dir: Path) -> list:
     run = named_run(name)
-    want = _everything(scan_all(load_run(run), RULE_SETS[rules]))
-    assert _everything(engine_buckets.engine_scan_all(engine.run_files(run), RULE_SETS[rules])) == want
+    want = _everything(scan_all(load_table(run), RULE_SETS[rules]))
+    assert _everything(engine_scan_all(engine.run_files(run), RULE_SETS[rules])) == want
     parquet = engine.run_files(_as_parquet(run, pq_dir))
-    assert _everything(engine_buckets.engine_scan_all(parquet, RULE_SETS[rules])) == want
+    assert _everything(engine_scan_all(parquet, RULE_SETS[rules])) == want
     return want[0]
 
 
@@ -75,13 +90,13 @@ def test_engine_finds_what_the_in_memory_scan_finds_on_every_fault_run_csv_and_p
 @pytest.mark.slow  # 2.8-3.4 s a case on a loaded 2-core VM
 @pytest.mark.parametrize("rules", list(RULE_SETS))
 def test_engine_keeps_positions_occurrences_and_header_variants_exact(edge_run, rules, pq_dir):
-    found = scan_all(load_run(edge_run), RULE_SETS[rules])
+    found = scan_all(load_table(edge_run), RULE_SETS[rules])
     want = found.anomalies
     # The comm call whose norm is inf at every step is non-finite by design: a note, with its occurrence.
     assert any(a.occurrence for a in want) or any(n.occurrence for n in found.by_design)
     assert any(a.micro_step is not None for a in want)
     for run in (edge_run, _as_parquet(edge_run, pq_dir)):
-        got = engine_buckets.engine_scan_all(engine.run_files(run), RULE_SETS[rules])
+        got = engine_scan_all(engine.run_files(run), RULE_SETS[rules])
         assert _everything(got) == _everything(found)
 
 
@@ -120,7 +135,7 @@ def test_a_run_read_one_step_window_at_a_time_finds_what_the_in_memory_scan_find
     name, rules, parquet, edge_run, pq_dir, monkeypatch
 ):
     run = edge_run if name == "edge" else named_run(name)
-    want = _found(scan(load_run(run), RULE_SETS[rules]))
+    want = _found(scan(load_table(run), RULE_SETS[rules]))
     assert any(a["rule"] == "spike" for a in want)
     monkeypatch.setattr(engine, "UNIT_ROWS", 1)
     for files in (run, _as_parquet(run, pq_dir)) if parquet else (run,):
@@ -130,7 +145,7 @@ def test_a_run_read_one_step_window_at_a_time_finds_what_the_in_memory_scan_find
         units = [[rank for rank, _ in u.files] for fam in found.files for u in found.units(fam)]
         later = sum(1 for before, unit in zip(units, units[1:]) if unit[0] == before[-1])
         assert later > len(units) // 2
-        assert _found(engine_buckets.engine_scan(found, RULE_SETS[rules])) == want
+        assert _found(engine_scan(found, RULE_SETS[rules])) == want
 
 
 def test_engine_and_memory_commands_print_the_same_json(edge_run, capsys):
@@ -157,27 +172,35 @@ def test_non_numeric_stat_text_is_an_error_naming_file_line_and_column(tmp_path,
 
 
 @pytest.mark.parametrize("cell", ["nan", "-nan", "NaN", "", " 2.5 ", "inf", "-Infinity", "1e400", "4.9e-324", "+3"])
-def test_hand_written_number_spellings_read_as_the_in_memory_reader_reads_them(tmp_path, cell):
-    """A user's own CSV: the engine's typed read gives every cell the in-memory reader's value."""
+def test_hand_written_number_spellings_read_as_python_reads_them(tmp_path, cell):
+    """A user's own CSV: the engine's typed read gives every cell Python's ``float`` of it (an
+    empty cell: NaN), and the rules judge that value."""
     rank = tmp_path / "run" / "rank0"
     rank.mkdir(parents=True)
     rows = "".join(f"0,w,{s},{1.0 + s * 0.01},0,\"[2]\",torch.float32\n" for s in range(8))
     odd = f'0,w,8,{cell},0,"[2]",torch.float32\n'
     (rank / "grad_reduced_0-8.csv").write_text("vpp_stage,name,step,norm,nans,shape,dtype\n" + rows + odd)
+    frame = load_table(tmp_path / "run").frame
+    value = frame.loc[frame["step"] == 8, "norm"].item()
+    truth = float(cell) if cell.strip() else float("nan")
+    assert value == truth or (math.isnan(value) and math.isnan(truth))
     rules = Rules(spike=SpikeRule(factor=1.5, floor=0.0, warmup=1, window=2), threshold=2.0)
-    want = _found(scan(load_run(tmp_path / "run"), rules))
-    assert _found(engine_buckets.engine_scan(engine.run_files(tmp_path / "run"), rules)) == want
+    found = {a.rule for a in engine_scan(engine.run_files(tmp_path / "run"), rules) if a.step == 8}
+    assert ("nonfinite" in found) == (not math.isfinite(truth))  # an empty cell too: a NaN norm
+    assert ("threshold" in found) == (math.isfinite(truth) and abs(truth) > 2.0)
 
 
-def test_missing_stat_columns_and_empty_cells_read_as_nan_like_the_in_memory_reader(tmp_path):
+def test_missing_stat_columns_and_empty_cells_read_as_nan(tmp_path):
     rank = tmp_path / "run" / "rank0"
     rank.mkdir(parents=True)
     rows = "".join(f"0,w,{s},{1.0 + s * 0.01},{'' if s == 7 else 0},\"[2]\",torch.float32\n" for s in range(10))
     (rank / "grad_reduced_0-9.csv").write_text("vpp_stage,name,step,norm,nans,shape,dtype\n" + rows)
     variant = "vpp_stage,name,step,max,shape,dtype\n0,w,9,nan,\"[2]\",torch.float32\n"
     (rank / "grad_reduced_0-9.1.csv").write_text(variant)
-    want = _found(scan(load_run(tmp_path / "run")))
-    assert want and _found(engine_buckets.engine_scan(engine.run_files(tmp_path / "run"))) == want
+    frame = load_table(tmp_path / "run").frame
+    assert len(frame) == 11 and frame["max"].isna().all()  # absent, or the variant's "nan"
+    assert frame["nans"].isna().tolist() == [False] * 7 + [True] + [False, False, True]  # empty; absent
+    assert frame["norm"].isna().tolist() == [False] * 10 + [True]  # the variant has no norm
 
 
 @pytest.mark.parametrize("values", [[10.0] * 4 + [1.0], [10.0] * 4 + [100.0], [-3.0, 2.0, -1.0, 4.0, 40.0],
@@ -191,9 +214,8 @@ def test_a_spike_exactly_at_the_factor_fires_in_both_scans(tmp_path, values):
     # exp_avg_sq: a family whose drops are judged too (grads, signed, are judged upward only)
     (rank / "exp_avg_sq_0-9.csv").write_text("vpp_stage,name,step,norm,nans,shape,dtype\n" + rows)
     rules = Rules(spike=SpikeRule(factor=10.0, floor=0.0, warmup=3, window=4))
-    want = _found(scan(load_run(tmp_path / "run"), rules))
+    want = _found(scan(load_table(tmp_path / "run"), rules))
     assert [a["step"] for a in want if a["rule"] == "spike"] == [4]
-    assert _found(engine_buckets.engine_scan(engine.run_files(tmp_path / "run"), rules)) == want
 
 
 def test_skipped_steps_clear_their_nonfinite_grads_in_every_bucket_like_the_in_memory_scan(tmp_path):
@@ -208,7 +230,7 @@ def test_skipped_steps_clear_their_nonfinite_grads_in_every_bucket_like_the_in_m
         grads = "".join(f'0,w{i},{s},{"inf" if s in skipped else 1.0 + i},0,"[2]",torch.float32\n'
                         for s in range(8) for i in range(6))
         (rank / "grad_reduced_0-7.csv").write_text("vpp_stage,name,step,norm,nans,shape,dtype\n" + grads)
-    want = _everything(scan_all(load_run(tmp_path / "run")))
+    want = _everything(scan_all(load_table(tmp_path / "run")))
     assert [(a["rank"], a["step"], a["rule"]) for a in want[0]] == [
         (0, 0, "skipped"), (1, 0, "skipped"), (0, 1, "skipped_run"), (1, 1, "skipped_run"), (0, 5, "skipped"),
         (1, 6, "skipped")]
@@ -262,7 +284,7 @@ def test_buckets_read_from_the_staged_files_or_sorted_again_find_what_the_whole_
     from trainmon.diagnosis.engine_buckets import StagedRun, bucket_scan_all, engine_ranks, read_bucket
     from trainmon.diagnosis.ranks import check_ranks
 
-    table = load_run(edge_run)
+    table = load_table(edge_run)
     rules = RULE_SETS["all"]
     want_scan, want_ranks = _everything(scan_all(table, rules)), check_ranks(table)
     assert want_scan[0] and want_ranks
@@ -308,7 +330,7 @@ def test_a_run_whose_csv_rows_were_underestimated_is_held_only_while_it_fits(tmp
     long_name = "layers.0.weight" + "_long" * 60  # param 0 is the first row of every file
     for f in run.glob("rank*/*.csv"):
         f.write_text(f.read_text().replace("layers.0.weight,", f"{long_name},"))
-    table = load_run(run)
+    table = load_table(run)
     files = engine.run_files(run)
     estimate, actual = sum(files.family_rows(f) for f in files.family_stats), len(table.frame)
     assert estimate < actual / 2, (estimate, actual)

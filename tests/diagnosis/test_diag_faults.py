@@ -19,7 +19,7 @@ import torch
 from tests._support import real_runs as _real
 from tests.diagnosis.test_diag_alerts import _steps_of
 from trainmon.cli import main
-from trainmon.diagnosis.reader import load_run
+from trainmon.diagnosis.engine_buckets import load_table
 from trainmon.sinks.alerts import AlertSink
 from trainmon.sinks.base import SinkOptions
 
@@ -146,7 +146,7 @@ def test_healthy_200_step_demo_has_no_alerts(tmp_path, capsys):
                    env=env, check=True, capture_output=True, timeout=240)
     doc = _json(capsys, "anomalies", str(tmp_path))
     assert doc["count"] == 0, doc["anomalies"][:5]
-    table = load_run(tmp_path)
+    table = load_table(tmp_path)
     assert set(table.frame["step"]) == set(range(200)) and len(table.families) >= 6
     # the run-time rules (default settings) agree: nothing to report
     sink = AlertSink(SinkOptions(rank_dir=tmp_path / "alerts"))

@@ -10,12 +10,12 @@ from matplotlib import image as mpimg
 
 from tests._support.simulate import FAULT_RANK, FAULT_STEP, Net, named_run, row, write_run
 from trainmon.diagnosis.plot import HEATMAP_XLABEL, HEATMAP_YLABEL, heatmap_figure, layer_grid, save_figure
-from trainmon.diagnosis.reader import load_run
+from trainmon.diagnosis.engine_buckets import load_table
 
 
 def test_grid_is_in_model_order_with_the_csv_values():
     run = named_run("nan")
-    grid = layer_grid(load_run(run), "grad_unreduced", "norm", rank=FAULT_RANK)
+    grid = layer_grid(load_table(run), "grad_unreduced", "norm", rank=FAULT_RANK)
     # grad_unreduced rows are in backward order; the plot shows model order
     assert grid.layers == [n for n, _ in Net().named_parameters()]
     files = sorted((run / f"rank{FAULT_RANK}").glob("grad_unreduced_*.csv"))
@@ -28,7 +28,7 @@ def test_grid_is_in_model_order_with_the_csv_values():
 
 
 def test_figure_labels_and_png(tmp_path):
-    grid = layer_grid(load_run(named_run("nan")), "grad_unreduced", "norm", rank=FAULT_RANK)
+    grid = layer_grid(load_table(named_run("nan")), "grad_unreduced", "norm", rank=FAULT_RANK)
     fig = heatmap_figure(grid, step=3)
     heat, profile = fig.axes[0], fig.axes[1]
     assert heat.get_xlabel() == HEATMAP_XLABEL == "step"
@@ -48,7 +48,7 @@ def test_figure_labels_and_png(tmp_path):
 def test_hundreds_of_layers_stay_readable(tmp_path):
     rows = [row(0, "param_origin", f"layers.{i}.weight", s, stats={"norm": 1.0 + i + s}, shape=[8])
             for s in range(20) for i in range(300)]
-    grid = layer_grid(load_run(write_run(tmp_path / "big", rows, steps_per_file=10)), "param_origin", "norm")
+    grid = layer_grid(load_table(write_run(tmp_path / "big", rows, steps_per_file=10)), "param_origin", "norm")
     fig = heatmap_figure(grid)
     heat = fig.axes[0]
     labels = [t.get_text() for t in heat.get_yticklabels()]
@@ -59,7 +59,7 @@ def test_hundreds_of_layers_stay_readable(tmp_path):
 
 
 def test_bad_choices_are_clear_errors():
-    table = load_run(named_run("base"))
+    table = load_table(named_run("base"))
     with pytest.raises(ValueError, match="no 'comm' rows"):
         layer_grid(table, "comm", "norm")
     with pytest.raises(ValueError, match="'grad_reduced' has no 'std' column"):

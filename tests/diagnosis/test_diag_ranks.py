@@ -18,7 +18,7 @@ from tests._support.simulate import (
     write_run,
 )
 from trainmon.diagnosis.ranks import check_ranks
-from trainmon.diagnosis.reader import load_run
+from trainmon.diagnosis.engine_buckets import load_table
 from trainmon.diagnosis.scan import scan
 
 
@@ -27,13 +27,13 @@ def _where(x):
 
 
 def test_healthy_run_is_consistent_and_quiet():
-    table = load_run(named_run("healthy"))
+    table = load_table(named_run("healthy"))
     assert check_ranks(table) == []
     assert scan(table) == []
 
 
 def test_nan_in_one_ranks_input():
-    table = load_run(named_run("nan"))
+    table = load_table(named_run("nan"))
     issues = check_ranks(table)
     first = (FAULT_STEP, "actv", "inp.output", FAULT_RANK)
     assert _where(issues[0]) == first and issues[0].check == "nonfinite_some_ranks"
@@ -49,7 +49,7 @@ def test_nan_in_one_ranks_input():
 
 @pytest.mark.parametrize("name", ["blow", "blow3"])
 def test_one_ranks_grad_blown_up(name):
-    table = load_run(named_run(name))
+    table = load_table(named_run(name))
     issues = check_ranks(table)
     want = (FAULT_STEP, "grad_unreduced", BLOW_PARAM, FAULT_RANK)
     assert [(_where(i), i.check) for i in issues] == [(want, "pre_reduce_outlier")]
@@ -63,7 +63,7 @@ def test_one_ranks_grad_blown_up(name):
 
 @pytest.mark.parametrize("name", ["corrupt", "corrupt3"])
 def test_one_ranks_reduced_grad_corrupted(name):
-    table = load_run(named_run(name))
+    table = load_table(named_run(name))
     issues = check_ranks(table)
     want = (FAULT_STEP, "grad_reduced", CORRUPT_PARAM, CORRUPT_RANK)
     assert _where(issues[0]) == want and issues[0].check == "post_reduce_mismatch"
@@ -82,7 +82,7 @@ def test_reduce_sum_and_checks_selection(tmp_path):
     for rank, local in ((0, 1.0), (1, 3.0)):
         rows.append(row(rank, "grad_unreduced", "w", 0, stats={"norm": 2 * local, "mean": local}, shape=[4]))
         rows.append(row(rank, "grad_reduced", "w", 0, stats={"norm": 8.0, "mean": 4.0}, shape=[4]))
-    table = load_run(write_run(tmp_path / "sum", rows))
+    table = load_table(write_run(tmp_path / "sum", rows))
     assert check_ranks(table, reduce="sum") == []
     mean = check_ranks(table, checks=["reduce_average"])
     assert [(i.rank, i.value, i.expected) for i in mean] == [(0, 4.0, 2.0), (1, 4.0, 2.0)]
@@ -90,6 +90,6 @@ def test_reduce_sum_and_checks_selection(tmp_path):
 
 def test_two_ranks_disagreeing_without_evidence_names_both(tmp_path):
     rows = [row(r, "grad_reduced", "w", 0, stats={"norm": 1.0 + r, "mean": 0.0}, shape=[4]) for r in (0, 1)]
-    issues = check_ranks(load_run(write_run(tmp_path / "two", rows)))
+    issues = check_ranks(load_table(write_run(tmp_path / "two", rows)))
     assert [(i.rank, i.check, i.ranks) for i in issues] == [(0, "post_reduce_mismatch", (0, 1)),
                                                             (1, "post_reduce_mismatch", (0, 1))]

@@ -10,7 +10,7 @@ import pytest
 
 from tests._support.simulate import row, write_run
 from trainmon.analysis.rules import Anomaly, Rules, SpikeRule, SpikeTracker, json_number, nonfinite_op
-from trainmon.diagnosis.reader import load_run
+from trainmon.diagnosis.engine_buckets import load_table
 from trainmon.diagnosis.scan import scan
 
 
@@ -77,7 +77,7 @@ def test_offline_scan_equals_the_online_tracker(tmp_path):
         if base is not None:
             online[(rank, name, step)] = base
     offline = {(a.rank, a.name, a.step): a.baseline
-               for a in scan(load_run(run), Rules(nonfinite=False)) if a.rule == "spike"}
+               for a in scan(load_table(run), Rules(nonfinite=False)) if a.rule == "spike"}
     assert len(online) >= 8                                   # the injected spikes are there
     assert offline.keys() == online.keys()
     for key, base in online.items():
@@ -102,7 +102,7 @@ def test_scan_nonfinite_and_threshold_rows(tmp_path):
             row(0, "update_ratio", "a", 0, stats={"update_ratio": math.inf}),       # 0 denominator
             row(0, "actv", "x.input", 0, stats={"norm": math.nan, "nans": math.nan},
                 micro_step=0, dtype="", shape=[])]                                  # not a tensor
-    found = scan(load_run(write_run(tmp_path / "run", rows)), Rules(threshold=10.0))
+    found = scan(load_table(write_run(tmp_path / "run", rows)), Rules(threshold=10.0))
     assert [(a.name, a.rule, a.op, a.value) for a in found] == [("b", "nonfinite", "nans", 7.0),
                                                                ("c", "threshold", "norm", 50.0)]
 
@@ -126,5 +126,5 @@ def test_comm_calls_are_series_by_name_and_call_order(tmp_path):
             norm = norm * (50 if (step, call) == (7, 0) else 1)
             rows.append(row(0, "comm", "all_reduce", step, stats={"norm": norm},
                             extra={"op": "all_reduce", "call": call}))
-    found = scan(load_run(write_run(tmp_path / "run", rows)))
+    found = scan(load_table(write_run(tmp_path / "run", rows)))
     assert [(a.step, a.kind, a.phase, a.occurrence, a.value) for a in found] == [(7, "comm", "comm", 0, 50.0)]

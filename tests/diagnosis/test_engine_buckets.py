@@ -1,7 +1,8 @@
-"""``ranks`` and ``compare`` in the engine, one bucket of names at a time, against the in-memory path.
+"""``ranks`` and ``compare`` in the engine, one bucket of names (or one alignment group) at a time.
 
-Reference: ``check_ranks`` / ``compare_runs`` over ``load_run``.  The engine runs with a tiny
-bucket size, so every run is cut into many buckets; CSV and Parquet (``trainmon convert``) alike.
+Reference: ``check_ranks`` over the whole run as one bucket (``load_table``) and ``compare`` of
+the whole runs in one alignment group per family.  The engine runs with a tiny bucket size (or
+unit), so every run is cut into many buckets (groups); CSV and Parquet (``trainmon convert``) alike.
 """
 
 from __future__ import annotations
@@ -20,13 +21,16 @@ from tests.diagnosis.test_diag_engine import peak_mb
 from trainmon.analysis.rules import Rules
 from trainmon.cli import main
 from trainmon.diagnosis import engine
-from trainmon.diagnosis.compare import compare_runs
-from trainmon.diagnosis.engine_buckets import engine_ranks
+from trainmon.diagnosis.engine_buckets import engine_ranks, load_table
 from trainmon.diagnosis.engine_compare import engine_compare
 from trainmon.diagnosis.ranks import check_ranks
-from trainmon.diagnosis.reader import load_run
 
 TINY_BUCKET = 300  # rows per bucket: 3-7 buckets per run below
+
+
+def compare_runs(base, target, **options):
+    """The reference comparison: CSV runs, each family aligned in one group (units of 250,000 rows)."""
+    return engine_compare(engine.run_files(base), engine.run_files(target), **options)
 
 
 def _issues(issues) -> list[dict]:
@@ -35,9 +39,9 @@ def _issues(issues) -> list[dict]:
 
 @pytest.mark.slow  # 3.0-5.6 s on a loaded 2-core VM (2026-12-06)
 @pytest.mark.parametrize("name", ["edge", "nan", "corrupt3"])
-def test_engine_ranks_finds_what_the_in_memory_check_finds_csv_and_parquet(name, edge_run, pq_dir):
+def test_engine_ranks_in_small_buckets_finds_what_one_bucket_finds_csv_and_parquet(name, edge_run, pq_dir):
     run = edge_run if name == "edge" else named_run(name)
-    want = _issues(check_ranks(load_run(run)))
+    want = _issues(check_ranks(load_table(run)))
     assert want
     for files in (run, as_parquet(run, pq_dir)):
         assert _issues(engine_ranks(engine.run_files(files), rows_per_bucket=TINY_BUCKET)) == want
@@ -45,9 +49,9 @@ def test_engine_ranks_finds_what_the_in_memory_check_finds_csv_and_parquet(name,
 
 @pytest.mark.slow  # over the fast tier's 3 s on a loaded machine
 @pytest.mark.parametrize("pair", [("edge", "nan"), ("base", "act")])
-def test_engine_compare_finds_what_the_in_memory_compare_finds_csv_and_parquet(pair, edge_run, pq_dir):
+def test_engine_compare_of_parquet_finds_what_compare_of_csv_finds(pair, edge_run, pq_dir):
     base, target = (edge_run if name == "edge" else named_run(name) for name in pair)
-    want = compare_runs(load_run(base), load_run(target), top=3).to_json()
+    want = compare_runs(base, target, top=3).to_json()
     assert want["diverged_rows"] and want["first_divergence"] and want["only_in_base"] + want["renamed"]
     for b, t in ((base, target), (as_parquet(base, pq_dir), as_parquet(target, pq_dir))):
         got = engine_compare(engine.run_files(b), engine.run_files(t), top=3)
@@ -57,9 +61,9 @@ def test_engine_compare_finds_what_the_in_memory_compare_finds_csv_and_parquet(p
 @pytest.mark.slow  # stages every file as its own unit
 def test_ranks_and_compare_staged_one_step_window_at_a_time_find_the_same(edge_run, monkeypatch):
     # every file its own staging unit, every rank its own alignment group
-    want_ranks = _issues(check_ranks(load_run(edge_run)))
+    want_ranks = _issues(check_ranks(load_table(edge_run)))
     base, target = named_run("corrupt3"), named_run("nan")
-    want_cmp = compare_runs(load_run(base), load_run(target), top=3).to_json()
+    want_cmp = compare_runs(base, target, top=3).to_json()
     monkeypatch.setattr(engine, "UNIT_ROWS", 1)
     assert len(engine.run_files(edge_run).units("actv")) > 2
     # compare then aligns each rank in runs of one step (a rank's rows can outgrow any unit)
@@ -71,11 +75,12 @@ def test_ranks_and_compare_staged_one_step_window_at_a_time_find_the_same(edge_r
     assert engine_compare(engine.run_files(base), engine.run_files(target), top=3).to_json() == want_cmp
 
 
+@pytest.mark.slow  # 2.7 s on a loaded 2-core VM, near the fast tier's 3 s
 def test_ranks_sorting_the_run_in_bounded_runs_of_buckets_finds_the_same(edge_run, monkeypatch):
     # a sort per bucket (SORT_ROWS 1): every bucket read from its own sorted file, each whole
     from trainmon.diagnosis import engine_buckets
 
-    want = _issues(check_ranks(load_run(edge_run)))
+    want = _issues(check_ranks(load_table(edge_run)))
     monkeypatch.setattr(engine_buckets, "SORT_ROWS", 1)
     assert _issues(engine_ranks(engine.run_files(edge_run), rows_per_bucket=TINY_BUCKET)) == want
 
@@ -127,11 +132,14 @@ def test_a_partitioned_run_hands_over_every_row_once_by_name_code_ranges(edge_ru
 )
 @pytest.mark.slow  # 3.0-5.6 s on a loaded 2-core VM (2026-12-06)
 @pytest.mark.parametrize("pair", [("nan", "healthy"), pytest.param(("corrupt", "corrupt3"), marks=pytest.mark.slow)])
-def test_the_sql_alignment_equals_the_in_memory_compare_with_nan_other_ranks_and_any_tolerance(pair, options):
+def test_groups_of_a_few_rows_compare_as_one_group_with_nan_other_ranks_and_any_tolerance(
+    pair, options, monkeypatch
+):
     # NaN against finite values (the nan run), a third rank only in the target (corrupt3)
     base, target = (named_run(name) for name in pair)
-    want = compare_runs(load_run(base), load_run(target), **options).to_json()
+    want = compare_runs(base, target, **options).to_json()
     assert want["diverged_rows"] and want["largest_by_family"]
+    monkeypatch.setattr(engine, "UNIT_ROWS", 40)  # each rank aligned in runs of a few steps
     assert engine_compare(engine.run_files(base), engine.run_files(target), **options).to_json() == want
 
 
@@ -192,9 +200,10 @@ def test_every_command_stays_bounded_in_memory_whatever_engine_is_asked_for(tmp_
 
 
 @pytest.mark.parametrize("interleaved", [False, True])
-def test_staged_positions_are_the_readers_whether_or_not_a_steps_rows_are_one_run(tmp_path, interleaved):
+def test_staged_positions_follow_the_file_order_whether_or_not_a_steps_rows_are_one_run(tmp_path, interleaved):
     # The sinks write a step's rows together (positions from the group's first row); a file whose
-    # steps interleave takes the numbering window instead.  Truth: load_run's own positions.
+    # steps interleave takes the numbering window instead.  Truth: each name's place among its
+    # step's rows in the file (b, a, c in both layouts).
     from trainmon.diagnosis.engine import Engine
     from trainmon.diagnosis.engine_buckets import StagedRun
 
@@ -206,8 +215,9 @@ def test_staged_positions_are_the_readers_whether_or_not_a_steps_rows_are_one_ru
         lines = "".join(f"0,{name},{step},{1 + step + rank},0.5,[2],torch.float32\n" for step, name in rows)
         (tmp_path / f"rank{rank}").mkdir()
         (tmp_path / f"rank{rank}" / "grad_reduced_0-1.csv").write_text(header + lines)
-    frame = load_run(tmp_path).frame
-    want = sorted(zip(frame["rank"], frame["step"], frame["name"], frame["position"]))
+    want = sorted((rank, step, name, "bac".index(name)) for rank in (0, 1) for step in (0, 1) for name in "bac")
+    frame = load_table(tmp_path).frame
+    assert sorted(zip(frame["rank"], frame["step"], frame["name"], frame["position"])) == want
     with Engine() as eng:
         run = StagedRun(eng, engine.run_files(tmp_path), "b")
         got = eng.con.execute("SELECT rank, step, name, position FROM b_staged").fetchall()
@@ -257,7 +267,7 @@ def test_anomalies_per_bucket_of_names_find_what_the_whole_table_scan_finds(name
     from trainmon.diagnosis.scan import scan_all
 
     run = edge_run if name == "edge" else named_run(name)
-    want = scan_all(load_run(run))
+    want = scan_all(load_table(run))
     assert want.anomalies
     for files in (run, as_parquet(run, pq_dir)):
         got = bucket_scan_all(engine.run_files(files), Rules(), rows_per_bucket=TINY_BUCKET)

@@ -17,10 +17,11 @@ from pathlib import Path
 import pytest
 
 from tests._support.runs import REPO
+from trainmon.analysis.rules import Rules
 from trainmon.diagnosis import engine, engine_buckets, sql
 from trainmon.diagnosis.engine_buckets import engine_ranks
 from trainmon.diagnosis.ranks import check_ranks
-from trainmon.diagnosis.reader import load_run
+from trainmon.diagnosis.engine_buckets import load_table
 from trainmon.diagnosis.scan import scan
 from trainmon.errors import TrainmonError
 from trainmon.testing.synthetic_run import SyntheticRun
@@ -63,13 +64,13 @@ def small_files(request, tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("per_read", [1, 5])
-def test_reading_few_files_per_statement_finds_what_the_in_memory_reader_finds(small_files, monkeypatch, per_read):
-    monkeypatch.setattr(sql, "FILES_PER_READ", per_read)
-    files = engine.run_files(small_files)
-    table = load_run(small_files)
+def test_reading_few_files_per_statement_finds_what_one_read_of_all_finds(small_files, monkeypatch, per_read):
+    table = load_table(small_files)  # every file in one read statement
     want = _found(scan(table))
     assert want, "the planted NaN and spike"
-    assert _found(engine_buckets.engine_scan(files)) == want
+    monkeypatch.setattr(sql, "FILES_PER_READ", per_read)
+    files = engine.run_files(small_files)
+    assert _found(engine_buckets.bucket_scan_all(files, Rules()).anomalies) == want
     assert engine_ranks(files) == check_ranks(table)
 
 
@@ -94,11 +95,8 @@ def test_a_bad_cell_in_a_late_batch_is_named_by_file_line_and_column(tmp_path, m
     bad.write_text("\n".join(lines) + "\n")
     monkeypatch.setattr(sql, "FILES_PER_READ", 3)
     with pytest.raises(TrainmonError) as engine_err:
-        engine_buckets.engine_scan(engine.run_files(run))
-    with pytest.raises(TrainmonError) as memory_err:
-        load_run(run)
+        engine_buckets.bucket_scan_all(engine.run_files(run), Rules())
     assert f"{bad}:4: column 'mean' holds 'oops'" in str(engine_err.value)
-    assert f"{bad}, line 4, column 5 (mean): 'oops' is not a number" in str(memory_err.value)
 
 
 def _tiny_files(rank_dir: Path, n: int) -> None:

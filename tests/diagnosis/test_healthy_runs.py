@@ -153,12 +153,12 @@ def test_online_alerts_stay_quiet_on_a_by_design_mask_and_report_a_one_off_first
 @pytest.mark.slow
 def test_anomalies_leaves_out_the_run_time_alert_of_a_masks_first_step(tmp_path, monkeypatch, capsys):
     from tests.diagnosis.test_diag_alerts import _steps_of
-    from trainmon.diagnosis.reader import load_run
+    from trainmon.diagnosis.engine_buckets import load_table
     from trainmon.sinks.alerts import AlertSink
     from trainmon.sinks.base import SinkOptions
 
     run = transformer_run(tmp_path, monkeypatch, steps=8)
-    table = load_run(run)
+    table = load_table(run)
     sink = AlertSink(SinkOptions(rank_dir=run / "rank0", rank=0))
     for step, rows in _steps_of(table, 0):
         sink.write(StepRows.of(rows), step)

@@ -14,7 +14,7 @@ from torch import nn
 
 from tests._support.runs import ENGINES
 from trainmon.cli import main
-from trainmon.diagnosis.reader import load_run
+from trainmon.diagnosis.engine_buckets import load_table
 from trainmon.diagnosis.scan import param_changes
 
 CONFIG = {"wg_distribution": True, "mv_distribution": True, "param_distribution": True,
@@ -61,7 +61,7 @@ def test_a_weight_changed_between_steps_is_found_at_the_step_and_layer(tmp_path,
     assert (first["step"], first["kind"], first["name"], first["rule"]) == (4, "param_origin", "2.weight",
                                                                             "param_changed")
     # the value and its baseline: the recorded stat at step 4's start and at step 3's end
-    table = load_run(run)
+    table = load_table(run)
     rows = table.frame.set_index(["family", "name", "step"])
     op = first["op"]
     assert first["value"] == rows.loc[("param_origin", "2.weight", 4), op]
@@ -79,7 +79,7 @@ def test_a_weight_changed_between_steps_is_found_at_the_step_and_layer(tmp_path,
 @pytest.mark.slow
 def test_healthy_runs_param_updated_and_next_param_origin_are_bit_equal(tmp_path, monkeypatch):
     run = _run(tmp_path, monkeypatch, corrupt=None)
-    table = load_run(run)
+    table = load_table(run)
     up, origin = table.family("param_updated"), table.family("param_origin")
     both = up.assign(step=up["step"] + 1).merge(origin, on=["name", "step"], suffixes=("_u", "_o"))
     assert len(both) == 6 * 7                         # 3 layers x (weight, bias), steps 1-7

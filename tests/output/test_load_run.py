@@ -453,18 +453,6 @@ def test_auto_uses_duckdb_only_for_big_selections(synthetic, monkeypatch):
     assert seen
 
 
-def test_engine_duckdb_without_duckdb_is_one_line_naming_the_extra(synthetic, monkeypatch):
-    import sys
-
-    monkeypatch.setitem(sys.modules, "duckdb", None)  # as where duckdb is not installed
-    with pytest.raises(LoadRunError, match=r"engine='duckdb' needs duckdb: pip install 'trainmon\[engine\]'"):
-        trainmon.load_run(synthetic["csv"], engine="duckdb")
-    import trainmon.output.load as load
-
-    monkeypatch.setattr(load, "DUCKDB_FROM_BYTES", 1)  # auto: falls back to pandas
-    assert len(trainmon.load_run(synthetic["csv"])) == 3 * 25 * 6 * 3
-
-
 ODD_NAMES = ['w,"odd" name', "NA", "null", "line\nbreak", "é.ü"]
 
 

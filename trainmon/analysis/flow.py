@@ -71,4 +71,4 @@ def family_rank(family: str) -> int:
 def flow_key(step: int, kind: str, micro_step: int | None, position: int) -> tuple:
     """Training-flow order of one entry: step, phase, micro-batch, family, row position."""
     micro = -1 if micro_step is None else micro_step
-    return (step, PHASES.index(phase_of(kind)), micro, family_rank(kind), kind, position)
+    return (step, phase_rank(kind), micro, family_rank(kind), kind, position)

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from trainmon.cli import CommandError
+from trainmon.cli._engine import engine_errors, engine_required
 from trainmon.cli._progress import Progress
 from trainmon.families import Family
 
@@ -60,13 +61,16 @@ def output_path(option: str | None, default_name: str) -> Path:
 
 def run(args: argparse.Namespace) -> int:
     # matplotlib costs ~1 s to import: only this command pays for it, not ``trainmon --help``.
+    from trainmon.diagnosis.engine_buckets import load_table
     from trainmon.diagnosis.plot import heatmap_figure, layer_grid, save_figure
-    from trainmon.diagnosis.reader import RunDirError, load_run
+    from trainmon.diagnosis.reader import RunDirError
     from trainmon.diagnosis.report import dump_json
 
+    engine_required(None)
     progress = Progress("reading", 0, quiet=args.json)  # a large run takes seconds to read
     try:
-        table = load_run(args.run_dir, families=[args.kind], progress=progress)
+        with engine_errors(args.run_dir):
+            table = load_table(args.run_dir, families=[args.kind], progress=progress)
     except (RunDirError, ValueError) as exc:
         raise CommandError(str(exc)) from None
     finally:

@@ -45,7 +45,7 @@ from trainmon.analysis.flow import FLOW_KEYS, phase_of
 from trainmon.analysis.rules import json_number
 from trainmon.diagnosis.model_meta import StageDifference, diff_initial, diff_structure, meta_ranks, read_model_meta
 from trainmon.diagnosis.names import match_names
-from trainmon.diagnosis.reader import GROUP_COLUMN, RunTable
+from trainmon.diagnosis.reader import GROUP_COLUMN
 from trainmon.families import NOT_SCALAR, Family, Phase
 
 __all__ = [
@@ -54,12 +54,10 @@ __all__ = [
     "StageResult",
     "STAGES",
     "stage_of",
-    "compare_runs",
     "rel_diff",
     "FamilyPlan",
     "plan_families",
     "SliceResult",
-    "compare_slice",
     "finish_comparison",
     "align",
     "judge",
@@ -253,24 +251,6 @@ def plan_families(
     return plans
 
 
-def _grouped(frame: pd.DataFrame) -> bool:
-    return GROUP_COLUMN in frame.columns and bool(frame[GROUP_COLUMN].notna().any())
-
-
-def _family_diffs(
-    family: str, base: pd.DataFrame, target: pd.DataFrame, plan: FamilyPlan, rtol: float, atol: float
-) -> tuple[pd.DataFrame, int, int]:
-    ops = list(plan.ops)
-    extras = [GROUP_COLUMN] if plan.grouped else []
-    keep_b = [*ALIGN_KEYS, *(c for c in FLOW_KEYS if c not in ALIGN_KEYS), "phase", "numel", *extras, *ops]
-    merged = align(base[keep_b], target[[*ALIGN_KEYS, *ops]], plan.names, plan.grouped)
-    # Every target row that found no base row, whether its name has a counterpart or not.
-    only_b, only_t = len(base) - len(merged), len(target) - len(merged)
-    if merged.empty:
-        return merged, only_b, only_t
-    return judge(merged, family, ops, rtol, atol), only_b, only_t
-
-
 def align(base: pd.DataFrame, target: pd.DataFrame, names: Mapping, grouped: bool) -> pd.DataFrame:
     """The one alignment rule: one family's rows of both runs paired on ``ALIGN_KEYS``, the
     target's names first mapped onto the base's (``names``: target name -> base name, from
@@ -291,7 +271,7 @@ def judge(merged: pd.DataFrame, family: str, ops: Sequence[str], rtol: float, at
     """Every aligned row's verdict, the one place the comparison rule is written: ``merged`` holds
     each op of base (column ``op``) and of target (``op@t``), ``numel`` and the alignment and flow
     keys; added: the row's worst ``op`` with its ``base``, ``target`` and ``rel_diff``, whether it
-    ``diverged``, and its ``kind``.  Used for a whole run and for each group the engine aligned."""
+    ``diverged``, and its ``kind``.  Used for each group the engine aligned."""
     ops = list(ops)
     rms = merged["norm"] / np.sqrt(merged["numel"]) if "norm" in ops else pd.Series(0.0, index=merged.index)
     rms = rms.replace([np.inf, -np.inf], np.nan).fillna(0.0).to_numpy()
@@ -393,53 +373,6 @@ class SliceResult:
         for family, frames in other.largest.items():
             self.largest.setdefault(family, []).extend(frames)
         self.firsts += other.firsts
-
-
-def compare_slice(
-    base: RunTable, target: RunTable, plans: dict[str, FamilyPlan], *, rtol: float, atol: float, top: int
-) -> SliceResult:
-    """Compare the rows of two tables (whole runs, or the rows of one set of tensor names in both;
-    the tables' ``family_stats`` are the whole runs')."""
-    out = SliceResult()
-    for family in base.family_stats:
-        if family in NOT_SCALAR:  # packed sign bits: ``trainmon similarity`` compares those
-            continue
-        if family not in target.family_stats:
-            out.only_in_base += len(base.family(family))
-            continue
-        if family not in plans:
-            continue
-        merged, only_b, only_t = _family_diffs(
-            family, base.family(family), target.family(family), plans[family], rtol, atol
-        )
-        out.only_in_base += only_b
-        out.only_in_target += only_t
-        out.add(family_part(family, merged, top))
-    for family in target.family_stats:
-        if family not in base.family_stats and family not in NOT_SCALAR:
-            out.only_in_target += len(target.family(family))
-    return out
-
-
-def compare_runs(
-    base: RunTable,
-    target: RunTable,
-    *,
-    rtol: float = 1e-3,
-    atol: float = 0.0,
-    ops: Sequence[str] | None = None,
-    top: int = 5,
-) -> Comparison:
-    """Align two runs and find the first divergence in training-flow order (stages: module doc)."""
-    plans = plan_families(
-        base.family_stats,
-        target.family_stats,
-        ops,
-        lambda f: (base.family(f)["name"].unique(), target.family(f)["name"].unique()),
-        lambda f: _grouped(base.family(f)),
-    )
-    part = compare_slice(base, target, plans, rtol=rtol, atol=atol, top=top)
-    return finish_comparison(part, plans, base.path, target.path, rtol=rtol, atol=atol, top=top)
 
 
 def finish_comparison(

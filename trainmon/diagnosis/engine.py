@@ -168,7 +168,7 @@ class Unit:
 
 
 def _roles(f: FamilyFile) -> runs.ColumnRoles:
-    # The in-memory reader's own rule (it may look at dtypes), on one file of this header.
+    # ``output.runs``' own rule (it may look at dtypes), on one file of this header.
     from trainmon.output.parquet import read_parquet
 
     return runs.column_roles(runs.read_csv(f.path) if f.ext == "csv" else read_parquet(f.path))

@@ -1,14 +1,14 @@
 """A run's rows inside DuckDB, handed to Python one bucket of tensor names at a time.
 
-``ranks`` looks at rows across ranks (per family, name, step) and along each (rank, name) series
-over steps, never across names.  So it can run on all rows of a set of names at a time, with its
-pandas logic unchanged (``compare`` stages runs here too, then aligns them in SQL:
+``anomalies`` and ``ranks`` look at rows across ranks (per family, name, step) and along each
+(rank, name) series over steps, never across names.  So they run on all rows of a set of names
+at a time (``compare`` stages runs here too, then groups them by rank and step:
 ``engine_compare``):
 
 1. **stage**: every family's files are read by DuckDB one unit at a time (``sql.Family``:
-   CSV typed, with the bad-cell check, Parquet natively), with the ordering columns the
-   in-memory reader computes (``position`` in the rank's (step, micro_step), ``occurrence`` of a
-   repeated name, both from the files' row order), names, shapes and dtypes as integer codes,
+   CSV typed, with the bad-cell check, Parquet natively), with the ordering columns
+   (``position`` in the rank's (step, micro_step), ``occurrence`` of a repeated name, both from
+   the files' row order: computed here only), names, shapes and dtypes as integer codes,
    and kept as an Arrow table where the whole run fits the engine's ``memory_rows`` (a run of a
    million rows: no file written and read back), else written as a Parquet file of the engine's
    work directory;
@@ -18,10 +18,10 @@ pandas logic unchanged (``compare`` stages runs here too, then aligns them in SQ
    of buckets of about ``SORT_ROWS`` rows (a smaller one is read from its name-sorted staged files);
 3. **bucket**: a :class:`Bucket` (plain values: its files, its name codes, their texts, the
    run's :class:`RunShape`) that ``read_bucket`` turns into a
-   :class:`~trainmon.diagnosis.reader.RunTable` with the columns and dtypes the checks read from
-   ``load_run``'s table, sorted by ``FLOW_KEYS`` (unique per row, so the order is the in-memory
-   one whatever order the files hold); ``scan_bucket`` / ``ranks_bucket`` check one, in this
-   process or on a Dask worker (``cluster.map_buckets``).
+   :class:`~trainmon.diagnosis.reader.RunTable` (the columns of its docstring), sorted by
+   ``FLOW_KEYS`` (unique per row: the files' order, whatever order the staged files hold);
+   ``scan_bucket`` / ``ranks_bucket`` check one, in this process or on a Dask worker
+   (``cluster.map_buckets``); ``load_table`` reads a whole run as one bucket.
 
 Python then holds one bucket at a time: its memory is bounded by the bucket size, not the run.
 """
@@ -36,10 +36,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from trainmon.analysis.flow import PHASES, phase_of
-from trainmon.analysis.rules import Anomaly, Findings, Rules
+from trainmon.analysis.flow import FLOW_KEYS, phase_of, phase_rank
+from trainmon.analysis.rules import Anomaly, ByDesign, Findings, Rules, Unjudged
 from trainmon.diagnosis.cluster import map_buckets
-from trainmon.diagnosis.engine import Engine, RunFiles
+from trainmon.diagnosis.engine import Engine, RunFiles, run_files
 from trainmon.diagnosis.reader import GROUP_COLUMN, RunTable, numel_column
 from trainmon.diagnosis.sql import POSITION, Family, literal, quote
 from trainmon.errors import env_int
@@ -53,6 +53,7 @@ __all__ = [
     "consecutive_runs",
     "engine_ranks",
     "bucket_scan_all",
+    "load_table",
     "Bucket",
     "RunShape",
     "read_bucket",
@@ -372,8 +373,8 @@ class Bucket:
 
 
 def read_bucket(bucket: Bucket) -> RunTable:
-    """The bucket's rows as a :class:`~trainmon.diagnosis.reader.RunTable` with the columns and
-    dtypes of ``load_run``'s table, in ``FLOW_KEYS`` order (unique per row: the in-memory order).
+    """The bucket's rows as a :class:`~trainmon.diagnosis.reader.RunTable` with the columns
+    of the ``reader`` docstring, in ``FLOW_KEYS`` order (unique per row: the files' order).
 
     Read with pyarrow, not the engine's connection, so that it runs the same in this process and
     on a cluster's worker: each file's row groups whose name codes miss the bucket are skipped
@@ -394,7 +395,7 @@ def read_bucket(bucket: Bucket) -> RunTable:
     families = list(run.families)
     frame = table.to_pandas()
     fam = frame.pop("fam").to_numpy().astype(np.int64)
-    flows = np.asarray([PHASES.index(phase_of(f)) for f in families], dtype=np.int64)
+    flows = np.asarray([phase_rank(f) for f in families], dtype=np.int64)
     keys = [frame[c].to_numpy() for c in ("occurrence", "rank", "position")]
     # np.lexsort: the last key is the primary one (``FLOW_KEYS`` read backwards).
     order = np.lexsort((*keys, fam, frame["micro_step"].to_numpy(), flows[fam], frame["step"].to_numpy()))
@@ -481,7 +482,6 @@ def bucket_scan_all(
     the same order (every rule looks along one name's series, never across names; the loss
     scaler's skips, which clear other names' non-finite grads, are found first from the
     ``steps`` rows).  ``cluster``: the Dask scheduler the buckets run on (``cluster.map_buckets``)."""
-    from trainmon.analysis.rules import Anomaly, ByDesign, Findings, Unjudged
     from trainmon.diagnosis.scan import STEPS_FAMILY, _concat, _to_anomaly, skipped_steps
 
     anomalies: list = []
@@ -557,22 +557,28 @@ def ranks_bucket(bucket: Bucket, *, ranks: tuple[int, ...], checks: dict) -> lis
     return check_ranks(read_bucket(bucket), ranks=ranks, **checks)
 
 
-_DEFAULT_RULES = Rules()
-
-
-def engine_scan(
-    files: RunFiles, rules: Rules = _DEFAULT_RULES, *, threads: int | None = None, progress=None, duplicates=None
-) -> list[Anomaly]:
-    """Every anomaly of the run's files, in training-flow order (``engine_scan_all``'s)."""
-    return engine_scan_all(files, rules, threads=threads, progress=progress, duplicates=duplicates).anomalies
-
-
-def engine_scan_all(
-    files: RunFiles, rules: Rules = _DEFAULT_RULES, *, threads: int | None = None, progress=None, duplicates=None
-) -> Findings:
-    """``scan.scan_all`` of the run's files: DuckDB stages them, the one pandas rule set runs per
-    bucket of names (``engine_buckets.bucket_scan_all``)."""
-    return bucket_scan_all(files, rules, threads=threads, progress=progress, duplicates=duplicates)
+def load_table(
+    path: str | Path,
+    *,
+    families: Sequence[str] | None = None,
+    ranks: Sequence[int] | None = None,
+    progress=None,
+    duplicates=None,
+) -> RunTable:
+    """Every (or the chosen) family of every (or the chosen) rank of a run as one
+    :class:`~trainmon.diagnosis.reader.RunTable`, in training-flow order: the run staged as the
+    commands stage it, read back as one bucket holding every name.  ``progress`` hears of each
+    unit staged (``update(files=, rows=)``); ``duplicates``: a ``reader.DuplicateKeys`` to add
+    the run's repeated keys to."""
+    files = run_files(path, families=families, ranks=ranks)
+    if progress is not None:
+        progress.total = sum(len(fs) for fs in files.files.values())
+    if not files.files:
+        frame = pd.DataFrame(columns=[*FLOW_KEYS, "family", "vpp_stage", "name", "phase", "shape", "dtype", "numel"])
+        return RunTable(files.path, frame, {}, files.families_on_disk, files.ranks_on_disk)
+    with Engine() as eng:
+        run = StagedRun(eng, files, "l", progress=progress, by_name=True, duplicates=duplicates)
+        return run.bucket(0, len(run.texts["name"]) - 1)
 
 
 def _partition_by_name(run: StagedRun, rows_per_bucket: int | None, progress, command: str) -> list[Bucket]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from trainmon.analysis.flow import PHASES, phase_of
+from trainmon.analysis.flow import phase_of, phase_rank
 from trainmon.diagnosis import engine, sql
 from trainmon.diagnosis.cluster import map_buckets
 from trainmon.diagnosis.compare import (
@@ -55,7 +55,7 @@ def engine_compare(
     duplicates: tuple | None = None,
     cluster: str | None = None,
 ) -> Comparison:
-    """``compare.compare_runs`` of two runs' files, aligned in the engine; ``duplicates``: the
+    """Two runs' files compared (stages and first divergence: ``compare``); ``duplicates``: the
     ``reader.DuplicateKeys`` of base and of target, to add each run's repeated keys to;
     ``cluster``: the Dask scheduler the groups are aligned and judged on (``cluster.map_buckets``)."""
     dup_b, dup_t = duplicates if duplicates is not None else (None, None)
@@ -128,7 +128,7 @@ def _tasks(
     code_t = {name: i for i, name in enumerate(t.texts["name"])}
     names = {code_t[tn]: code_b[bn] for tn, bn in plan.names.items() if tn in code_t and bn in code_b}
     numels = tuple(r[0] for r in con.execute("SELECT numel FROM b_numel ORDER BY shape").fetchall()) if remote else ()
-    flow, order = PHASES.index(phase_of(family)), b.families.index(family)
+    flow, order = phase_rank(family), b.families.index(family)
     return [
         AlignGroup(
             family,

@@ -1,6 +1,8 @@
-"""Reading a run directory's CSVs into one table that knows the training flow.
+"""The run table the checks read, and how a run directory is found.
 
-A *run table* has one row per CSV row of every rank and family, with the stats as columns
+A *run table* (built by ``engine_buckets.load_table`` for a whole run, ``read_bucket`` for one
+bucket of names: the files are read and ordered in one place, the engine's staging) has one row
+per recorded row of every rank and family, with the stats as columns
 (``norm``, ``mean``, ... -- the union over families, NaN where a family lacks one) and these
 identity and ordering columns:
 
@@ -19,7 +21,7 @@ position       row index inside its (rank, family, step, micro_step): order in t
 phase / flow   ``flow.phase_of(family)`` and its index in ``flow.PHASES``
 family_order   ``flow.family_rank(family)``, made unique (unknown families by name)
 shape, dtype   as written; ``numel`` is the product of the shape (NaN if unreadable)
-extra:<col>    columns a family adds between step/micro_step and its stats (comm)
+extra:group    a ``hyperparams`` row's optimizer param group (NaN elsewhere)
 ============== ==================================================================
 
 Sorting by ``flow.FLOW_KEYS`` gives training-flow order.
@@ -27,38 +29,29 @@ Sorting by ``flow.FLOW_KEYS`` gives training-flow order.
 
 from __future__ import annotations
 
-import logging
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
 
 import pandas as pd
 
-from trainmon.analysis.flow import FLOW_KEYS, PHASES, family_rank, phase_of
+from trainmon.analysis.flow import family_rank
 from trainmon.errors import TrainmonError
 from trainmon.output import runs
 
 __all__ = [
     "RunDirError",
     "DuplicateKeys",
-    "duplicate_keys",
     "FamilyStatsView",
     "RunTable",
     "resolve_run_dir",
     "ranked_dirs",
-    "read_stats_family",
-    "load_run",
-    "EXTRA_PREFIX",
     "GROUP_COLUMN",
     "numel_column",
 ]
 
-log = logging.getLogger(__name__)
-
-EXTRA_PREFIX = "extra:"
-GROUP_COLUMN = EXTRA_PREFIX + "group"  # a hyperparams row's optimizer param group (an extra)
+GROUP_COLUMN = "extra:group"  # a hyperparams row's optimizer param group (an extra column)
 
 
 class RunDirError(TrainmonError):
@@ -90,7 +83,7 @@ class RunTable(FamilyStatsView):
     path: Path
     frame: pd.DataFrame
     family_stats: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    # Everything the run holds, whatever ``load_run`` was asked to read: what a command names
+    # Everything the run holds, whatever was asked to be read: what a command names
     # when an asked-for family or rank is not there.
     families_on_disk: tuple[str, ...] = ()
     ranks_on_disk: tuple[int, ...] = ()
@@ -117,8 +110,8 @@ class DuplicateKeys:
     ``extra`` columns (a comm call, an optimizer param group) -- an earlier row of the run already
     has.  The sinks write each key once, so a repeated one is two runs in one folder: typically a
     resumed job that reused ``TRAINMON_RUN_ID`` without ``start_iteration`` and wrote its steps
-    again.  ``anomalies``, ``ranks`` and ``compare`` report it as a finding of its own; both
-    engines fill it alike (``duplicate_keys``; the engine's ``_Family``)."""
+    again.  ``anomalies``, ``ranks`` and ``compare`` report it as a finding of its own;
+    the engine's staging fills it (``sql.Family``)."""
 
     count: int = 0  # rows beyond the first of their key
     first: dict[str, object] | None = None  # the first repeated key (step, family flow, micro_step, rank, ...)
@@ -166,39 +159,6 @@ class DuplicateKeys:
         )
 
 
-def duplicate_keys(table: RunTable, families: Sequence[str] | None = None) -> DuplicateKeys:
-    """The repeated keys of a run table (:class:`DuplicateKeys`); ``families``: only these."""
-    out = DuplicateKeys()
-    frame = table.frame
-    if frame.empty or "occurrence" not in frame or not (frame["occurrence"] > 0).any():
-        return out  # every name once per (rank, family, step, micro_step): nothing repeats
-    for family in table.families:
-        if families is not None and family not in families:
-            continue
-        part = table.family(family)
-        if not (part["occurrence"] > 0).any():
-            continue
-        extras = [c for c in part.columns if c.startswith(EXTRA_PREFIX) and part[c].notna().any()]
-        keys = ["rank", "vpp_stage", "name", "step", "micro_step", *extras]
-        repeated = part.duplicated(keys)
-        if not repeated.any():
-            continue  # names repeat, but each with its own extra values (comm calls)
-        rows = part[part.duplicated(keys, keep=False)]
-        first = rows.sort_values(["step", "micro_step", "rank", "vpp_stage", "name"], kind="mergesort").iloc[0]
-        same = (rows[keys] == first[keys]) | (rows[keys].isna() & first[keys].isna())
-        out.add(
-            family,
-            int(repeated.sum()),
-            first["rank"],
-            first["vpp_stage"],
-            first["name"],
-            first["step"],
-            first["micro_step"],
-            int(same.all(axis=1).sum()),
-        )
-    return out
-
-
 # ----------------------------------------------------------------------------- discovery
 
 
@@ -228,21 +188,6 @@ def resolve_run_dir(path: str | Path) -> Path:
     raise RunDirError(f"{p}: no trainmon run here (expected rank<R>/ directories with <family>_<a>-<b>.csv files)")
 
 
-# ----------------------------------------------------------------------------- reading
-
-
-def read_stats_family(rank_dir: str | Path, family: str) -> tuple[pd.DataFrame, list[str]]:
-    """One family of one rank as written (``trainmon.output.runs``), plus its stat columns in order."""
-    frame = runs.read_family(rank_dir, family)
-    if frame.empty:
-        return frame, []
-    roles = runs.column_roles(frame)
-    frame = frame.rename(columns={c: EXTRA_PREFIX + c for c in roles.extras})
-    for c in roles.stats:
-        frame[c] = pd.to_numeric(frame[c], errors="coerce").astype(float)
-    return frame, list(roles.stats)
-
-
 def _numel(shape: str) -> float:
     try:
         dims = [int(d) for d in shape.strip().strip("[]").split(",") if d.strip()]
@@ -251,77 +196,7 @@ def _numel(shape: str) -> float:
     return float(math.prod(dims))
 
 
-def _annotate(frame: pd.DataFrame, rank: int, family: str, order: int) -> pd.DataFrame:
-    frame = frame.copy()
-    frame["rank"] = rank
-    frame["family"] = family
-    frame["micro_step"] = frame["micro_step"].fillna(-1).astype(int) if "micro_step" in frame else -1
-    frame["vpp_stage"] = frame["vpp_stage"].fillna(0).astype(int) if "vpp_stage" in frame else 0
-    frame["step"] = frame["step"].astype(int)
-    for col in ("shape", "dtype"):
-        if col not in frame:
-            frame[col] = ""
-    frame["phase"] = phase_of(family)
-    frame["flow"] = PHASES.index(phase_of(family))
-    frame["family_order"] = order
-    frame["position"] = frame.groupby(["step", "micro_step"], sort=False).cumcount()
-    same = ["step", "micro_step", "vpp_stage", "name"]
-    # Names repeat within a step only for comm calls: skip the costly string grouping otherwise.
-    frame["occurrence"] = frame.groupby(same, sort=False).cumcount() if frame.duplicated(same).any() else 0
-    frame["numel"] = numel_column(frame["shape"])
-    return frame
-
-
 def numel_column(shapes: pd.Series) -> pd.Series:
     """The run table's ``numel`` of each ``shape`` text (NaN where unreadable)."""
     # Few distinct shapes, many rows: parse each shape once.
     return shapes.map({s: _numel(s) for s in shapes.unique()})
-
-
-def load_run(
-    path: str | Path, *, families: Sequence[str] | None = None, ranks: Sequence[int] | None = None, progress=None
-) -> RunTable:
-    """Read every (or the chosen) family of every (or the chosen) rank of a run.
-
-    ``progress`` (``trainmon.cli._progress.Progress`` or anything with ``total`` and
-    ``update(files=, rows=)``) hears of each (rank, family) read.
-    """
-    run_dir = resolve_run_dir(path)
-    parts: list[pd.DataFrame] = []
-    family_stats: dict[str, list[str]] = {}
-    every = ranked_dirs(run_dir)
-    files = {rank: runs.family_files(rdir) for rank, rdir in every}
-    if not any(files.values()):
-        raise RunDirError(f"{run_dir}: nothing recorded (its rank folders hold no <family>_<a>-<b>.csv file)")
-    on_disk = tuple(sorted({f for fams in files.values() for f in fams}, key=lambda f: (family_rank(f), f)))
-    chosen = [(rank, rdir) for rank, rdir in every if ranks is None or rank in ranks]
-    names = {f for rank, _ in chosen for f in files[rank] if families is None or f in families}
-    # Known families by flow; unknown ones after them, by name: one integer sort key.
-    order = {f: i for i, f in enumerate(sorted(names, key=lambda f: (family_rank(f), f)))}
-    if progress is not None:
-        progress.total = sum(len(fs) for rank, _ in chosen for f, fs in files[rank].items() if f in order)
-    for rank, rdir in chosen:
-        for family, family_paths in files[rank].items():
-            if family not in order:
-                continue
-            frame, stats = read_stats_family(rdir, family)
-            if progress is not None:
-                progress.update(files=len(family_paths), rows=len(frame))
-            if frame.empty:
-                continue
-            parts.append(_annotate(frame, rank, family, order[family]))
-            known = family_stats.setdefault(family, [])
-            known += [c for c in stats if c not in known]
-    if not parts:
-        frame = pd.DataFrame(columns=[*FLOW_KEYS, "family", "vpp_stage", "name", "phase", "shape", "dtype", "numel"])
-    else:
-        frame = pd.concat(parts, ignore_index=True, sort=False)
-        frame = frame.sort_values(list(FLOW_KEYS), kind="mergesort", ignore_index=True)
-    ordered = sorted(family_stats, key=lambda fam: (family_rank(fam), fam))
-    return RunTable(
-        path=run_dir,
-        frame=frame,
-        family_stats={f: tuple(family_stats[f]) for f in ordered},
-        families_on_disk=on_disk,
-        ranks_on_disk=tuple(rank for rank, _ in every),
-    )

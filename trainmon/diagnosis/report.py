@@ -8,7 +8,7 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import TextIO
 
-__all__ = ["dump_json", "table", "fmt_value", "escape", "parse_int_list", "parse_name_list"]
+__all__ = ["dump_json", "table", "fmt_value", "escape", "parse_name_list"]
 
 
 def dump_json(doc: object, out: TextIO | None = None) -> None:
@@ -66,13 +66,6 @@ def _is_number(text: str) -> bool:
     except ValueError:
         return text == "-"
     return True
-
-
-def parse_int_list(text: str | None) -> list[int] | None:
-    """``"0,2,4"`` -> [0, 2, 4]; None stays None (ValueError on anything else)."""
-    if text is None:
-        return None
-    return [int(part) for part in text.split(",") if part.strip()]
 
 
 def parse_name_list(text: str | None) -> list[str] | None:

@@ -1,7 +1,8 @@
-"""The offline anomaly scan: the rules of ``rules.py`` over a whole run table, vectorised.
+"""The offline anomaly scan: the rules of ``rules.py`` over a run table (one bucket of names,
+``engine_buckets``), vectorised.
 
-Works on any CSV output, whether or not alerts were configured during the run; alerts the run
-wrote itself (``anomalies.jsonl``) are merged in by ``find_anomalies``.
+Works on any output, whether or not alerts were configured during the run; alerts the run
+wrote itself (``anomalies.jsonl``) are merged in by ``merge_runtime``.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from trainmon.analysis.rules import (
     spike_hits,
     threshold_hits,
 )
-from trainmon.diagnosis.reader import RunTable, load_run, ranked_dirs, resolve_run_dir
+from trainmon.diagnosis.reader import RunTable, ranked_dirs, resolve_run_dir
 
 __all__ = [
     "nonfinite",
@@ -48,7 +49,6 @@ __all__ = [
     "scan_all",
     "read_alert_files",
     "merge_runtime",
-    "find_anomalies",
 ]
 
 log = logging.getLogger(__name__)
@@ -399,17 +399,3 @@ def merge_runtime(
         if _identity(a) not in seen and (kinds is None or a.kind in kinds) and (ranks is None or a.rank in ranks)
     ]
     return sorted(found + extra, key=Anomaly.sort_key)
-
-
-def find_anomalies(
-    run_dir: str | Path,
-    rules: Rules = Rules(),
-    *,
-    runtime: bool = True,
-    kinds: Sequence[str] | None = None,
-    ranks: Sequence[int] | None = None,
-) -> list[Anomaly]:
-    """Scan a run's CSVs and merge the alerts the run wrote itself."""
-    table = load_run(run_dir, families=kinds, ranks=ranks)
-    found = scan(table, rules)
-    return merge_runtime(found, table.path, kinds=kinds, ranks=ranks) if runtime else found

@@ -1,7 +1,8 @@
 """The engine's SQL toolkit: how a run's family files are read into DuckDB, and the few helpers
 every engine module writes its SQL with.
 
-* :func:`quote` / :func:`literal`: an identifier / a text value, safely quoted for SQL;
+* :func:`quote` / :func:`literal`: an identifier / a text value, safely quoted for SQL
+  (``output.sql_text``, which ``trainmon.load_run`` shares);
 * :func:`fill_table`: a temp table holding Python rows, in one statement;
 * :class:`Family`: the SQL of one family's files (CSV typed, with the bad-cell check, or
   Parquet natively): the view ``o`` of its rows with rank, row order ``g``, ``occurrence`` and
@@ -11,8 +12,9 @@ every engine module writes its SQL with.
 
 Training-flow order: each row's place ``g`` in the files' row order is its Parquet file's place
 and row number in it, or for CSV the ``rowid`` of the table the files were read into in order
-(DuckDB keeps it while ``preserve_insertion_order`` is on), so each row's ``position`` and
-``occurrence`` are those of the in-memory reader.  A stat cell holding text that is not a number
+(DuckDB keeps it while ``preserve_insertion_order`` is on): each row's ``position`` and
+``occurrence`` follow the order the sinks wrote (files grouped by header as ``output.runs``
+reads them, then in order).  A stat cell holding text that is not a number
 is a :class:`~trainmon.output.cells.BadCellError` naming the file, line and column.
 """
 
@@ -27,6 +29,7 @@ from trainmon.errors import DamagedFileError
 from trainmon.output import runs
 from trainmon.output.cells import NAN_SPELLINGS, BadCellError
 from trainmon.output.layout import FamilyFile
+from trainmon.output.sql_text import FILES_PER_READ, literal, quote
 
 __all__ = [
     "quote",
@@ -40,20 +43,8 @@ __all__ = [
     "header_and_rows",
 ]
 
-# Files one read statement scans at most: DuckDB keeps ~0.1 MB per file of a statement until it
-# ends (100,000 one-row files of msprobe's per-step layout ran out of 1 GB in one read).
-FILES_PER_READ = 500
-
 # A row's ``position`` (index in its rank's (step, micro_step), file order), as the reader numbers it.
 POSITION = "row_number() OVER (PARTITION BY rank, step, micro_step ORDER BY g) - 1"
-
-
-def quote(name: str) -> str:
-    return '"' + name.replace('"', '""') + '"'
-
-
-def literal(text: str) -> str:
-    return "'" + text.replace("'", "''") + "'"
 
 
 # Key columns written as integers; read as numbers and cast, like the stats.
@@ -98,7 +89,7 @@ class Family:
         # again as text (``_views(typed=False)``), where a bad stat cell is named exactly.
         self.typed = not self.parquet
         # ``extra`` columns (a comm call, a param group): part of a row's key when looking for
-        # repeated keys (``duplicates``), as in ``reader.duplicate_keys``.
+        # repeated keys (``duplicates``).
         self.extras = [
             c for c in sorted(cols) if c not in runs.KEY_COLUMNS and c not in self.stats and c not in TAIL_COLUMNS
         ]
@@ -111,7 +102,7 @@ class Family:
         default, numbered in order from ``offset``) and ``t`` (their columns as the commands read
         them)."""
         con, cols, texts, numbers = self.con, self.cols, self.texts, self.numbers
-        # One scan per header (the in-memory reader's grouping, in its order); no sniffing: the
+        # One scan per header (``output.runs``' grouping, in its order); no sniffing: the
         # columns are known.  UNION ALL keeps each scan's row order.
         source = " UNION ALL BY NAME ".join(self._batches()[0] if sources is None else sources)
         num = ",\n".join(f"{self._num(s)} AS {quote(s)}" for s in self.present)
@@ -166,7 +157,7 @@ class Family:
         return batches
 
     def _sources(self) -> list[tuple[str, int]]:
-        """One scan per header (the in-memory reader's grouping, in its order) and per run of at
+        """One scan per header (``output.runs``' grouping, in its order) and per run of at
         most ``FILES_PER_READ`` of its files, with its number of files.  Typed CSV: one per header
         and rank, in the same order, each with its rank as a constant instead of the file name on
         every row (storing the name was a third of the read).  Each scan has every column of the
@@ -271,14 +262,6 @@ class Family:
                 except ValueError:
                     raise BadCellError(filename, 2 + g - first, col, text) from None
 
-    def _v(self, s: str) -> str:
-        # A stat a file lacks (another header) is NaN in the in-memory table: the same here.
-        return f"COALESCE({quote(s)}, 'NaN'::DOUBLE)" if s in self.present else "'NaN'::DOUBLE"
-
-    def _tensor_rows(self) -> str:
-        all_nan = " AND ".join(f"isnan({self._v(s)})" for s in self.stats) or "true"
-        return f"NOT (trim(dtype) IN ('', 'None', 'nan') AND {all_nan})"
-
     @property
     def _numbered(self) -> str:
         """How ``t`` numbers its rows: "parquet" (file and row number), "text" (the scan's
@@ -375,7 +358,7 @@ def _csv_rows(f: FamilyFile) -> int:
         header = fh.readline()
         if not header.strip():  # the sink never leaves an empty file: damage, as for the other readers
             size = os.fstat(fh.fileno()).st_size
-            # the in-memory reader's words for an empty file (``output.runs``): one message per damage
+            # ``output.runs``' words for an empty file (``output.runs``): one message per damage
             raise DamagedFileError(
                 f.path, "empty file (0 bytes): no header and no rows" if size == 0 else "empty file (no header)"
             )

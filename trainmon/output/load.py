@@ -6,10 +6,9 @@ this module only chooses the files, filters and joins.  Filters are applied whil
 
 * by file name first: a rank folder, a family or a step window (``<family>_<a>-<b>``) that the
   filters exclude is never opened;
-* then by row: with DuckDB installed (``pip install 'trainmon[engine]'``) and a selection of at
-  least ``DUCKDB_FROM_BYTES`` on disk, the step and name filters are pushed into DuckDB's read of
-  the remaining files, so only the matching rows reach pandas; otherwise pandas reads each file
-  and filters it.  Both give the same frame (tests compare them).
+* then by row: for a selection of at least ``DUCKDB_FROM_BYTES`` on disk, the step and name
+  filters are pushed into DuckDB's read of the remaining files, so only the matching rows reach
+  pandas; otherwise pandas reads each file and filters it.  Both give the same frame (tests compare them).
 
 Imports neither torch nor (at import time) pandas.
 """
@@ -26,6 +25,7 @@ from trainmon.errors import DamagedFileError, TrainmonError
 from trainmon.families import FAMILIES
 from trainmon.output import runs
 from trainmon.output.layout import FamilyFile, parse_rank_dir
+from trainmon.output.sql_text import FILES_PER_READ, literal, quote
 from trainmon.output.validate import INT_COLUMNS, TAIL_COLUMNS
 from trainmon.stats.table import STAT_NAMES
 
@@ -38,9 +38,6 @@ ENGINES = ("auto", "duckdb", "pandas")
 # ``engine="auto"`` uses DuckDB from this many bytes of selected files on: below it, starting
 # DuckDB costs more than pandas' read of the files.
 DUCKDB_FROM_BYTES = 8 << 20
-# Files one DuckDB read statement scans at most (as ``diagnosis.engine.FILES_PER_READ``: DuckDB
-# keeps ~0.1 MB per file of a statement until it ends).
-_FILES_PER_READ = 500
 _LEAD = ("rank", "family", "name", "step", "micro_step", "vpp_stage")
 _TEXT = ("name", *TAIL_COLUMNS)
 # Value columns of the contract: read as float64 (a count such as ``nans`` too, so that families
@@ -187,9 +184,8 @@ def load_run(
     after a crash the CSV also holds the window that was open, and is read instead).
 
     ``engine``: ``"pandas"`` reads each file with pandas and filters it; ``"duckdb"`` pushes the
-    step and name filters into DuckDB's read (needs ``pip install 'trainmon[engine]'``); ``"auto"``
-    (default) uses DuckDB when it is installed and the selected files hold at least
-    ``DUCKDB_FROM_BYTES``.  Both give equal frames.
+    step and name filters into DuckDB's read; ``"auto"`` (default) uses DuckDB when the selected
+    files hold at least ``DUCKDB_FROM_BYTES``.  Both give equal frames.
 
     A damaged file (cut short, not CSV/Parquet, a cell that is not a number...) raises
     ``trainmon.errors.DamagedFileError``, one line naming the file and where; a CSV file whose
@@ -255,12 +251,8 @@ class _Reader:
     def __enter__(self):
         if self.engine == "pandas" or (self.engine == "auto" and not self._big()):
             return None
-        try:
-            import duckdb
-        except ImportError:
-            if self.engine == "duckdb":
-                raise LoadRunError("load_run: engine='duckdb' needs duckdb: pip install 'trainmon[engine]'") from None
-            return None
+        import duckdb
+
         self.con = duckdb.connect(":memory:", config={"preserve_insertion_order": True})
         self.con.execute("SET enable_progress_bar = false")
         return self.con
@@ -317,8 +309,8 @@ def _pieces(files: list[FamilyFile], steps: _Steps, names: frozenset[str] | None
             if not ok:
                 yield from (_filtered(f, steps, names) for f in _pandas_csv(run))
                 continue
-            for k in range(0, len(run), _FILES_PER_READ):
-                yield _duckdb_read(con, run[k : k + _FILES_PER_READ], header, parquet, steps, names)
+            for k in range(0, len(run), FILES_PER_READ):
+                yield _duckdb_read(con, run[k : k + FILES_PER_READ], header, parquet, steps, names)
 
 
 def _pandas_csv(files: Sequence[FamilyFile]) -> list[pd.DataFrame]:
@@ -365,26 +357,18 @@ def _filtered(frame: pd.DataFrame, steps: _Steps, names: frozenset[str] | None) 
     return frame if bool(keep.all()) else frame[keep.to_numpy()]
 
 
-def _q(name: str) -> str:
-    return '"' + name.replace('"', '""') + '"'
-
-
-def _lit(text: str) -> str:
-    return "'" + text.replace("'", "''") + "'"
-
-
 def _duckdb_read(
     con, files: list[FamilyFile], header: tuple[str, ...], parquet: bool, steps: _Steps, names: frozenset[str] | None
 ) -> pd.DataFrame:
     """The rows of ``files`` (one header) that pass the filters, read by DuckDB.  Anything DuckDB
     refuses, or a key cell it reads as empty, sends the files to pandas' validated read, which
     names the damaged file (or, when pandas reads them, gives the same rows)."""
-    listing = "[" + ", ".join(_lit(str(f.path)) for f in files) + "]"
+    listing = "[" + ", ".join(literal(str(f.path)) for f in files) + "]"
     if parquet:
         source = f"read_parquet({listing})"
     else:
         types = {c: "BIGINT" if c in INT_COLUMNS else "DOUBLE" if c in _VALUE_COLUMNS else "VARCHAR" for c in header}
-        columns = "{" + ", ".join(f"{_lit(c)}: {_lit(t)}" for c, t in types.items()) + "}"
+        columns = "{" + ", ".join(f"{literal(c)}: {literal(t)}" for c, t in types.items()) + "}"
         source = (
             f"read_csv({listing}, header=true, auto_detect=false, columns={columns}, delim=',', "
             "quote='\"', escape='\"', null_padding=false, strict_mode=true)"
@@ -392,7 +376,7 @@ def _duckdb_read(
     wanted = [s for s in (steps.sql(), _names_sql(names)) if s]
     # Rows with an empty key cell come back whatever the filters, so that damage is reported
     # whether or not the damaged row was asked for (as pandas' read reports it).
-    empty_key = " OR ".join(f"{_q(c)} IS NULL" for c in INT_COLUMNS if c in header)
+    empty_key = " OR ".join(f"{quote(c)} IS NULL" for c in INT_COLUMNS if c in header)
     where = f" WHERE ({' AND '.join(wanted)}) OR {empty_key}" if wanted else ""
     try:
         frame = con.execute(f"SELECT * FROM {source}{where}").df()
@@ -414,7 +398,7 @@ def _duckdb_read(
 def _names_sql(names: frozenset[str] | None) -> str | None:
     if names is None:
         return None
-    return f"name IN ({', '.join(_lit(n) for n in sorted(names))})" if names else "false"
+    return f"name IN ({', '.join(literal(n) for n in sorted(names))})" if names else "false"
 
 
 def _pandas_fallback(

@@ -63,7 +63,6 @@ __all__ = [
     "event_dir",
     "series_name",
     "scalar_tag",
-    "split_tag",
     "extra_text",
     "summary_aggregates",
     "summary_tag",
@@ -161,15 +160,6 @@ def series_name(
 
 def scalar_tag(family: str, op: str, series: str) -> str:
     return f"{family}.{op}/{series}"
-
-
-def split_tag(tag: str) -> tuple[str, str, str]:
-    """``(family, op, series)`` of a tag written by trainmon."""
-    group, _, series = tag.partition("/")
-    family, _, op = group.rpartition(".")
-    if not family or not series:
-        raise ValueError(f"not a trainmon tag: {tag!r}")
-    return family, op, series
 
 
 def summary_aggregates(op: str) -> tuple[str, ...]:
