@@ -11,9 +11,9 @@ from trainmon.analysis.rules import (
     SpikeRule,
     SpikeTracker,
     nonfinite_op,
+    over_threshold,
     spike_baselines,
     spike_hits,
-    threshold_hits,
 )
 
 RULE = SpikeRule(factor=10.0, floor=0.0, warmup=2, window=3)
@@ -54,9 +54,24 @@ def test_offline_arrays_and_online_tracker_agree_on_a_random_series():
     assert any(online) and offline.tolist() == online
 
 
-def test_threshold_hits_skip_non_finite_by_hand():
-    values = np.array([1.0, -5.0, 5.0, math.inf, math.nan, 4.0])
-    assert threshold_hits(values, 4.0).tolist() == [False, True, True, False, False, False]
+def test_the_threshold_skips_non_finite_values_by_hand_for_arrays_and_floats_alike():
+    values = [1.0, -5.0, 5.0, math.inf, -math.inf, math.nan, 4.0]
+    want = [False, True, True, False, False, False, False]
+    assert over_threshold(np.array(values), 4.0).tolist() == want
+    assert [bool(over_threshold(v, 4.0)) for v in values] == want  # the alert sink's floats
+    assert all(type(over_threshold(v, 4.0)) is bool for v in values)  # no numpy on that path
+
+
+def test_the_spike_test_on_floats_is_the_one_on_arrays():
+    values = [30.0, 29.0, 0.1, 0.5, 1e-30, 0.0, 3.0]
+    bases = [3.0, 3.0, 1.0, 1.0, 0.0, 0.0, 0.3]
+    for down in (False, True):
+        with np.errstate(invalid="ignore", divide="ignore"):
+            arrays = RULE.fires(np.array(values), np.array(bases), down=down).tolist()
+        floats = [RULE.fires(v, b, down=down) for v, b in zip(values, bases)]
+        assert floats == arrays and all(type(f) is bool for f in floats)
+    # ratios 10, 9.67, 0.1, 0.5, inf (zero baseline, no floor), 0/0, 10: by hand
+    assert floats == [True, False, True, False, True, False, True]
 
 
 def test_nonfinite_op_prefers_counts_then_stats():

@@ -76,7 +76,7 @@ __all__ = [
     "from_json_number",
     "spike_baselines",
     "spike_hits",
-    "threshold_hits",
+    "over_threshold",
 ]
 
 COUNT_OPS: tuple[str, ...] = ("nans", "infs")
@@ -127,14 +127,20 @@ class SpikeRule:
         if self.warmup < 1 or self.window < 1:
             raise ValueError(f"spike warmup and window must be >= 1, got {self.warmup}, {self.window}")
 
-    def ratio(self, value: float, baseline: float) -> float:
+    def ratio(self, value, baseline):
+        """``(|v| + floor) / (|baseline| + floor)``, of floats (the alert sink) or of numpy arrays
+        (the scan) alike: the one place the ratio is written.  A zero denominator: ``inf`` for a
+        value that is not zero, else 1 (arrays: numpy's inf and NaN, which never fire either)."""
         den = abs(baseline) + self.floor
-        return (abs(value) + self.floor) / den if den > 0 else (math.inf if value else 1.0)
+        if isinstance(den, float) and den == 0:
+            return math.inf if value else 1.0
+        return (abs(value) + self.floor) / den
 
-    def fires(self, value: float, baseline: float, *, down: bool = True) -> bool:
-        """``down``: judge drops too (``judges_drops`` of the value's family)."""
+    def fires(self, value, baseline, *, down: bool = True):
+        """Whether ``value`` spiked against ``baseline``, of floats or arrays alike (the one test);
+        ``down``: judge drops too (``judges_drops`` of the value's family)."""
         r = self.ratio(value, baseline)
-        return r >= self.factor or (down and r <= 1.0 / self.factor)
+        return (r >= self.factor) | (down & (r <= 1.0 / self.factor))
 
 
 @dataclass(frozen=True)
@@ -502,14 +508,11 @@ def spike_hits(values: np.ndarray, baselines: np.ndarray, rule: SpikeRule, *, do
     """``SpikeRule.fires`` on arrays: which values spiked against their baselines (NaN baseline:
     warm-up, never a hit).  ``down``: judge drops too (``judges_drops`` of the family)."""
     with np.errstate(invalid="ignore", divide="ignore"):  # a zero/NaN baseline: judged below
-        ratio = (np.abs(values) + rule.floor) / (np.abs(baselines) + rule.floor)
-        hit = ratio >= rule.factor
-        if down:
-            hit |= ratio <= 1.0 / rule.factor
-    return hit & ~np.isnan(baselines)
+        return rule.fires(values, baselines, down=down) & ~np.isnan(baselines)
 
 
-def threshold_hits(values: np.ndarray, threshold: float) -> np.ndarray:
-    """The threshold rule on an array: finite values with ``|v| > threshold``."""
-    with np.errstate(invalid="ignore"):
-        return np.isfinite(values) & (np.abs(values) > threshold)
+def over_threshold(value, threshold: float):
+    """The threshold rule, of a float (the alert sink) or a numpy array (the scan) alike: a finite
+    value with ``|v| > threshold`` (NaN compares false; the bound excludes +-inf)."""
+    magnitude = abs(value)
+    return (magnitude > threshold) & (magnitude < math.inf)

@@ -98,7 +98,7 @@ def _engine_problem(path: object, kind: str, message: str) -> str:
 def _twice(cap: str) -> str:
     """A cap twice ``cap`` in its own unit ("256MB" -> "512MB"): a suggestion above the one that
     did not fit, whatever it was."""
-    m = engine._SIZE.match(cap)
+    m = engine.SIZE_PATTERN.match(cap)
     if m is None:
         return "twice that"
     number = float(m.group(1)) * 2

@@ -44,7 +44,7 @@ _MEMORY_DEFAULT = "256MB"
 # The sizes DuckDB's memory_limit takes (decimal and binary units), in bytes.
 _SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _SIZE_UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]+)\s*$")
+SIZE_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]+)\s*$")
 
 
 def memory_limit() -> str:
@@ -64,7 +64,7 @@ def memory_limit() -> str:
 
 def memory_bytes(text: str) -> int | None:
     """Bytes of a DuckDB size ("256MB", "1.5GiB"); None when it is not one (or not > 0)."""
-    m = _SIZE.match(text)
+    m = SIZE_PATTERN.match(text)
     unit = _SIZE_UNITS.get(m.group(2).upper()) if m else None
     if m is None or unit is None or float(m.group(1)) <= 0:
         return None

@@ -40,7 +40,9 @@ from trainmon.analysis.flow import FLOW_KEYS, phase_of, phase_rank
 from trainmon.analysis.rules import Anomaly, ByDesign, Findings, Rules, Unjudged
 from trainmon.diagnosis.cluster import map_buckets
 from trainmon.diagnosis.engine import Engine, RunFiles, run_files
+from trainmon.diagnosis.ranks import check_ranks, issue_order
 from trainmon.diagnosis.reader import GROUP_COLUMN, RunTable, numel_column
+from trainmon.diagnosis.scan import STEPS_FAMILY, concat_found, scan_all, skipped_steps, to_anomaly
 from trainmon.diagnosis.sql import POSITION, Family, literal, quote
 from trainmon.errors import env_int
 
@@ -482,8 +484,6 @@ def bucket_scan_all(
     the same order (every rule looks along one name's series, never across names; the loss
     scaler's skips, which clear other names' non-finite grads, are found first from the
     ``steps`` rows).  ``cluster``: the Dask scheduler the buckets run on (``cluster.map_buckets``)."""
-    from trainmon.diagnosis.scan import STEPS_FAMILY, _concat, _to_anomaly, skipped_steps
-
     anomalies: list = []
     notes: list = []
     unjudged: list[tuple[int, set[int]]] = []
@@ -495,10 +495,10 @@ def bucket_scan_all(
             query = f"SELECT DISTINCT name FROM {run.prefix}_staged WHERE fam = {fam}"
             codes = [c for (c,) in run.con.execute(query).fetchall()]
         buckets = _partition_by_name(run, rows_per_bucket, progress, "anomalies")
-        skips = _concat([])
+        skips = concat_found([])
         if codes:
             parts = [skipped_steps(run.bucket(int(c), int(c))) for c in codes]
-            skips = _concat([p for p in parts if not p.empty])
+            skips = concat_found([p for p in parts if not p.empty])
         if progress is not None:
             progress.phase("anomalies: checking", len(buckets), "buckets")
         warmup = rules.spike.warmup if rules.spike is not None else 0
@@ -508,7 +508,7 @@ def bucket_scan_all(
             notes += found.by_design
             if found.unjudged is not None:
                 unjudged.append((found.unjudged.values, set(found.unjudged.steps)))
-    anomalies += [_to_anomaly(r) for r in skips.itertuples(index=False)]
+    anomalies += [to_anomaly(r) for r in skips.itertuples(index=False)]
     return Findings(
         sorted(anomalies, key=Anomaly.sort_key),
         sorted(notes, key=ByDesign.sort_key),
@@ -518,8 +518,6 @@ def bucket_scan_all(
 
 def scan_bucket(bucket: Bucket, *, rules: Rules, skips: pd.DataFrame) -> Findings:
     """``scan.scan_all`` of one bucket (a module-level function: a cluster's worker runs it)."""
-    from trainmon.diagnosis.scan import scan_all
-
     return scan_all(read_bucket(bucket), rules, skips=skips)
 
 
@@ -536,8 +534,6 @@ def engine_ranks(
     """``ranks.check_ranks`` of the run's files, one bucket of names at a time (same issues, same
     order); ``duplicates``: a ``reader.DuplicateKeys`` to add the run's repeated keys to;
     ``cluster``: the Dask scheduler the buckets run on (``cluster.map_buckets``)."""
-    from trainmon.diagnosis.ranks import issue_order
-
     issues = []
     with Engine(threads, files_only=cluster is not None) as eng:
         run = StagedRun(eng, files, "r", progress=progress, by_name=True, duplicates=duplicates)
@@ -552,8 +548,6 @@ def engine_ranks(
 
 def ranks_bucket(bucket: Bucket, *, ranks: tuple[int, ...], checks: dict) -> list:
     """``ranks.check_ranks`` of one bucket (a module-level function: a cluster's worker runs it)."""
-    from trainmon.diagnosis.ranks import check_ranks
-
     return check_ranks(read_bucket(bucket), ranks=ranks, **checks)
 
 

@@ -34,21 +34,24 @@ from trainmon.analysis.rules import (
     SpikeRule,
     Unjudged,
     judges_drops,
+    over_threshold,
     spike_baselines,
     spike_hits,
-    threshold_hits,
 )
 from trainmon.diagnosis.reader import RunTable, ranked_dirs, resolve_run_dir
 
 __all__ = [
     "nonfinite",
     "spikes",
-    "over_threshold",
+    "threshold_rows",
     "param_changes",
     "scan",
     "scan_all",
     "read_alert_files",
     "merge_runtime",
+    "skipped_steps",
+    "concat_found",
+    "to_anomaly",
 ]
 
 log = logging.getLogger(__name__)
@@ -154,7 +157,7 @@ def _nonfinite(table: RunTable, skipped: set[tuple[int, int]] | None = None) -> 
             found.append(_result(sub[hit], family, op, values[rows, which], "nonfinite", base))
         if design_of.any():
             notes += _designs(sub, family, ordered, counts, values, bad, ids, first, design, by_design)
-    return _concat(found), notes
+    return concat_found(found), notes
 
 
 def _first_rows(ids: np.ndarray) -> np.ndarray:
@@ -232,22 +235,24 @@ def _spikes(table: RunTable, rule: SpikeRule, ops: Sequence[str]) -> tuple[pd.Da
             hit = spike_hits(values, base, rule, down=judges_drops(family))
             if hit.any():
                 found.append(_result(rows[hit], family, op, values[hit], "spike", base[hit]))
-    return _concat(found), Unjudged.merge(rule.warmup, unjudged)
+    return concat_found(found), Unjudged.merge(rule.warmup, unjudged)
 
 
-def over_threshold(table: RunTable, threshold: float, ops: Sequence[str]) -> pd.DataFrame:
+def threshold_rows(table: RunTable, threshold: float, ops: Sequence[str]) -> pd.DataFrame:
+    """Rows whose stat in ``ops`` is above ``threshold`` (``rules.over_threshold``)."""
     found = []
     for family, stats in table.family_stats.items():
         sub = table.family(family)
         for op in (o for o in ops if o in stats):
             v = sub[op].to_numpy(dtype=float, na_value=np.nan)
-            hit = threshold_hits(v, threshold)
+            hit = over_threshold(v, threshold)
             if hit.any():
                 found.append(_result(sub[hit], family, op, v[hit], "threshold"))
-    return _concat(found)
+    return concat_found(found)
 
 
-def _concat(parts: list[pd.DataFrame]) -> pd.DataFrame:
+def concat_found(parts: list[pd.DataFrame]) -> pd.DataFrame:
+    """Found rows of several rules (``_result`` frames) as one frame, with its columns when empty."""
     if not parts:
         return pd.DataFrame(columns=_COLUMNS)
     return pd.concat(parts, ignore_index=True)
@@ -301,13 +306,13 @@ def scan_all(table: RunTable, rules: Rules = Rules(), *, skips: pd.DataFrame | N
         found_sp, unjudged = _spikes(table, rules.spike, rules.ops)
         parts.append(found_sp)
     if rules.threshold is not None:
-        parts.append(over_threshold(table, rules.threshold, rules.ops))
+        parts.append(threshold_rows(table, rules.threshold, rules.ops))
     if rules.param_changed:
         parts.append(param_changes(table))
-    found = _without_expected(_concat([p for p in parts if not p.empty]), skips)
+    found = _without_expected(concat_found([p for p in parts if not p.empty]), skips)
     if own_skips:
-        found = _concat([p for p in (found, skips) if not p.empty])
-    anomalies = sorted((_to_anomaly(r) for r in found.itertuples(index=False)), key=Anomaly.sort_key)
+        found = concat_found([p for p in (found, skips) if not p.empty])
+    anomalies = sorted((to_anomaly(r) for r in found.itertuples(index=False)), key=Anomaly.sort_key)
     return Findings(anomalies, sorted(notes, key=ByDesign.sort_key), unjudged)
 
 
@@ -340,7 +345,8 @@ def _without_expected(found: pd.DataFrame, skips: pd.DataFrame) -> pd.DataFrame:
     return found[~expected]
 
 
-def _to_anomaly(r) -> Anomaly:
+def to_anomaly(r) -> Anomaly:
+    """One found row (a ``_result`` frame's tuple) as an :class:`Anomaly`."""
     return Anomaly(
         step=int(r.step),
         kind=r.kind,

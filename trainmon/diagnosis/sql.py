@@ -370,13 +370,13 @@ def _csv_rows(f: FamilyFile) -> int:
 
 def header_and_rows(f: FamilyFile) -> tuple[tuple[str, ...], int] | None:
     """The columns of a file that holds rows and its number of rows (exact for Parquet, estimated
-    for CSV); None: no rows.  A CSV file is checked whole here (``runs._header``: NUL bytes,
+    for CSV); None: no rows.  A CSV file is checked whole here (``runs.file_header``: NUL bytes,
     UTF-8, trainmon's header), once: the engine then reads it."""
     if f.ext == "parquet":
         n, columns = _parquet_rows_and_columns(f)
         return (tuple(columns), n) if n > 0 else None
     n = _csv_rows(f)
-    return (tuple(runs._header(Path(f.path))), n) if n else None
+    return (tuple(runs.file_header(Path(f.path))), n) if n else None
 
 
 def header_of(f: FamilyFile) -> tuple[str, ...] | None:

@@ -293,12 +293,12 @@ def _family_frame(
 def _pieces(files: list[FamilyFile], steps: _Steps, names: frozenset[str] | None, con) -> Iterator[pd.DataFrame]:
     parquet = files[0].ext == "parquet"
     if con is None:
-        frames = runs._parquet_frames(files) if parquet else _pandas_csv(files)
+        frames = runs.family_frames(files)
         yield from (_filtered(f, steps, names) for f in frames)
         return
     for header, group in _by_header(files, parquet):
         if not set(header) <= _TYPED:  # extra columns: types as pandas infers them
-            frames = runs._parquet_frames(group) if parquet else _pandas_csv(group)
+            frames = runs.family_frames(group)
             yield from (_filtered(f, steps, names) for f in frames)
             continue
         # A CSV file whose last line has no end of line is read by pandas, which leaves that
@@ -307,33 +307,20 @@ def _pieces(files: list[FamilyFile], steps: _Steps, names: frozenset[str] | None
         for ok, same in itertools.groupby(group, key=whole):
             run = list(same)
             if not ok:
-                yield from (_filtered(f, steps, names) for f in _pandas_csv(run))
+                yield from (_filtered(f, steps, names) for f in runs.family_frames(run))
                 continue
             for k in range(0, len(run), FILES_PER_READ):
                 yield _duckdb_read(con, run[k : k + FILES_PER_READ], header, parquet, steps, names)
 
 
-def _pandas_csv(files: Sequence[FamilyFile]) -> list[pd.DataFrame]:
-    """CSV files read as ``runs.read_family`` reads them: grouped by header, each group in one
-    parse, every cell validated."""
-    by_header: dict[tuple[str, ...], list[tuple[Path, str]]] = {}
-    for f in files:
-        header, body = runs._load_text(Path(f.path))
-        by_header.setdefault(tuple(header), []).append((Path(f.path), body))
-    return [
-        runs._read_same_header([p for p, _ in group], header, [b for _, b in group])
-        for header, group in by_header.items()
-    ]
-
-
 def _by_header(files: list[FamilyFile], parquet: bool) -> list[tuple[tuple[str, ...], list[FamilyFile]]]:
-    """Files grouped by their columns, checked (CSV: ``runs._header``; Parquet: its footer,
+    """Files grouped by their columns, checked (CSV: ``runs.file_header``; Parquet: its footer,
     ``parquet_layout``), groups in order of first appearance."""
     from trainmon.output.parquet import parquet_columns
 
     groups: dict[tuple[str, ...], list[FamilyFile]] = {}
     for f in files:
-        cols = parquet_columns(f.path) if parquet else runs._header(Path(f.path))
+        cols = parquet_columns(f.path) if parquet else runs.file_header(Path(f.path))
         groups.setdefault(tuple(cols), []).append(f)
     return list(groups.items())
 
@@ -406,7 +393,7 @@ def _pandas_fallback(
 ) -> pd.DataFrame:
     import pandas as pd
 
-    frames = runs._parquet_frames(files) if parquet else _pandas_csv(files)
+    frames = runs.family_frames(files)
     if not frames:  # pragma: no cover - files were listed, so there is a frame
         raise DamagedFileError(files[0].path, "unreadable")
     return pd.concat([_filtered(f, steps, names) for f in frames], ignore_index=True, sort=False)

@@ -52,6 +52,8 @@ __all__ = [
     "family_files",
     "read_csv",
     "read_family",
+    "family_frames",
+    "file_header",
     "read_family_file",
     "column_roles",
     "KEY_COLUMNS",
@@ -180,8 +182,8 @@ def _exact_float_option() -> dict:
     return {"float_precision": "round_trip"} if int(pd.__version__.split(".")[0]) < 3 else {}
 
 
-def _header(path: Path) -> list[str]:
-    """The header of a family file, checked (:func:`trainmon.output.validate.check_header`)."""
+def file_header(path: Path) -> list[str]:
+    """The header of a CSV family file, checked whole (:func:`trainmon.output.validate.check_header`)."""
     return _load_text(path)[0]
 
 
@@ -374,24 +376,27 @@ def read_family(rank_dir: str | Path, family: str) -> pd.DataFrame:
     """
     import pandas as pd
 
-    files = family_files(rank_dir).get(family, [])
-    if files and files[0].ext == "parquet":
-        frames = _parquet_frames(files)
-    else:
-        by_header: dict[tuple[str, ...], list[tuple[Path, str]]] = {}
-        for f in files:
-            header, body = _load_text(Path(f.path))
-            by_header.setdefault(tuple(header), []).append((Path(f.path), body))
-        frames = [
-            _read_same_header([p for p, _ in group], header, [b for _, b in group])
-            for header, group in by_header.items()
-        ]
+    frames = family_frames(family_files(rank_dir).get(family, []))
     if not frames:
         return pd.DataFrame()
     df = pd.concat(frames, ignore_index=True, sort=False)
     # Header variants come out grouped, not in step order; a stable sort on step alone keeps the
     # write order (= training-flow order) of the rows within each step.
     return df.sort_values("step", kind="stable", ignore_index=True)
+
+
+def family_frames(files: Sequence[FamilyFile]) -> list[pd.DataFrame]:
+    """Family files of one format, read and validated: one frame per header (CSV: each group
+    parsed in one go) or schema (Parquet), groups in order of first appearance, files in order."""
+    if files and files[0].ext == "parquet":
+        return _parquet_frames(files)
+    by_header: dict[tuple[str, ...], list[tuple[Path, str]]] = {}
+    for f in files:
+        header, body = _load_text(Path(f.path))
+        by_header.setdefault(tuple(header), []).append((Path(f.path), body))
+    return [
+        _read_same_header([p for p, _ in group], header, [b for _, b in group]) for header, group in by_header.items()
+    ]
 
 
 def _parquet_frames(files: Sequence[FamilyFile]) -> list[pd.DataFrame]:

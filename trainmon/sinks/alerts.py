@@ -41,6 +41,7 @@ from trainmon.analysis.rules import (
     SpikeTracker,
     judges_drops,
     nonfinite_op,
+    over_threshold,
 )
 from trainmon.sinks.base import Sink, SinkOptions
 from trainmon.stats.rows import StatRow, StepRows, paced
@@ -190,7 +191,7 @@ class AlertSink(Sink):
                     base = tracker.observe((*occ_key, occurrence, op), value, down=judges_drops(row.family))
                     if base is not None:
                         hits.append((op, value, "spike", base))
-                if threshold is not None and math.isfinite(value) and abs(value) > threshold:
+                if threshold is not None and over_threshold(value, threshold):
                     hits.append((op, value, "threshold", None))
             found += [self._anomaly(row, op, value, rule, base, position, occurrence) for op, value, rule, base in hits]
         if skipped is not None:
