@@ -132,7 +132,7 @@ class SpikeRule:
         (the scan) alike: the one place the ratio is written.  A zero denominator: ``inf`` for a
         value that is not zero, else 1 (arrays: numpy's inf and NaN, which never fire either)."""
         den = abs(baseline) + self.floor
-        if isinstance(den, float) and den == 0:
+        if not isinstance(den, np.ndarray) and den == 0:  # a number's zero division raises
             return math.inf if value else 1.0
         return (abs(value) + self.floor) / den
 
