@@ -71,3 +71,12 @@ def _engine_installed() -> bool:
 # The analysis engines a test can run here: DuckDB is the optional [engine] extra, absent from a
 # fresh README install, where tests of it must skip (or run the in-memory engine alone).
 ENGINES: tuple[str, ...] = ("memory", "duckdb") if _engine_installed() else ("memory",)
+
+
+def compare_runs(base: Path, target: Path, **options):
+    """``trainmon compare``'s comparison of two run folders (each family aligned in groups of
+    ``engine.unit_rows()`` rows: one group for the tests' small runs)."""
+    from trainmon.diagnosis.engine import run_files
+    from trainmon.diagnosis.engine_compare import engine_compare
+
+    return engine_compare(run_files(base), run_files(target), **options)

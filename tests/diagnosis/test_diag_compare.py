@@ -8,17 +8,11 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from tests._support.runs import compare_runs
 from tests._support.simulate import Net, named_run, row, write_run
 from trainmon.diagnosis.compare import rel_diff
-from trainmon.diagnosis.engine import run_files
-from trainmon.diagnosis.engine_compare import engine_compare
 from trainmon.diagnosis.names import canonical, match_names
 from trainmon.diagnosis.engine_buckets import load_table
-
-
-def compare_runs(base, target, **options):
-    """``trainmon compare``'s comparison of two run folders."""
-    return engine_compare(run_files(base), run_files(target), **options)
 
 
 def test_match_names_through_wrappers():

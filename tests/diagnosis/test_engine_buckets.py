@@ -16,6 +16,7 @@ pytest.importorskip("duckdb")
 pytest.importorskip("pyarrow")
 
 from tests._support.edge_rows import as_parquet
+from tests._support.runs import compare_runs  # the reference: one alignment group per family
 from tests._support.simulate import named_run
 from tests.diagnosis.test_diag_engine import peak_mb
 from trainmon.analysis.rules import Rules
@@ -26,11 +27,6 @@ from trainmon.diagnosis.engine_compare import engine_compare
 from trainmon.diagnosis.ranks import check_ranks
 
 TINY_BUCKET = 300  # rows per bucket: 3-7 buckets per run below
-
-
-def compare_runs(base, target, **options):
-    """The reference comparison: CSV runs, each family aligned in one group (units of 250,000 rows)."""
-    return engine_compare(engine.run_files(base), engine.run_files(target), **options)
 
 
 def _issues(issues) -> list[dict]:

@@ -10,11 +10,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tests._support.dist_checks import batch, tiny_model, write_config
 from tests._support.distributed import run_distributed
+from tests._support.runs import compare_runs
 from tests.collectors.test_grad_probe import counts_by_hand
 from trainmon import TrainerMon
-from trainmon.diagnosis.engine import run_files
-from trainmon.diagnosis.engine_compare import engine_compare
-from trainmon.diagnosis.engine_buckets import load_table
 from trainmon.diagnosis.similarity import similarities, write_similarities
 
 pytestmark = pytest.mark.slow
@@ -66,7 +64,7 @@ def test_two_rank_runs_probe_each_rank_and_compare_per_rank(tmp_path):
     write_similarities(result, tmp_path / "sim")
     table = pd.read_csv(tmp_path / "sim" / "similarities.csv")
     assert list(table.columns) == ["rank", "step", "name", "similarity"]
-    cmp = engine_compare(run_files(out / "base"), run_files(out / "late"))
+    cmp = compare_runs(out / "base", out / "late")
     stages = {(s.stage, s.rank): s.match for s in cmp.stages}
     assert stages[("metadata", 0)] and stages[("metadata", 1)] and stages[("hyperparams", 1)]
     assert stages[("sample_data", 0)] is True and stages[("sample_data", 1)] is False
